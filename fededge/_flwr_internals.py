@@ -1,0 +1,153 @@
+"""Every use of Flower's private internals, in one place.
+
+fededge measures bytes on the wire the way Flower serialises a message, and its
+in-process runtime stands in for the SuperLink. Both need pieces of Flower that are not
+public API. They are imported here and nowhere else. :func:`check` verifies them, and a
+test calls it, so that a Flower upgrade that moves or changes one fails loudly with
+the internal's name rather than producing wrong byte counts.
+
+Internals used (checked against flwr 1.41):
+
+- ``flwr.supercore.inflatable.inflatable_object.get_all_nested_objects``: the object
+  tree of a Message. Since flwr 1.20 a message travels as content-addressed objects,
+  and each unique object's ``deflate()`` bytes is what is pushed or pulled.
+- ``flwr.supercore.inflatable.inflatable_utils.inflate_object_from_contents``: rebuild a
+  Message from those bytes (the receiving side of the in-process transport).
+- ``flwr.supercore.task_identity.TaskIdentity``: process-global run/node/task ids that
+  ``Message(...)`` reads when the ServerApp creates an instruction message.
+- ``Metadata.__dict__["_message_id"]`` / ``["_run_id"]``: set by the SuperLink in a real
+  deployment; Flower's own grids set them the same way.
+- ``flwr.supercore.run.Run``: what ``Grid.run`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = [
+    "FlowerInternalsChanged",
+    "check",
+    "message_objects",
+    "message_from_objects",
+    "set_message_id",
+    "set_run_id",
+    "task_identity",
+    "empty_run",
+]
+
+
+class FlowerInternalsChanged(RuntimeError):
+    """A Flower internal fededge relies on has moved or changed.
+
+    The message names the internal. Pin flwr to a tested version (see constraints.txt)
+    or update ``fededge/_flwr_internals.py``.
+    """
+
+
+def _fail(name: str, err: BaseException) -> FlowerInternalsChanged:
+    import flwr
+
+    return FlowerInternalsChanged(
+        f"Flower internal '{name}' is not as fededge expects in flwr {flwr.__version__}: "
+        f"{type(err).__name__}: {err}. fededge was tested with flwr 1.41; update "
+        "fededge/_flwr_internals.py or install flwr==1.41.0."
+    )
+
+
+try:
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+except ImportError as e:  # pragma: no cover - exercised only on a changed Flower
+    raise _fail("flwr.supercore.inflatable.inflatable_object.get_all_nested_objects", e) from e
+try:
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+except ImportError as e:  # pragma: no cover
+    raise _fail("flwr.supercore.inflatable.inflatable_utils.inflate_object_from_contents", e) from e
+try:
+    from flwr.supercore.task_identity import TaskIdentity
+except ImportError as e:  # pragma: no cover
+    raise _fail("flwr.supercore.task_identity.TaskIdentity", e) from e
+try:
+    from flwr.supercore.run import Run
+except ImportError as e:  # pragma: no cover
+    raise _fail("flwr.supercore.run.Run", e) from e
+
+from flwr.app import Message
+
+
+def message_objects(msg: Message) -> dict[str, bytes]:
+    """The serialised objects a Message travels as: object id -> bytes.
+
+    Identical objects inside one message (two equal array chunks) appear once, as on
+    the wire. ``sum(map(len, ...))`` is the message's size on the wire, less the few
+    tens of bytes of the transport's own request framing.
+    """
+    return {oid: obj.deflate() for oid, obj in get_all_nested_objects(msg).items()}
+
+
+def message_from_objects(root_id: str, objects: dict[str, bytes]) -> Message:
+    """Rebuild a Message from :func:`message_objects` (consumes ``objects``)."""
+    msg = inflate_object_from_contents(root_id, objects, keep_object_contents=False)
+    if not isinstance(msg, Message):
+        raise FlowerInternalsChanged(
+            f"inflate_object_from_contents returned {type(msg).__name__}, expected Message"
+        )
+    return msg
+
+
+def set_message_id(msg: Message, message_id: str) -> None:
+    """Give a message the id a SuperLink would (Flower's grids do the same)."""
+    msg.metadata.__dict__["_message_id"] = message_id
+
+
+def set_run_id(msg: Message, run_id: int) -> None:
+    msg.metadata.__dict__["_run_id"] = run_id
+
+
+@contextmanager
+def task_identity(run_id: int, node_id: int, task_id: int) -> Iterator[None]:
+    """Set Flower's process-global task identity for the duration, then restore it."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = node_id
+    TaskIdentity.task_id = task_id
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def empty_run(run_id: int) -> Run:
+    return Run.create_empty(run_id)
+
+
+def check() -> None:
+    """Exercise every internal above on a small message; raise FlowerInternalsChanged."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    expected = np.arange(4, dtype=np.float32)
+    name = "flwr.supercore.task_identity.TaskIdentity"
+    try:
+        with task_identity(run_id=7, node_id=1, task_id=1):
+            msg = Message(RecordDict({"a": ArrayRecord({"x": Array(expected)})}), 3, "train")
+        name = "Metadata.__dict__['_run_id' / '_message_id']"
+        set_run_id(msg, 7)
+        set_message_id(msg, "m1")
+        if (msg.metadata.run_id, msg.metadata.message_id) != (7, "m1"):
+            raise AssertionError("setting the ids had no effect")
+        name = "flwr.supercore.inflatable.inflatable_object.get_all_nested_objects"
+        objs = message_objects(msg)
+        if len(objs) < 3:
+            raise AssertionError(f"expected >= 3 objects (message, record dict, array), got {len(objs)}")
+        name = "flwr.supercore.inflatable.inflatable_utils.inflate_object_from_contents"
+        back = message_from_objects(msg.object_id, dict(objs))
+        if not np.array_equal(back.content["a"]["x"].numpy(), expected):
+            raise AssertionError("array changed in the round trip")
+        name = "flwr.supercore.run.Run.create_empty"
+        if empty_run(7).run_id != 7:
+            raise AssertionError("run id not kept")
+    except FlowerInternalsChanged:
+        raise
+    except Exception as err:  # noqa: BLE001 - re-raised with the internal's name
+        raise _fail(name, err) from err

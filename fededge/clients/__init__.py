@@ -1,0 +1,1 @@
+"""The ClientApp (``fededge.clients.app:app``), its local training loop and device choice."""

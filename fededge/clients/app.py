@@ -1,0 +1,146 @@
+"""fededge's ClientApp: local SGD on the node's partition, as a thin Flower wrapper.
+
+It answers the messages of Flower's own strategies (records ``arrays`` / ``config``,
+weight ``num-examples``), so ``flwr.serverapp.strategy.FedAdam`` and friends work
+unchanged. The arithmetic is :func:`fededge.clients.train.local_sgd`.
+
+Node config (set by Flower's simulation, or per SuperNode with
+``flower-supernode --node-config "partition-id=3 num-partitions=10 data-dir=/data"``):
+``partition-id``, ``num-partitions`` and optionally ``data-dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from fededge import keys
+from fededge.clients.device import resolve_device
+from fededge.clients.train import BatchSampler, evaluate, local_sgd
+from fededge.config import RunConfig
+from fededge.workload import client_data, dataset_for, model_for
+
+__all__ = ["app", "ClientWorkload", "client_workload"]
+
+app = ClientApp()
+
+
+@dataclass
+class ClientWorkload:
+    """What a node keeps in memory between messages: its data and a model to load into."""
+
+    cfg: RunConfig
+    partition_id: int
+    num_partitions: int
+    device: torch.device
+    x: torch.Tensor
+    y: torch.Tensor
+    model: nn.Module
+
+
+def client_workload(context: Context) -> ClientWorkload:
+    """Parse the run config once and build (or reuse) this node's workload."""
+    cfg = RunConfig.from_mapping(context.run_config)
+    nc = context.node_config
+    missing = [k for k in (keys.PARTITION_ID, keys.NUM_PARTITIONS) if k not in nc]
+    if missing:
+        raise KeyError(
+            f"node config lacks {', '.join(missing)}: start the SuperNode with "
+            "--node-config \"partition-id=<i> num-partitions=<n>\""
+        )
+    data_dir = str(nc.get(keys.DATA_DIR, "")) or None
+    return _workload(cfg, int(nc[keys.PARTITION_ID]), int(nc[keys.NUM_PARTITIONS]), data_dir)
+
+
+@lru_cache(maxsize=256)
+def _workload(cfg: RunConfig, partition_id: int, num_partitions: int, data_dir: str | None) -> ClientWorkload:
+    device = resolve_device(cfg.device)
+    x, y = client_data(cfg, partition_id, num_partitions, device, data_dir)
+    model = _model(cfg, data_dir, str(device))
+    return ClientWorkload(cfg, partition_id, num_partitions, device, x, y, model)
+
+
+@lru_cache(maxsize=4)
+def _model(cfg: RunConfig, data_dir: str | None, device: str) -> nn.Module:
+    # One model object per process and config: each message loads the received weights
+    # into it. A process runs one message at a time (Ray actor, flwr-clientapp process
+    # or the in-process grid), so sharing it between nodes is safe.
+    return model_for(cfg, dataset_for(cfg, data_dir)).to(device)
+
+
+def _sampler(work: ClientWorkload, context: Context) -> BatchSampler:
+    sampler = BatchSampler(
+        len(work.x), work.cfg.batch_size, seed=work.cfg.seed, stream=work.partition_id
+    )
+    if keys.STATE_SAMPLER in context.state:
+        rec = context.state[keys.STATE_SAMPLER]
+        sampler.load_state_dict({"epoch": int(rec["epoch"]), "cursor": int(rec["cursor"])})
+    return sampler
+
+
+def _received_arrays(msg: Message) -> ArrayRecord:
+    if keys.ARRAYS not in msg.content:
+        raise KeyError(
+            f"train/evaluate message has no '{keys.ARRAYS}' record (it has "
+            f"{list(msg.content.keys())}); is the server strategy's arrayrecord_key "
+            f"'{keys.ARRAYS}'?"
+        )
+    return msg.content[keys.ARRAYS]
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Load the received weights, run K local SGD steps, reply with the new weights."""
+    work = client_workload(context)
+    cfg = work.cfg
+    if cfg.client_threads and torch.get_num_threads() != cfg.client_threads:
+        torch.set_num_threads(cfg.client_threads)
+    conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
+    work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
+    sampler = _sampler(work, context)
+
+    if work.device.type == "cuda":
+        torch.cuda.synchronize(work.device)
+    t0 = time.perf_counter()
+    result = local_sgd(
+        work.model, work.x, work.y,
+        steps=int(conf.get(keys.LOCAL_STEPS, cfg.local_steps)),
+        lr=float(conf.get(keys.LOCAL_LR, cfg.local_lr)),
+        momentum=float(conf.get(keys.MOMENTUM, cfg.momentum)),
+        weight_decay=float(conf.get(keys.WEIGHT_DECAY, cfg.weight_decay)),
+        sampler=sampler,
+        proximal_mu=float(conf.get(keys.PROXIMAL_MU, 0.0)),
+    )
+    if work.device.type == "cuda":
+        torch.cuda.synchronize(work.device)
+    compute_s = time.perf_counter() - t0
+
+    context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
+    metrics = MetricRecord({
+        keys.NUM_EXAMPLES: len(work.x),
+        keys.TRAIN_LOSS: result.mean_loss,
+        keys.COMPUTE_S: compute_s,
+        keys.LOCAL_STEPS_DONE: result.steps,
+    })
+    content = RecordDict({keys.ARRAYS: ArrayRecord(work.model.state_dict()), keys.METRICS: metrics})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_local(msg: Message, context: Context) -> Message:
+    """Federated evaluation: the received model on this node's local training data.
+
+    The held-out test set is evaluated centrally by the server every round; this
+    reports how well the global model fits each client's own (possibly skewed) data.
+    """
+    work = client_workload(context)
+    work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
+    loss, acc = evaluate(work.model, work.x, work.y)
+    metrics = MetricRecord({keys.NUM_EXAMPLES: len(work.x), "eval-loss": loss, "eval-acc": acc})
+    return Message(content=RecordDict({keys.METRICS: metrics}), reply_to=msg)

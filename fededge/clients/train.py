@@ -1,0 +1,143 @@
+"""Local SGD on one client, in plain torch (no Flower).
+
+The ClientApp (``fededge.clients.app``) is a thin wrapper around :func:`local_sgd`; the
+benchmarks' no-framework floor calls the same function, so the two do exactly the same
+arithmetic and any difference in time is the framework's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["BatchSampler", "LocalResult", "local_sgd", "evaluate"]
+
+
+class BatchSampler:
+    """Seeded mini-batches over ``n`` local examples that continue across rounds.
+
+    Each epoch is a fresh permutation drawn from ``SeedSequence([seed, stream, epoch])``,
+    so the order depends only on (seed, client, epoch), never on the global RNG or on
+    how many rounds the client sat out. A batch never spans two epochs: the remainder
+    that does not fill a batch is skipped (drop-last). A partition smaller than the
+    batch size is used whole as one batch.
+
+    The position (epoch, cursor) is the client's only state between rounds; it lives in
+    Flower's ``context.state`` through :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    def __init__(self, n: int, batch_size: int, *, seed: int, stream: int = 0) -> None:
+        if n < 1:
+            raise ValueError(f"a client needs at least one example, got n={n}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.n = n
+        self.batch_size = min(batch_size, n)
+        self.seed = seed
+        self.stream = stream
+        self.epoch = 0
+        self.cursor = 0
+        self._perm_epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm_epoch != self.epoch:
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, self.stream, self.epoch]))
+            self._perm = torch.from_numpy(rng.permutation(self.n).astype(np.int64))
+            self._perm_epoch = self.epoch
+        assert self._perm is not None
+        return self._perm
+
+    def next_batch(self) -> torch.Tensor:
+        """Indices of the next mini-batch (int64)."""
+        if self.cursor + self.batch_size > self.n:
+            self.epoch += 1
+            self.cursor = 0
+        batch = self._permutation()[self.cursor : self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if epoch < 0 or not 0 <= cursor <= self.n:
+            raise ValueError(f"invalid sampler state {state!r} for n={self.n}")
+        self.epoch, self.cursor = epoch, cursor
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """What one call of :func:`local_sgd` did."""
+
+    mean_loss: float  # mean data loss over the steps (without the proximal term)
+    steps: int
+    examples_seen: int
+
+
+def local_sgd(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    sampler: BatchSampler,
+    proximal_mu: float = 0.0,
+) -> LocalResult:
+    """Run ``steps`` SGD steps (heavy-ball momentum, fresh buffer) on ``(x, y)`` in place.
+
+    ``x`` and ``y`` must already be on the model's device. With ``proximal_mu > 0`` the
+    loss gets FedProx's term ``mu/2 * ||w - w_received||^2`` (Li et al., 2020), where
+    ``w_received`` is the model as it was when this call started.
+
+    Examples
+    --------
+    >>> sampler = BatchSampler(len(x), 32, seed=0, stream=client_id)
+    >>> res = local_sgd(model, x, y, steps=20, lr=0.05, momentum=0.9, sampler=sampler)
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
+    total = torch.zeros((), device=x.device)
+    seen = 0
+    for _ in range(steps):
+        idx = sampler.next_batch().to(x.device, non_blocking=True)
+        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(xb), yb)
+        total += loss.detach()
+        if anchor is not None:
+            prox = sum((p - a).pow(2).sum() for p, a in zip(params, anchor))
+            loss = loss + 0.5 * proximal_mu * prox
+        loss.backward()
+        opt.step()
+        seen += len(idx)
+    return LocalResult(mean_loss=float(total) / steps, steps=steps, examples_seen=seen)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 2048
+) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on ``(x, y)``."""
+    model.eval()
+    loss_sum = torch.zeros((), device=x.device, dtype=torch.float64)
+    correct = torch.zeros((), device=x.device, dtype=torch.int64)
+    for start in range(0, len(x), batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
+        correct += (logits.argmax(dim=1) == yb).sum()
+    n = max(len(x), 1)
+    return float(loss_sum) / n, float(correct) / n

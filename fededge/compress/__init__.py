@@ -1,0 +1,1 @@
+"""fededge.compress: pure code, never imports Flower (see docs/architecture.md)."""

@@ -1,0 +1,313 @@
+"""The run config: read once, into one typed and validated dataclass.
+
+Flower hands a ServerApp and a ClientApp the run config as a flat mapping of kebab-case
+keys (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr run . \
+--run-config "local-steps=10 alpha=0.1"``). :meth:`RunConfig.from_mapping` is the one
+place that mapping is read. An unknown key or a bad value raises :class:`ConfigError`,
+naming the key and what is allowed, before any training starts.
+
+This module is pure: no Flower, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from fededge.data.datasets import DATASETS
+from fededge.data.partition import PARTITIONS
+from fededge.models.zoo import MODELS
+
+__all__ = ["ConfigError", "RunConfig", "STRATEGIES", "DEVICES"]
+
+#: Strategies selectable with ``strategy=...``; fededge.strategies.registry builds them.
+#: All but ``fedavg`` are Flower's own classes from ``flwr.serverapp.strategy``.
+STRATEGIES: tuple[str, ...] = (
+    "fedavg",
+    "fedavgm",
+    "fedprox",
+    "fedadam",
+    "fedadagrad",
+    "fedyogi",
+    "fedmedian",
+    "fedtrimmedavg",
+    "krum",
+)
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+PROGRESS: tuple[str, ...] = ("auto", "bar", "lines", "off")
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A run-config key is unknown or its value is not allowed.
+
+    The message names the key and says what would be accepted.
+    """
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Every knob of a fededge run. Field ``local_steps`` is run-config key ``local-steps``.
+
+    Parameters
+    ----------
+    strategy : str
+        Server strategy, one of :data:`STRATEGIES`. ``fedavg`` is FedAvg weighted by
+        examples (McMahan et al., 2017); the others are Flower's classes.
+    num_rounds : int
+        Communication rounds.
+    clients_per_round : int or float
+        An int >= 1 selects that many clients per round (capped at the number of
+        clients); a float in (0, 1] selects that fraction of the connected clients.
+    local_steps : int
+        K, the SGD steps each selected client runs per round (local SGD). K = 1 is
+        synchronous mini-batch SGD with a parameter average each step.
+    local_lr, momentum, weight_decay : float
+        The client's SGD optimiser. Momentum buffers restart every round.
+    batch_size : int
+        Mini-batch size on the client.
+    dataset : str
+        One of ``digits`` (bundled with scikit-learn), ``synthetic``, ``mnist`` (IDX
+        files) or ``cifar10`` (python batches); the last two read ``data-dir``.
+    data_dir : str
+        Directory for on-disk data sets. A node's ``--node-config data-dir=...`` wins.
+    synthetic_samples : int
+        Size of the ``synthetic`` data set.
+    partition : str
+        ``iid``, ``dirichlet`` (label skew with concentration ``alpha``) or ``shards``.
+    alpha : float
+        Dirichlet concentration: small (0.1) is very non-IID, large (100) near IID.
+    shards_per_client : int
+        Shards per client for ``partition=shards`` (2 in McMahan et al.).
+    min_partition_size : int
+        The Dirichlet split is redrawn until every client has at least this many
+        examples.
+    model : str
+        ``mlp``, ``cnn`` or ``resnet18`` (CIFAR variant).
+    seed : int
+        Seeds the model initialisation, the partition, client sampling and batches.
+    device : str
+        ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+    client_threads : int
+        torch intra-op threads for local training (``torch.set_num_threads``); 0 keeps
+        torch's default (one per core). The default 1 suits simulation, where many
+        clients share the machine, and small models, whose per-step threading
+        overhead exceeds the work (8x slower with 2 threads on the digits CNN here).
+        A real device training a large model may want all its cores.
+    target_accuracy : float
+        Accuracy at which rounds, time and bytes "to target" are recorded.
+    results_dir : str
+        Each run writes ``<results-dir>/<run-id>/``.
+    run_name : str
+        Optional prefix of the run id.
+    save_model : bool
+        Write the final global model to ``<run-dir>/model.pt`` (a torch state_dict).
+    server_lr : float
+        Server learning rate of ``fedavgm`` / ``fedadam`` / ``fedadagrad`` / ``fedyogi``
+        (Reddi et al., 2021). 0 keeps the strategy's own default (Flower's: 1.0 for
+        FedAvgM, 0.1 for the adaptive ones). Ignored by ``fedavg``.
+    server_momentum : float
+        Server momentum of ``fedavgm`` (Hsu et al., 2019).
+    proximal_mu : float
+        FedProx's proximal coefficient (Li et al., 2020); only with ``fedprox``.
+    trimmed_beta : float
+        Fraction trimmed at each end by ``fedtrimmedavg``.
+    krum_byzantine : int
+        Number of malicious clients Krum tolerates.
+    fraction_evaluate : float
+        Fraction of clients that also evaluate the global model on their local data
+        each round (federated evaluation). Centralised evaluation on the held-out test
+        set runs every round regardless.
+    round_timeout : float
+        Seconds the server waits for the replies of one round.
+    progress : str
+        ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
+        ``lines`` or ``off``.
+    """
+
+    strategy: str = "fedavg"
+    num_rounds: int = 20
+    clients_per_round: Union[int, float] = 1.0
+    local_steps: int = 20
+    local_lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    dataset: str = "digits"
+    data_dir: str = ""
+    synthetic_samples: int = 6000
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    shards_per_client: int = 2
+    min_partition_size: int = 10
+    model: str = "cnn"
+    seed: int = 0
+    device: str = "auto"
+    client_threads: int = 1
+    target_accuracy: float = 0.9
+    results_dir: str = "results"
+    run_name: str = ""
+    save_model: bool = True
+    server_lr: float = 0.0
+    server_momentum: float = 0.9
+    proximal_mu: float = 0.01
+    trimmed_beta: float = 0.2
+    krum_byzantine: int = 0
+    fraction_evaluate: float = 0.0
+    round_timeout: float = 3600.0
+    progress: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("dataset", self.dataset, DATASETS)
+        _choice("partition", self.partition, PARTITIONS)
+        _choice("model", self.model, MODELS)
+        _choice("progress", self.progress, PROGRESS)
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError(
+                f"run-config key 'device' must be one of auto, cpu, cuda or cuda:N, "
+                f"got {self.device!r}"
+            )
+        _int_at_least("num-rounds", self.num_rounds, 1)
+        _int_at_least("local-steps", self.local_steps, 1)
+        _int_at_least("batch-size", self.batch_size, 1)
+        _int_at_least("synthetic-samples", self.synthetic_samples, 20)
+        _int_at_least("shards-per-client", self.shards_per_client, 1)
+        _int_at_least("min-partition-size", self.min_partition_size, 1)
+        _int_at_least("krum-byzantine", self.krum_byzantine, 0)
+        _int_at_least("client-threads", self.client_threads, 0)
+        cpr = self.clients_per_round
+        if isinstance(cpr, bool) or not isinstance(cpr, (int, float)):
+            raise ConfigError(
+                "run-config key 'clients-per-round' must be an int >= 1 (a count) or a "
+                f"float in (0, 1] (a fraction), got {cpr!r}"
+            )
+        if isinstance(cpr, int) and cpr < 1:
+            raise ConfigError(
+                f"run-config key 'clients-per-round' must be >= 1 as a count, got {cpr}; "
+                "write a float such as 0.5 for a fraction"
+            )
+        if isinstance(cpr, float) and not 0.0 < cpr <= 1.0:
+            raise ConfigError(
+                "run-config key 'clients-per-round' as a fraction must be in (0, 1], "
+                f"got {cpr}; write an int such as 10 for a count"
+            )
+        _positive("local-lr", self.local_lr)
+        _positive("alpha", self.alpha)
+        _positive("round-timeout", self.round_timeout)
+        _in_range("momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        _in_range("server-momentum", self.server_momentum, 0.0, 1.0, hi_open=True)
+        _in_range("target-accuracy", self.target_accuracy, 0.0, 1.0, lo_open=True)
+        _in_range("fraction-evaluate", self.fraction_evaluate, 0.0, 1.0)
+        _in_range("trimmed-beta", self.trimmed_beta, 0.0, 0.5, hi_open=True)
+        if self.server_lr < 0:
+            raise ConfigError(f"run-config key 'server-lr' must be >= 0 (0 = strategy default), got {self.server_lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"run-config key 'weight-decay' must be >= 0, got {self.weight_decay}")
+        if self.proximal_mu < 0:
+            raise ConfigError(f"run-config key 'proximal-mu' must be >= 0, got {self.proximal_mu}")
+        if not self.results_dir:
+            raise ConfigError("run-config key 'results-dir' must not be empty")
+        if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):
+            raise ConfigError(
+                "run-config key 'run-name' may hold only letters, digits, '.', '_' and '-', "
+                f"got {self.run_name!r}"
+            )
+
+    # ------------------------------------------------------------------ mapping I/O
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """All run-config keys (kebab-case), in declaration order."""
+        return tuple(_kebab(f.name) for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "RunConfig":
+        """Parse Flower's ``context.run_config`` (or any mapping of kebab-case keys).
+
+        Keys not given keep their defaults. Raises :class:`ConfigError` for an unknown
+        key (with the closest valid key), a value of the wrong type, or a value out of
+        range.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        known = cls.keys()
+        kwargs: dict[str, Any] = {}
+        for key, value in mapping.items():
+            name = key.replace("-", "_")
+            if name not in fields or "_" in key:
+                close = difflib.get_close_matches(key.replace("_", "-"), known, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(
+                    f"unknown run-config key '{key}'{hint} Valid keys: {', '.join(known)}"
+                )
+            kwargs[name] = _coerce(key, value, fields[name].default)
+        return cls(**kwargs)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config as kebab-case keys, the form Flower and ``config.json`` use."""
+        return {_kebab(k): v for k, v in dataclasses.asdict(self).items()}
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with some fields changed (snake_case names), validated again."""
+        return dataclasses.replace(self, **changes)
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check ``value`` against the type of the field's default."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"run-config key '{key}' must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"run-config key '{key}' must be a {type(default).__name__}, got {value!r}")
+    if key == "clients-per-round":
+        return value  # int or float: __post_init__ says which is which
+    if isinstance(default, float):
+        if not isinstance(value, (int, float)):
+            raise ConfigError(f"run-config key '{key}' must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int):
+            raise ConfigError(f"run-config key '{key}' must be an integer, got {value!r}")
+        return value
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"run-config key '{key}' must be a string, got {value!r}")
+    return value
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(
+            f"run-config key '{key}' must be one of {', '.join(allowed)}; got {value!r}"
+        )
+
+
+def _int_at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"run-config key '{key}' must be >= {low}, got {value}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"run-config key '{key}' must be > 0, got {value}")
+
+
+def _in_range(
+    key: str, value: float, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
+) -> None:
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi):
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        raise ConfigError(f"run-config key '{key}' must be in {left}{lo}, {hi}{right}, got {value}")

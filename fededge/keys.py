@@ -1,0 +1,34 @@
+"""Every message, record and node-config key fededge uses, in one place.
+
+Keys are kebab-case, as Flower's own are. The record names ``arrays`` / ``config`` /
+``metrics`` and the weight key ``num-examples`` are the defaults of Flower's
+``flwr.serverapp.strategy`` classes, so fededge's ClientApp answers any of them.
+"""
+
+# Record names inside a Message's RecordDict (Flower's strategy defaults).
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+
+# Metrics a client puts in its train reply.
+NUM_EXAMPLES = "num-examples"  # FedAvg's weight: the client's local training-set size
+TRAIN_LOSS = "train-loss"  # mean loss over the local steps of this round
+COMPUTE_S = "compute-s"  # measured seconds of local computation for this message
+LOCAL_STEPS_DONE = "local-steps-done"
+
+# Keys of the ConfigRecord the server sends with each train message.
+SERVER_ROUND = "server-round"
+LOCAL_STEPS = "local-steps"
+LOCAL_LR = "local-lr"
+MOMENTUM = "momentum"
+WEIGHT_DECAY = "weight-decay"
+BATCH_SIZE = "batch-size"
+PROXIMAL_MU = "proximal-mu"  # set by flwr's FedProx in configure_train
+
+# Node config (set by Flower's simulation, or by ``flower-supernode --node-config``).
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+DATA_DIR = "data-dir"
+
+# Names of the records fededge keeps in a node's ``context.state``.
+STATE_SAMPLER = "fededge.sampler"

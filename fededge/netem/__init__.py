@@ -1,0 +1,1 @@
+"""fededge.netem: pure code, never imports Flower (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""The ServerApp (``fededge.server.app:app``), run orchestration, metering and results."""

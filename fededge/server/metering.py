@@ -1,0 +1,136 @@
+"""Measure what crosses the wire, by wrapping whatever Grid the ServerApp is given.
+
+:class:`MeteredGrid` forwards every call to the real Grid (Flower's simulation grid,
+the deployment grid, or fededge's in-process grid) and counts the serialised size of
+each message pushed to a node (downlink) and each reply pulled (uplink). It also
+collects what the replies report about themselves (compute time, errors), so the
+round recorder can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``.
+
+Sizes are those of the message's object tree as Flower sends it (see
+``fededge._flwr_internals.message_objects``), per message: a model broadcast to ten
+nodes counts ten times, because each node's link carries it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fededge import keys
+from fededge._flwr_internals import get_all_nested_objects
+
+__all__ = ["MeteredGrid", "RoundTraffic", "wire_size"]
+
+log = logging.getLogger(__name__)
+
+
+def wire_size(msg: Message, cache: dict[str, int] | None = None) -> int:
+    """Bytes of ``msg`` on the wire: the sum of its unique serialised objects.
+
+    ``cache`` maps object ids to sizes, so a model broadcast in ten messages is
+    serialised once for counting.
+    """
+    total = 0
+    for oid, obj in get_all_nested_objects(msg).items():
+        if cache is not None and oid in cache:
+            total += cache[oid]
+            continue
+        n = len(obj.deflate())
+        if cache is not None:
+            cache[oid] = n
+        total += n
+    return total
+
+
+@dataclass
+class RoundTraffic:
+    """What crossed the grid since the last :meth:`MeteredGrid.take`."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    messages_down: int = 0
+    replies: int = 0
+    failures: int = 0
+    train_replies: int = 0
+    compute_s: list[float] = field(default_factory=list)  # per train reply
+    errors: list[str] = field(default_factory=list)
+
+
+class MeteredGrid(Grid):
+    """A Grid that counts the bytes of every message it pushes and pulls."""
+
+    def __init__(self, inner: Grid) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._traffic = RoundTraffic()
+        self._size_cache: dict[str, int] = {}
+
+    # -- accounting ----------------------------------------------------------------
+    def take(self) -> RoundTraffic:
+        """Return the traffic since the previous call and start counting afresh."""
+        with self._lock:
+            t, self._traffic = self._traffic, RoundTraffic()
+            self._size_cache.clear()
+            return t
+
+    def _count_down(self, messages: list[Message]) -> None:
+        sizes = [wire_size(m, self._size_cache) for m in messages]
+        with self._lock:
+            self._traffic.bytes_down += sum(sizes)
+            self._traffic.messages_down += len(messages)
+
+    def _count_up(self, replies: list[Message]) -> None:
+        for r in replies:
+            n = wire_size(r)
+            with self._lock:
+                t = self._traffic
+                t.bytes_up += n
+                t.replies += 1
+                if r.has_error():
+                    t.failures += 1
+                    t.errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
+                    continue
+                if r.metadata.message_type.startswith("train"):
+                    t.train_replies += 1
+                    metrics = r.content[keys.METRICS] if keys.METRICS in r.content else {}
+                    if keys.COMPUTE_S in metrics:
+                        t.compute_s.append(float(metrics[keys.COMPUTE_S]))
+
+    # -- Grid ----------------------------------------------------------------------
+    def set_run(self, run) -> None:  # noqa: ANN001 - flwr's Run
+        self.inner.set_run(run)
+
+    @property
+    def run(self):  # noqa: ANN201
+        return self.inner.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001,ANN201
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def get_nodes(self):  # noqa: ANN201
+        return self.inner.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        self._count_down(messages)
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self.inner.pull_messages(message_ids))
+        self._count_up(replies)
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        self._count_down(messages)
+        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+        self._count_up(replies)
+        return replies

@@ -1,0 +1,259 @@
+"""The measurement spine: every run writes ``<results-dir>/<run-id>/``.
+
+- ``config.json``: the resolved run config, the versions of fededge, flwr, torch and
+  Python, and the device used.
+- ``metrics.jsonl``: one JSON object per round (round 0 is the initial model), with
+  ``round, accuracy, loss, bytes_up, bytes_down, wall_s, sim_s, num_clients`` and a few
+  more (``failures``, ``round_sim_s``, cumulative bytes).
+- ``summary.json``: final accuracy; rounds, ``wall_s``, ``sim_s`` and uplink bytes to
+  ``target-accuracy`` (null if never reached); total bytes up and down.
+
+``bytes_*`` are per round; ``wall_s`` and ``sim_s`` are cumulative since the run began.
+This module is pure (no Flower): the ServerApp feeds it numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+__all__ = ["RoundRecord", "RunRecorder", "METRIC_FIELDS", "new_run_id", "versions"]
+
+#: Fields every line of metrics.jsonl carries.
+METRIC_FIELDS = (
+    "round", "accuracy", "loss", "bytes_up", "bytes_down", "wall_s", "sim_s", "num_clients",
+)
+
+
+def versions() -> dict[str, str]:
+    """Versions of what produced a result."""
+    import numpy
+    import torch
+
+    import fededge
+
+    try:
+        import flwr
+
+        flwr_version = flwr.__version__
+    except Exception:  # noqa: BLE001 - results can be read without Flower installed
+        flwr_version = "not installed"
+    return {
+        "fededge": fededge.__version__,
+        "flwr": flwr_version,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def new_run_id(prefix: str = "", suffix: str | int | None = None) -> str:
+    """A sortable, human-readable run id: ``[prefix-]YYYYmmdd-HHMMSS-<suffix or pid>``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    rid = f"{stamp}-{suffix if suffix is not None else os.getpid()}"
+    return f"{prefix}-{rid}" if prefix else rid
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One line of metrics.jsonl."""
+
+    round: int
+    accuracy: float
+    loss: float
+    bytes_up: int
+    bytes_down: int
+    wall_s: float
+    sim_s: float
+    num_clients: int
+    failures: int = 0
+    round_sim_s: float = 0.0
+    cum_bytes_up: int = 0
+    cum_bytes_down: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class RunRecorder:
+    """Writes a run's directory as the run goes, so a crashed run keeps its rounds.
+
+    Parameters
+    ----------
+    results_dir : path
+        Parent directory; the run writes ``results_dir/run_id/``.
+    run_id : str
+        Directory name. An existing directory is refused rather than overwritten.
+    config : dict
+        The resolved run config (kebab-case keys).
+    target_accuracy : float
+        Threshold for the "to target" figures of summary.json.
+    extra : dict, optional
+        Merged into config.json (device, number of clients, runtime...).
+    """
+
+    def __init__(
+        self,
+        results_dir: str | os.PathLike[str],
+        run_id: str,
+        config: dict[str, Any],
+        *,
+        target_accuracy: float,
+        extra: Optional[dict[str, Any]] = None,
+    ) -> None:
+        # Never overwrite a run: two runs started in the same second get -2, -3, ...
+        Path(results_dir).mkdir(parents=True, exist_ok=True)
+        base, n = run_id, 1
+        while True:
+            try:
+                (Path(results_dir) / run_id).mkdir()
+                break
+            except FileExistsError:
+                n += 1
+                run_id = f"{base}-{n}"
+        self.run_id = run_id
+        self.run_dir = Path(results_dir) / run_id
+        self.target_accuracy = target_accuracy
+        self.records: list[RoundRecord] = []
+        self._cum_up = 0
+        self._cum_down = 0
+        self._sim_s = 0.0
+        self._t0 = time.perf_counter()
+        meta = {"run_id": run_id, "config": config, "versions": versions(), **(extra or {})}
+        (self.run_dir / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        self._metrics: TextIO = open(self.run_dir / "metrics.jsonl", "w", encoding="utf-8")
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def record_round(
+        self,
+        rnd: int,
+        *,
+        accuracy: float,
+        loss: float,
+        bytes_up: int,
+        bytes_down: int,
+        round_sim_s: float,
+        num_clients: int,
+        failures: int = 0,
+    ) -> RoundRecord:
+        """Append one round; ``round_sim_s`` is that round's simulated duration."""
+        self._cum_up += bytes_up
+        self._cum_down += bytes_down
+        self._sim_s += round_sim_s
+        rec = RoundRecord(
+            round=rnd, accuracy=accuracy, loss=loss, bytes_up=bytes_up, bytes_down=bytes_down,
+            wall_s=round(self.elapsed, 6), sim_s=round(self._sim_s, 6), num_clients=num_clients,
+            failures=failures, round_sim_s=round(round_sim_s, 6),
+            cum_bytes_up=self._cum_up, cum_bytes_down=self._cum_down,
+        )
+        self.records.append(rec)
+        self._metrics.write(json.dumps(rec.to_json()) + "\n")
+        self._metrics.flush()
+        return rec
+
+    def summary(self) -> dict[str, Any]:
+        """The figures of summary.json, computed from the recorded rounds."""
+        recs = self.records
+        hit = next((r for r in recs if r.accuracy >= self.target_accuracy), None)
+        last = recs[-1] if recs else None
+        return {
+            "run_id": self.run_id,
+            "rounds": last.round if last else 0,
+            "final_accuracy": last.accuracy if last else None,
+            "final_loss": last.loss if last else None,
+            "best_accuracy": max((r.accuracy for r in recs), default=None),
+            "target_accuracy": self.target_accuracy,
+            "rounds_to_target": hit.round if hit else None,
+            "wall_s_to_target": hit.wall_s if hit else None,
+            "sim_s_to_target": hit.sim_s if hit else None,
+            "bytes_up_to_target": hit.cum_bytes_up if hit else None,
+            "total_bytes_up": self._cum_up,
+            "total_bytes_down": self._cum_down,
+            "total_failures": sum(r.failures for r in recs),
+            "wall_s": last.wall_s if last else 0.0,
+            "sim_s": last.sim_s if last else 0.0,
+        }
+
+    def close(self, *, status: str = "completed", error: str | None = None) -> dict[str, Any]:
+        """Write summary.json and close metrics.jsonl. Safe to call twice."""
+        summ = self.summary() | {"status": status}
+        if error:
+            summ["error"] = error
+        if not self._metrics.closed:
+            self._metrics.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summ, indent=2) + "\n")
+        return summ
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"  # pragma: no cover
+
+
+class Progress:
+    """Round-by-round progress the way terminal tools show it.
+
+    On a terminal: one live bar (rich) with round, accuracy, uplink bytes and elapsed
+    time. Elsewhere (a log, ``flwr run --stream``): one plain line per round.
+    """
+
+    def __init__(self, mode: str, total_rounds: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if self.stream.isatty() else "lines"
+        self.mode = mode
+        self.total = total_rounds
+        self._bar = None
+        if mode == "bar":
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
+            from rich.progress import TextColumn, TimeElapsedColumn
+
+            self._bar = RichProgress(
+                TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("acc {task.fields[acc]}  up {task.fields[up]}  sim {task.fields[sim]}"),
+                TimeElapsedColumn(), console=Console(file=self.stream), transient=False,
+            )
+            self._task = self._bar.add_task("train", total=total_rounds, acc="-", up="0 B", sim="0.0s")
+            self._bar.start()
+
+    def note(self, text: str) -> None:
+        """A line of its own (run start, results directory, final summary)."""
+        if self.mode == "off":
+            return
+        if self._bar is not None:
+            self._bar.console.print(f"[fededge] {text}")
+        else:
+            print(f"[fededge] {text}", file=self.stream, flush=True)
+
+    def update(self, rec: RoundRecord) -> None:
+        if self.mode == "off":
+            return
+        acc, up, sim = f"{rec.accuracy:.4f}", human_bytes(rec.cum_bytes_up), f"{rec.sim_s:.1f}s"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=rec.round, acc=acc, up=up, sim=sim)
+            return
+        print(
+            f"[fededge] round {rec.round:>4}/{self.total}  acc {acc}  loss {rec.loss:.4f}  "
+            f"up {up}  down {human_bytes(rec.cum_bytes_down)}  clients {rec.num_clients}  "
+            f"sim {sim}  wall {rec.wall_s:.1f}s",
+            file=self.stream, flush=True,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,72 @@
+"""Build the server strategy a run config names.
+
+fededge works with Flower rather than replacing it: every name but the fededge-specific
+ones (later: delayed averaging, gossip, compression wrappers) maps to a class of
+``flwr.serverapp.strategy``, configured from the run config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.serverapp import strategy as fs
+from flwr.serverapp.strategy import Strategy
+
+from fededge import keys
+from fededge.config import STRATEGIES, RunConfig
+
+__all__ = ["build_strategy", "sampling_kwargs"]
+
+# A fraction this small makes Flower's sample size max(int(n * f), min_train_nodes)
+# equal to min_train_nodes exactly, for any realistic n: count-based selection.
+_COUNT_MODE_FRACTION = 1e-9
+
+
+def sampling_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """Flower's sampling knobs for ``clients-per-round`` (a count or a fraction)."""
+    cpr = cfg.clients_per_round
+    if isinstance(cpr, int):
+        train = {"fraction_train": _COUNT_MODE_FRACTION, "min_train_nodes": cpr,
+                 "min_available_nodes": cpr}
+    else:
+        train = {"fraction_train": float(cpr), "min_train_nodes": 1, "min_available_nodes": 1}
+    return {
+        **train,
+        "fraction_evaluate": cfg.fraction_evaluate,
+        "min_evaluate_nodes": 1 if cfg.fraction_evaluate > 0 else 0,
+        "weighted_by_key": keys.NUM_EXAMPLES,
+        "arrayrecord_key": keys.ARRAYS,
+        "configrecord_key": keys.CONFIG,
+    }
+
+
+def build_strategy(cfg: RunConfig) -> Strategy:
+    """The strategy named by ``cfg.strategy``, configured from ``cfg``.
+
+    ``clients-per-round`` as a count waits (as Flower does) until that many nodes are
+    connected; as a fraction it samples ``int(n * fraction)`` (at least one) of the
+    nodes connected at the time.
+    """
+    kw = sampling_kwargs(cfg)
+    lr = {"eta": cfg.server_lr} if cfg.server_lr > 0 else {}
+    name = cfg.strategy
+    if name == "fedavg":
+        return fs.FedAvg(**kw)
+    if name == "fedavgm":
+        return fs.FedAvgM(**kw, server_learning_rate=cfg.server_lr or 1.0,
+                          server_momentum=cfg.server_momentum)
+    if name == "fedprox":
+        return fs.FedProx(**kw, proximal_mu=cfg.proximal_mu)
+    if name == "fedadam":
+        return fs.FedAdam(**kw, eta_l=cfg.local_lr, **lr)
+    if name == "fedadagrad":
+        return fs.FedAdagrad(**kw, eta_l=cfg.local_lr, **lr)
+    if name == "fedyogi":
+        return fs.FedYogi(**kw, eta_l=cfg.local_lr, **lr)
+    if name == "fedmedian":
+        return fs.FedMedian(**kw)
+    if name == "fedtrimmedavg":
+        return fs.FedTrimmedAvg(**kw, beta=cfg.trimmed_beta)
+    if name == "krum":
+        return fs.Krum(**kw, num_malicious_nodes=cfg.krum_byzantine)
+    raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

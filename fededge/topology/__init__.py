@@ -1,0 +1,1 @@
+"""fededge.topology: pure code, never imports Flower (see docs/architecture.md)."""
