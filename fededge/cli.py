@@ -3,6 +3,9 @@
 - ``fededge run [--num-clients N] [--run-config "k=v k2=v2"]``: the default Flower app in
   the in-process runtime (no SuperLink, no Ray): for quick experiments and sweeps.
   ``flwr run .`` runs the same ServerApp and ClientApp in Flower's simulation.
+- ``fededge simulate [--num-supernodes N] [--run-config ...]``: ``flwr run .`` in Flower's
+  simulation runtime on a private local SuperLink, which it stops afterwards; exits
+  non-zero when the run failed (``flwr run`` itself exits 0 either way).
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
   round, simulated time and cumulative uplink bytes).
 """
@@ -58,6 +61,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from fededge.server.launch import flwr_run_local
+
+    try:
+        overrides = parse_run_config(args.run_config)
+    except ValueError as err:
+        print(f"fededge simulate: {err}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="fededge-flwr-home-") as home:
+        run = flwr_run_local(
+            args.app, flwr_home=home, run_config=overrides, num_supernodes=args.num_supernodes,
+            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
+            timeout_s=args.timeout, echo=sys.stdout,
+        )
+    print(f"[fededge] flwr run: exit {run.returncode}, run status {run.status}, "
+          f"{run.wall_s:.1f} s; local SuperLink stopped")
+    if run.leftover_pids:
+        print(f"[fededge] warning: processes still alive: {run.leftover_pids}", file=sys.stderr)
+    return 0 if run.ok else 1
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from fededge.server.plot import plot_runs
 
@@ -82,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
         help='overrides, as for flwr run: "num-rounds=5 alpha=0.1" or a .toml file',
     )
     run.set_defaults(func=_cmd_run)
+
+    sim = sub.add_parser("simulate", help="flwr run the app in Flower's simulation, then clean up")
+    sim.add_argument("app", nargs="?", default=".", help="Flower app directory (default: .)")
+    sim.add_argument("--num-supernodes", type=int, default=10)
+    sim.add_argument("--cpus-per-client", type=float, default=1.0,
+                     help="Ray CPUs per client (Flower's default 2 runs one client at a time on 2 cores)")
+    sim.add_argument("--gpus-per-client", type=float, default=0.0,
+                     help="fraction of a GPU per client, e.g. 0.25 for four clients per GPU")
+    sim.add_argument("--run-config", default=None, help='overrides: "num-rounds=5 alpha=0.1"')
+    sim.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is killed")
+    sim.set_defaults(func=_cmd_simulate)
 
     plot = sub.add_parser("plot", help="compare runs in one PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -1,0 +1,207 @@
+"""Run ``flwr run`` on Flower's local simulation SuperLink from a script, and clean up.
+
+Two traps of ``flwr run`` on the default ``local`` connection (flwr 1.41):
+
+- it starts a detached ``flower-superlink --simulation`` that keeps running after the
+  run ends;
+- it exits 0 even when the run failed (with or without ``--stream``).
+
+:func:`flwr_run_local` uses a private ``FLWR_HOME``, reads the run's real status with
+``flwr ls --format json`` before stopping that SuperLink, and then stops it together with
+every process it started (found by the ``FLWR_HOME`` path on their command lines and by
+parentage), also when the run fails or times out. Tests and benchmarks use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["FlwrRun", "flwr_run_local", "format_run_config", "stop_processes_of"]
+
+
+@dataclass
+class FlwrRun:
+    returncode: int
+    output: str
+    status: str | None  # Flower's run status, e.g. "finished:completed", "finished:failed"
+    run_id: int | None
+    wall_s: float
+    leftover_pids: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.status == "finished:completed"
+
+
+def format_run_config(cfg: Mapping[str, Any]) -> str:
+    """``{"num-rounds": 3, "dataset": "digits"}`` -> ``num-rounds=3 dataset="digits"``."""
+    parts = []
+    for key, value in cfg.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def _flwr_bin() -> str:
+    exe = Path(sys.executable).with_name("flwr")
+    return str(exe) if exe.exists() else (shutil.which("flwr") or "flwr")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def processes_of(marker: str) -> list[int]:
+    """Live processes whose command line contains ``marker``, and all their descendants."""
+    me = os.getpid()
+    pids = _pids()
+    roots = {p for p in pids if p != me and marker in _cmdline(p) and _state(p) != "Z"}
+    family = set(roots)
+    changed = True
+    while changed:
+        changed = False
+        for p in pids:
+            if p not in family and _ppid(p) in family and _state(p) != "Z":
+                family.add(p)
+                changed = True
+    return sorted(family)
+
+
+def stop_processes_of(marker: str, *, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM, then SIGKILL, every process :func:`processes_of` finds; return survivors."""
+    pids = processes_of(marker)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            pids = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+            if not pids:
+                return []
+            time.sleep(0.1)
+    return [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+
+
+def _run_streaming(cmd: list[str], env: dict[str, str], timeout_s: float,
+                   echo: TextIO | None) -> tuple[int, str]:
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, bufsize=1)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = 124
+        lines.append(f"\n[fededge] flwr run timed out after {timeout_s} s\n")
+    reader.join(timeout=10)
+    return rc, "".join(lines)
+
+
+def flwr_run_local(
+    app_dir: str | os.PathLike[str],
+    *,
+    flwr_home: str | os.PathLike[str],
+    run_config: Mapping[str, Any] | None = None,
+    num_supernodes: int = 10,
+    cpus_per_client: float = 1,
+    gpus_per_client: float = 0.0,
+    timeout_s: float = 900,
+    echo: TextIO | None = None,
+) -> FlwrRun:
+    """``flwr run APP_DIR --stream`` on a fresh local simulation SuperLink, then stop it.
+
+    ``flwr_home`` should be a new, private directory: everything started under it is
+    stopped afterwards. Runtime dependency installation is disabled (it needs the
+    network, and would install a CUDA build of torch). With ``echo``, the run's output
+    is copied there line by line as it comes.
+    """
+    home = Path(flwr_home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+    })
+    def num(v: float) -> str:  # Flower wants an int for whole CPUs
+        return str(int(v)) if float(v).is_integer() else str(v)
+
+    fed = (f"num-supernodes={num_supernodes} client-resources-num-cpus={num(cpus_per_client)} "
+           f"client-resources-num-gpus={gpus_per_client}")
+    cmd = [_flwr_bin(), "run", str(Path(app_dir).resolve()), "--stream", "--federation-config", fed]
+    if run_config:
+        cmd += ["--run-config", format_run_config(run_config)]
+    t0 = time.perf_counter()
+    status = run_id = None
+    try:
+        rc, out = _run_streaming(cmd, env, timeout_s, echo)
+        wall = time.perf_counter() - t0
+        ls = subprocess.run([_flwr_bin(), "ls", "--format", "json"], env=env, capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+        try:
+            runs = json.loads(ls.stdout).get("runs", [])
+        except json.JSONDecodeError:
+            runs = []
+            out += f"\n[fededge] flwr ls gave no JSON: {ls.stdout[-500:]} {ls.stderr[-500:]}"
+        if runs:
+            last = max(runs, key=lambda r: str(r.get("pending-at", r.get("pending_at", ""))))
+            status = str(last.get("status", "")) or None
+            rid = last.get("run-id", last.get("run_id"))
+            run_id = int(rid) if rid is not None else None
+    finally:
+        leftover = stop_processes_of(str(home))
+    return FlwrRun(rc, out, status, run_id, wall, leftover)

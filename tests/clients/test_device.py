@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from fededge.clients.device import resolve_device
+from fededge.clients.train import BatchSampler, local_sgd
+from fededge.models.zoo import build_model
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here (CI never has one); "
+                                "this test runs wherever torch.cuda.is_available()")
+
+
+def test_auto_picks_cuda_exactly_when_available():
+    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error on a machine without CUDA")
+def test_cuda_requested_without_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"device='cuda' was asked for but torch.cuda.is_available\(\) is False.*device=auto"):
+        resolve_device("cuda")
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+
+
+@needs_cuda
+def test_local_sgd_on_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+    results = {}
+    for dev in ("cpu", "cuda"):
+        m = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0).to(dev)
+        local_sgd(m, x.to(dev), y.to(dev), steps=5, lr=0.05, momentum=0.9,
+                  sampler=BatchSampler(64, 16, seed=0))
+        results[dev] = {k: v.cpu() for k, v in m.state_dict().items()}
+    for k in results["cpu"]:
+        torch.testing.assert_close(results["cuda"][k], results["cpu"][k], rtol=1e-3, atol=1e-4)
+
+
+@needs_cuda
+def test_inprocess_run_on_cuda(tmp_path):
+    import json
+
+    from fededge.server.inprocess import run_inprocess
+
+    run_dir = run_inprocess({"num-rounds": 2, "local-steps": 5, "device": "cuda",
+                             "results-dir": str(tmp_path), "progress": "off"}, num_clients=3)
+    assert json.loads((run_dir / "config.json").read_text())["device"].startswith("cuda")
