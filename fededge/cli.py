@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 from typing import Any, Sequence
 

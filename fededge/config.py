@@ -62,8 +62,13 @@ class RunConfig:
     num_rounds : int
         Communication rounds.
     clients_per_round : int or float
-        An int >= 1 selects that many clients per round (capped at the number of
-        clients); a float in (0, 1] selects that fraction of the connected clients.
+        An int >= 1 selects that many clients per round; the run waits (up to
+        ``round-timeout``) until that many nodes are connected and fails, saying so, if
+        they never are. A float in (0, 1] selects that fraction of the connected nodes.
+    min_available_nodes : int
+        Before round 1, wait (up to ``round-timeout``) until this many nodes are
+        connected. In a deployment where SuperNodes come up one by one, set it to their
+        number so that round 1 does not train on whichever few are up. 0: do not wait.
     local_steps : int
         K, the SGD steps each selected client runs per round (local SGD). K = 1 is
         synchronous mini-batch SGD with a parameter average each step.
@@ -75,7 +80,9 @@ class RunConfig:
         One of ``digits`` (bundled with scikit-learn), ``synthetic``, ``mnist`` (IDX
         files) or ``cifar10`` (python batches); the last two read ``data-dir``.
     data_dir : str
-        Directory for on-disk data sets. A node's ``--node-config data-dir=...`` wins.
+        Directory for on-disk data sets. A node's own ``data-dir`` wins
+        (``flower-supernode --node-config 'partition-id=0 num-partitions=4
+        data-dir="/data"'``; Flower parses node-config values as TOML, so quote strings).
     synthetic_samples : int
         Size of the ``synthetic`` data set.
     partition : str
@@ -92,7 +99,11 @@ class RunConfig:
     seed : int
         Seeds the model initialisation, the partition, client sampling and batches.
     device : str
-        ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+        Where clients train: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``
+        or ``cuda:N``.
+    server_device : str
+        Where the server evaluates the global model; same values. Separate from
+        ``device`` so that GPU clients can report to a CPU-only SuperLink host.
     client_threads : int
         torch intra-op threads for local training (``torch.set_num_threads``); 0 keeps
         torch's default (one per core). The default 1 suits simulation, where many
@@ -102,7 +113,10 @@ class RunConfig:
     target_accuracy : float
         Accuracy at which rounds, time and bytes "to target" are recorded.
     results_dir : str
-        Each run writes ``<results-dir>/<run-id>/``.
+        Each run writes ``<results-dir>/<run-id>/``. A relative path is relative to the
+        ServerApp's working directory: with ``fededge simulate`` and ``fededge run`` that
+        is where you ran them; with a plain ``flwr run`` it is wherever the detached
+        local SuperLink was first started. The absolute path is printed at the start.
     run_name : str
         Optional prefix of the run id.
     save_model : bool
@@ -133,6 +147,7 @@ class RunConfig:
     strategy: str = "fedavg"
     num_rounds: int = 20
     clients_per_round: Union[int, float] = 1.0
+    min_available_nodes: int = 0
     local_steps: int = 20
     local_lr: float = 0.05
     momentum: float = 0.9
@@ -148,6 +163,7 @@ class RunConfig:
     model: str = "cnn"
     seed: int = 0
     device: str = "auto"
+    server_device: str = "auto"
     client_threads: int = 1
     target_accuracy: float = 0.9
     results_dir: str = "results"
@@ -168,11 +184,14 @@ class RunConfig:
         _choice("partition", self.partition, PARTITIONS)
         _choice("model", self.model, MODELS)
         _choice("progress", self.progress, PROGRESS)
-        if not _DEVICE_RE.match(self.device):
-            raise ConfigError(
-                f"run-config key 'device' must be one of auto, cpu, cuda or cuda:N, "
-                f"got {self.device!r}"
-            )
+        for key, value in (("device", self.device), ("server-device", self.server_device)):
+            if not _DEVICE_RE.match(value):
+                raise ConfigError(
+                    f"run-config key '{key}' must be one of auto, cpu, cuda or cuda:N, "
+                    f"got {value!r}"
+                )
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"run-config key 'seed' must be in [0, 2**32), got {self.seed}")
         _int_at_least("num-rounds", self.num_rounds, 1)
         _int_at_least("local-steps", self.local_steps, 1)
         _int_at_least("batch-size", self.batch_size, 1)
@@ -181,6 +200,7 @@ class RunConfig:
         _int_at_least("min-partition-size", self.min_partition_size, 1)
         _int_at_least("krum-byzantine", self.krum_byzantine, 0)
         _int_at_least("client-threads", self.client_threads, 0)
+        _int_at_least("min-available-nodes", self.min_available_nodes, 0)
         cpr = self.clients_per_round
         if isinstance(cpr, bool) or not isinstance(cpr, (int, float)):
             raise ConfigError(

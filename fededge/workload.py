@@ -3,11 +3,15 @@
 Pure (no Flower). The ClientApp, the ServerApp and the benchmarks' no-framework floor all
 build their workload here, so the three see the same data split and the same
 initial model for the same config.
+
+Caches are keyed on the config fields that determine the data only (:func:`data_key`),
+so a sweep over learning rates or local steps in one process shares one copy.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,12 +22,32 @@ from fededge.data.datasets import Dataset, load_dataset
 from fededge.data.partition import partition
 from fededge.models.zoo import build_model
 
-__all__ = ["dataset_for", "partition_indices", "model_for", "client_data"]
+__all__ = ["DataKey", "data_key", "dataset_for", "partition_indices", "model_for", "client_data"]
+
+
+class DataKey(NamedTuple):
+    """The config fields that decide a client's data."""
+
+    dataset: str
+    data_dir: str | None
+    seed: int
+    synthetic_samples: int
+    partition: str
+    alpha: float
+    shards_per_client: int
+    min_partition_size: int
+
+
+def data_key(cfg: RunConfig, data_dir: str | None = None) -> DataKey:
+    """``data_dir`` (a node's own) wins over ``cfg.data_dir``."""
+    return DataKey(cfg.dataset, data_dir or cfg.data_dir or None, cfg.seed, cfg.synthetic_samples,
+                   cfg.partition, cfg.alpha, cfg.shards_per_client, cfg.min_partition_size)
 
 
 def dataset_for(cfg: RunConfig, data_dir: str | None = None) -> Dataset:
     """The data set of ``cfg`` (cached per process; data sets are read-only)."""
-    return _dataset(cfg.dataset, data_dir or cfg.data_dir or None, cfg.seed, cfg.synthetic_samples)
+    k = data_key(cfg, data_dir)
+    return _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples)
 
 
 @lru_cache(maxsize=2)
@@ -33,19 +57,15 @@ def _dataset(name: str, data_dir: str | None, seed: int, synthetic_samples: int)
 
 def partition_indices(cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> list[np.ndarray]:
     """The training-set split of ``cfg`` into ``num_partitions`` clients (cached)."""
-    return _partition(
-        cfg.dataset, data_dir or cfg.data_dir or None, cfg.seed, cfg.synthetic_samples,
-        num_partitions, cfg.partition, cfg.alpha, cfg.shards_per_client, cfg.min_partition_size,
-    )
+    return _partition(data_key(cfg, data_dir), num_partitions)
 
 
 @lru_cache(maxsize=16)
-def _partition(name, data_dir, seed, synthetic_samples, num_partitions, scheme, alpha, shards,
-               min_size) -> list[np.ndarray]:
-    ds = _dataset(name, data_dir, seed, synthetic_samples)
+def _partition(k: DataKey, num_partitions: int) -> list[np.ndarray]:
+    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples)
     return partition(
-        ds.y_train.numpy(), num_partitions, scheme=scheme, alpha=alpha,
-        shards_per_partition=shards, seed=seed, min_partition_size=min_size,
+        ds.y_train.numpy(), num_partitions, scheme=k.partition, alpha=k.alpha,
+        shards_per_partition=k.shards_per_client, seed=k.seed, min_partition_size=k.min_partition_size,
     )
 
 
@@ -53,14 +73,19 @@ def client_data(
     cfg: RunConfig, partition_id: int, num_partitions: int, device: torch.device,
     data_dir: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client ``partition_id``'s training examples, on ``device``."""
+    """Client ``partition_id``'s training examples, on ``device`` (cached)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition-id must be in [0, {num_partitions}), got {partition_id}; check the "
             "SuperNode's --node-config 'partition-id=... num-partitions=...'"
         )
-    ds = dataset_for(cfg, data_dir)
-    idx = torch.from_numpy(partition_indices(cfg, num_partitions, data_dir)[partition_id])
+    return _client_tensors(data_key(cfg, data_dir), partition_id, num_partitions, str(device))
+
+
+@lru_cache(maxsize=64)
+def _client_tensors(k: DataKey, pid: int, n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples)
+    idx = torch.from_numpy(_partition(k, n)[pid])
     return ds.x_train.index_select(0, idx).to(device), ds.y_train.index_select(0, idx).to(device)
 
 

@@ -1,4 +1,7 @@
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest
@@ -68,9 +71,35 @@ def test_int_given_for_float_is_accepted():
     assert RunConfig.from_mapping({"local-lr": 1}).local_lr == 1.0
 
 
-def test_every_strategy_name_builds():
+def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
+    from flwr.serverapp import strategy as fs
+
     from fededge.strategies.registry import build_strategy
 
-    for name in STRATEGIES:
-        s = build_strategy(RunConfig(strategy=name))
-        assert type(s).__name__.lower().startswith(name[:5])
+    expected = {
+        "fedavg": fs.FedAvg, "fedavgm": fs.FedAvgM, "fedprox": fs.FedProx, "fedadam": fs.FedAdam,
+        "fedadagrad": fs.FedAdagrad, "fedyogi": fs.FedYogi, "fedmedian": fs.FedMedian,
+        "fedtrimmedavg": fs.FedTrimmedAvg, "krum": fs.Krum,
+    }
+    assert set(expected) == set(STRATEGIES)
+    for name, cls in expected.items():
+        assert type(build_strategy(RunConfig(strategy=name))) is cls, name
+
+    cfg = RunConfig(strategy="fedavgm", server_lr=0.5, server_momentum=0.7)
+    s = build_strategy(cfg)
+    assert (s.server_learning_rate, s.server_momentum) == (0.5, 0.7)
+    s = build_strategy(RunConfig(strategy="fedadam", server_lr=0.03, local_lr=0.2))
+    assert (s.eta, s.eta_l) == (0.03, 0.2)
+    assert build_strategy(RunConfig(strategy="fedprox", proximal_mu=0.3)).proximal_mu == 0.3
+    assert build_strategy(RunConfig(strategy="fedtrimmedavg", trimmed_beta=0.1)).beta == 0.1
+    assert build_strategy(RunConfig(strategy="krum", krum_byzantine=2)).num_malicious_nodes == 2
+
+
+def test_clients_per_round_maps_to_flower_sampling():
+    from fededge.strategies.registry import build_strategy
+
+    count = build_strategy(RunConfig(clients_per_round=4))
+    # Flower samples max(int(n * fraction_train), min_train_nodes): exactly 4 for any n.
+    assert all(max(int(n * count.fraction_train), count.min_train_nodes) == 4 for n in (4, 10, 1000))
+    frac = build_strategy(RunConfig(clients_per_round=0.5, min_available_nodes=6))
+    assert (frac.fraction_train, frac.min_available_nodes) == (0.5, 6)

@@ -5,8 +5,9 @@ weight ``num-examples``), so ``flwr.serverapp.strategy.FedAdam`` and friends wor
 unchanged. The arithmetic is :func:`fededge.clients.train.local_sgd`.
 
 Node config (set by Flower's simulation, or per SuperNode with
-``flower-supernode --node-config "partition-id=3 num-partitions=10 data-dir=/data"``):
-``partition-id``, ``num-partitions`` and optionally ``data-dir``.
+``flower-supernode --node-config 'partition-id=3 num-partitions=10 data-dir="/data"'``;
+Flower parses the values as TOML, so strings are quoted): ``partition-id``,
+``num-partitions`` and optionally ``data-dir``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from fededge import keys
 from fededge.clients.device import resolve_device
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
-from fededge.workload import client_data, dataset_for, model_for
+from fededge.models.zoo import build_model
+from fededge.workload import client_data, dataset_for
 
 __all__ = ["app", "ClientWorkload", "client_workload"]
 
@@ -45,39 +47,34 @@ class ClientWorkload:
 
 
 def client_workload(context: Context) -> ClientWorkload:
-    """Parse the run config once and build (or reuse) this node's workload."""
+    """Parse the run config and build (or reuse) this node's data and model."""
     cfg = RunConfig.from_mapping(context.run_config)
     nc = context.node_config
     missing = [k for k in (keys.PARTITION_ID, keys.NUM_PARTITIONS) if k not in nc]
     if missing:
         raise KeyError(
             f"node config lacks {', '.join(missing)}: start the SuperNode with "
-            "--node-config \"partition-id=<i> num-partitions=<n>\""
+            "--node-config 'partition-id=<i> num-partitions=<n>'"
         )
-    data_dir = str(nc.get(keys.DATA_DIR, "")) or None
-    return _workload(cfg, int(nc[keys.PARTITION_ID]), int(nc[keys.NUM_PARTITIONS]), data_dir)
-
-
-@lru_cache(maxsize=256)
-def _workload(cfg: RunConfig, partition_id: int, num_partitions: int, data_dir: str | None) -> ClientWorkload:
+    data_dir = str(nc.get(keys.DATA_DIR, "")) or cfg.data_dir or None
+    pid, n = int(nc[keys.PARTITION_ID]), int(nc[keys.NUM_PARTITIONS])
     device = resolve_device(cfg.device)
-    x, y = client_data(cfg, partition_id, num_partitions, device, data_dir)
-    model = _model(cfg, data_dir, str(device))
-    return ClientWorkload(cfg, partition_id, num_partitions, device, x, y, model)
+    x, y = client_data(cfg, pid, n, device, data_dir)  # cached on the data's own key
+    ds = dataset_for(cfg, data_dir)
+    model = _model(cfg.model, ds.input_shape, ds.num_classes, str(device))
+    return ClientWorkload(cfg, pid, n, device, x, y, model)
 
 
 @lru_cache(maxsize=4)
-def _model(cfg: RunConfig, data_dir: str | None, device: str) -> nn.Module:
-    # One model object per process and config: each message loads the received weights
-    # into it. A process runs one message at a time (Ray actor, flwr-clientapp process
-    # or the in-process grid), so sharing it between nodes is safe.
-    return model_for(cfg, dataset_for(cfg, data_dir)).to(device)
+def _model(name: str, input_shape: tuple[int, ...], num_classes: int, device: str) -> nn.Module:
+    # One model object per process and architecture: each message loads the received
+    # weights into it, so its initial values never matter. A process runs one message
+    # at a time (Ray actor, flwr-clientapp process, in-process grid): sharing is safe.
+    return build_model(name, input_shape=input_shape, num_classes=num_classes, seed=0).to(device)
 
 
-def _sampler(work: ClientWorkload, context: Context) -> BatchSampler:
-    sampler = BatchSampler(
-        len(work.x), work.cfg.batch_size, seed=work.cfg.seed, stream=work.partition_id
-    )
+def _sampler(work: ClientWorkload, context: Context, batch_size: int) -> BatchSampler:
+    sampler = BatchSampler(len(work.x), batch_size, seed=work.cfg.seed, stream=work.partition_id)
     if keys.STATE_SAMPLER in context.state:
         rec = context.state[keys.STATE_SAMPLER]
         sampler.load_state_dict({"epoch": int(rec["epoch"]), "cursor": int(rec["cursor"])})
@@ -99,27 +96,31 @@ def train(msg: Message, context: Context) -> Message:
     """Load the received weights, run K local SGD steps, reply with the new weights."""
     work = client_workload(context)
     cfg = work.cfg
-    if cfg.client_threads and torch.get_num_threads() != cfg.client_threads:
-        torch.set_num_threads(cfg.client_threads)
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
     work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
-    sampler = _sampler(work, context)
+    sampler = _sampler(work, context, int(conf.get(keys.BATCH_SIZE, cfg.batch_size)))
 
-    if work.device.type == "cuda":
-        torch.cuda.synchronize(work.device)
-    t0 = time.perf_counter()
-    result = local_sgd(
-        work.model, work.x, work.y,
-        steps=int(conf.get(keys.LOCAL_STEPS, cfg.local_steps)),
-        lr=float(conf.get(keys.LOCAL_LR, cfg.local_lr)),
-        momentum=float(conf.get(keys.MOMENTUM, cfg.momentum)),
-        weight_decay=float(conf.get(keys.WEIGHT_DECAY, cfg.weight_decay)),
-        sampler=sampler,
-        proximal_mu=float(conf.get(keys.PROXIMAL_MU, 0.0)),
-    )
-    if work.device.type == "cuda":
-        torch.cuda.synchronize(work.device)
-    compute_s = time.perf_counter() - t0
+    threads = torch.get_num_threads()
+    if cfg.client_threads:
+        torch.set_num_threads(cfg.client_threads)
+    try:
+        if work.device.type == "cuda":
+            torch.cuda.synchronize(work.device)
+        t0 = time.perf_counter()
+        result = local_sgd(
+            work.model, work.x, work.y,
+            steps=int(conf.get(keys.LOCAL_STEPS, cfg.local_steps)),
+            lr=float(conf.get(keys.LOCAL_LR, cfg.local_lr)),
+            momentum=float(conf.get(keys.MOMENTUM, cfg.momentum)),
+            weight_decay=float(conf.get(keys.WEIGHT_DECAY, cfg.weight_decay)),
+            sampler=sampler,
+            proximal_mu=float(conf.get(keys.PROXIMAL_MU, 0.0)),
+        )
+        if work.device.type == "cuda":
+            torch.cuda.synchronize(work.device)
+        compute_s = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)  # the process may be shared (in-process runtime)
 
     context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
     metrics = MetricRecord({

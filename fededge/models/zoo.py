@@ -411,10 +411,11 @@ def build_model(
         return _construct(name, shape, num_classes)
     if not _is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
-    # devices=[]: parameters are initialised on the CPU, so only the CPU generator is
-    # forked; touching CUDA here would initialise it in processes that never use it.
+    # Parameters are initialised on the CPU, so only the CPU generator is seeded (and
+    # forked, so the caller's state comes back). torch.manual_seed would also seed every
+    # CUDA generator (lazily, if CUDA is not up yet), changing the caller's CUDA RNG.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         return _construct(name, shape, num_classes)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,9 +33,45 @@ from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.registry import build_strategy
 from fededge.workload import dataset_for, model_for
 
-__all__ = ["ExperimentResult", "run_experiment", "train_config"]
+__all__ = [
+    "ExperimentResult", "NotEnoughNodesError", "RoundFailedError", "run_experiment",
+    "train_config", "wait_for_nodes",
+]
 
 log = logging.getLogger("fededge")
+
+
+class RoundFailedError(RuntimeError):
+    """No client update of a round could be used: every reply was an error (or none came).
+
+    A run that carried on would report a model nobody trained; it stops instead, with
+    the first client error in the message.
+    """
+
+
+class NotEnoughNodesError(RuntimeError):
+    """Fewer nodes connected than the run needs, within ``round-timeout`` seconds."""
+
+
+def wait_for_nodes(grid: Grid, needed: int, timeout_s: float, *, poll_s: float = 1.0) -> int:
+    """Wait until ``needed`` nodes are connected; raise :class:`NotEnoughNodesError`.
+
+    Flower's own sampling waits for nodes forever; a count of ``clients-per-round`` above
+    the number of nodes that will ever connect would hang the run with no message.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = len(list(grid.get_node_ids()))
+        if n >= needed:
+            return n
+        if time.monotonic() >= deadline:
+            raise NotEnoughNodesError(
+                f"the run needs {needed} connected nodes (clients-per-round / "
+                f"min-available-nodes) but only {n} connected within round-timeout="
+                f"{timeout_s:g} s; lower clients-per-round, use a fraction such as 1.0, "
+                "or start more SuperNodes (num-supernodes in simulation)"
+            )
+        time.sleep(poll_s)
 
 
 @dataclass
@@ -94,7 +131,7 @@ def run_experiment(
     strategy : Strategy, optional
         A strategy to use instead of the one ``cfg.strategy`` names.
     """
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.server_device)
     ds = dataset_for(cfg)
     x_test, y_test = ds.x_test.to(device), ds.y_test.to(device)
     model = model_for(cfg, ds).to(device)
@@ -119,12 +156,16 @@ def run_experiment(
         f"({cfg.partition}), device {device}; results in {recorder.run_dir.resolve()}"
     )
 
+    final = {"arrays": initial}
+
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
+        final["arrays"] = arrays
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, x_test, y_test)
         traffic = metered.take()
         for err in traffic.errors:
-            log.warning("fededge: round %d: a client reply failed and was left out: %s", rnd, err)
+            progress.note(f"round {rnd}: a client update was rejected and left out: {err}")
+            log.warning("round %d: a client update was rejected and left out: %s", rnd, err)
         rec = recorder.record_round(
             rnd, accuracy=acc, loss=loss, bytes_up=traffic.bytes_up,
             bytes_down=traffic.bytes_down,
@@ -134,9 +175,17 @@ def run_experiment(
             num_clients=traffic.train_replies, failures=traffic.failures,
         )
         progress.update(rec)
+        if rnd >= 1 and traffic.train_replies == 0:
+            first = traffic.errors[0] if traffic.errors else "no reply arrived within round-timeout"
+            raise RoundFailedError(
+                f"round {rnd}: no client update could be used ({traffic.failures} of "
+                f"{traffic.replies} replies failed); first error: {first}"
+            )
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     try:
+        needed = cfg.clients_per_round if isinstance(cfg.clients_per_round, int) else 1
+        wait_for_nodes(grid, max(needed, cfg.min_available_nodes), cfg.round_timeout)
         with seeded_sampling(cfg.seed):
             result = strategy.start(
                 grid=metered, initial_arrays=initial, num_rounds=cfg.num_rounds,
@@ -149,7 +198,7 @@ def run_experiment(
         raise
     progress.close()
     if cfg.save_model:
-        torch.save(result.arrays.to_torch_state_dict(), recorder.run_dir / "model.pt")
+        torch.save(final["arrays"].to_torch_state_dict(), recorder.run_dir / "model.pt")
     summary = recorder.close()
     progress.note(
         f"final accuracy {summary['final_accuracy']:.4f}; target {cfg.target_accuracy} "

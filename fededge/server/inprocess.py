@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import random
 import traceback
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -35,7 +34,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.config import RunConfig
+from fededge.config import ConfigError, RunConfig
 
 __all__ = ["InProcessGrid", "run_inprocess", "SERVER_RESULT_KEY"]
 
@@ -131,7 +130,11 @@ class InProcessGrid(Grid):
             if msg.metadata.reply_to_message_id:
                 raise ValueError("push_messages takes instruction messages, not replies")
             fi.set_run_id(msg, self._run.run_id)
-            mid = uuid.uuid4().hex
+            # The SuperLink's id for a message is its object id (HttpGrid does the same),
+            # so replies carry a 64-hex-char reply_to id, as on the real wire.
+            mid = msg.object_id
+            if mid in self._pending or mid in self._replies:
+                raise ValueError(f"message {mid} was pushed twice")
             self._pending[mid] = (dst, msg.object_id, fi.message_objects(msg))
             ids.append(mid)
         return ids
@@ -167,7 +170,7 @@ class InProcessGrid(Grid):
             reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
         # The reply crosses the wire too.
         back = fi.message_from_objects(reply.object_id, fi.message_objects(reply))
-        fi.set_message_id(back, uuid.uuid4().hex)
+        fi.set_message_id(back, reply.object_id)
         return back
 
 
@@ -194,6 +197,14 @@ def run_inprocess(
     from fededge.server.app import app as default_server
 
     cfg = RunConfig.from_mapping(dict(overrides or {}))  # fail early, naming the key
+    cpr = cfg.clients_per_round
+    for key, want in (("clients-per-round", cpr if isinstance(cpr, int) else 0),
+                      ("min-available-nodes", cfg.min_available_nodes)):
+        if want > num_clients:
+            raise ConfigError(
+                f"run-config key '{key}' is {want} but the in-process run has only "
+                f"{num_clients} clients; lower it or raise num_clients (--num-clients)"
+            )
     run_config = cfg.to_mapping()
     grid = InProcessGrid(
         client_app or default_client, num_nodes=num_clients, run_config=run_config,

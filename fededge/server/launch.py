@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,6 +38,7 @@ class FlwrRun:
     run_id: int | None
     wall_s: float
     leftover_pids: list[int]
+    info: dict[str, Any] = field(default_factory=dict)  # the run's entry in `flwr ls --format json`
 
     @property
     def ok(self) -> bool:
@@ -176,6 +177,10 @@ def flwr_run_local(
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_TELEMETRY_ENABLED": "0",
         "PYTHONUNBUFFERED": "1",
+        # flwr starts `flower-superlink` (and the SuperLink `flwr-serverapp` etc.) from
+        # PATH: put this interpreter's bin directory first, so that an unactivated venv
+        # works and finds its own Flower.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     })
     def num(v: float) -> str:  # Flower wants an int for whole CPUs
         return str(int(v)) if float(v).is_integer() else str(v)
@@ -187,6 +192,7 @@ def flwr_run_local(
         cmd += ["--run-config", format_run_config(run_config)]
     t0 = time.perf_counter()
     status = run_id = None
+    info: dict[str, Any] = {}
     try:
         rc, out = _run_streaming(cmd, env, timeout_s, echo)
         wall = time.perf_counter() - t0
@@ -199,9 +205,10 @@ def flwr_run_local(
             out += f"\n[fededge] flwr ls gave no JSON: {ls.stdout[-500:]} {ls.stderr[-500:]}"
         if runs:
             last = max(runs, key=lambda r: str(r.get("pending-at", r.get("pending_at", ""))))
+            info = dict(last)
             status = str(last.get("status", "")) or None
             rid = last.get("run-id", last.get("run_id"))
             run_id = int(rid) if rid is not None else None
     finally:
         leftover = stop_processes_of(str(home))
-    return FlwrRun(rc, out, status, run_id, wall, leftover)
+    return FlwrRun(rc, out, status, run_id, wall, leftover, info)

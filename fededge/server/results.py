@@ -129,6 +129,9 @@ class RunRecorder:
         meta = {"run_id": run_id, "config": config, "versions": versions(), **(extra or {})}
         (self.run_dir / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         self._metrics: TextIO = open(self.run_dir / "metrics.jsonl", "w", encoding="utf-8")
+        # A run killed from outside (SIGKILL, flwr stop) still leaves a summary that says
+        # it never finished.
+        self._write_summary(self.summary() | {"status": "running"})
 
     @property
     def elapsed(self) -> float:
@@ -191,8 +194,13 @@ class RunRecorder:
             summ["error"] = error
         if not self._metrics.closed:
             self._metrics.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summ, indent=2) + "\n")
+        self._write_summary(summ)
         return summ
+
+    def _write_summary(self, summ: dict[str, Any]) -> None:
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summ, indent=2) + "\n")
+        tmp.replace(self.run_dir / "summary.json")
 
 
 def human_bytes(n: float) -> str:

@@ -27,9 +27,10 @@ def sampling_kwargs(cfg: RunConfig) -> dict[str, Any]:
     cpr = cfg.clients_per_round
     if isinstance(cpr, int):
         train = {"fraction_train": _COUNT_MODE_FRACTION, "min_train_nodes": cpr,
-                 "min_available_nodes": cpr}
+                 "min_available_nodes": max(cpr, cfg.min_available_nodes)}
     else:
-        train = {"fraction_train": float(cpr), "min_train_nodes": 1, "min_available_nodes": 1}
+        train = {"fraction_train": float(cpr), "min_train_nodes": 1,
+                 "min_available_nodes": max(1, cfg.min_available_nodes)}
     return {
         **train,
         "fraction_evaluate": cfg.fraction_evaluate,
@@ -43,9 +44,9 @@ def sampling_kwargs(cfg: RunConfig) -> dict[str, Any]:
 def build_strategy(cfg: RunConfig) -> Strategy:
     """The strategy named by ``cfg.strategy``, configured from ``cfg``.
 
-    ``clients-per-round`` as a count waits (as Flower does) until that many nodes are
-    connected; as a fraction it samples ``int(n * fraction)`` (at least one) of the
-    nodes connected at the time.
+    ``clients-per-round`` as a count samples exactly that many nodes; as a fraction it
+    samples ``int(n * fraction)`` (at least one) of the ``n`` nodes connected at the
+    time. ``run_experiment`` waits for enough nodes first, with a deadline.
     """
     kw = sampling_kwargs(cfg)
     lr = {"eta": cfg.server_lr} if cfg.server_lr > 0 else {}

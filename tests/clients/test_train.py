@@ -70,7 +70,7 @@ def test_proximal_term_pulls_towards_received_weights():
     def drift(mu):
         m = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
         local_sgd(m, x, y, steps=20, lr=0.1, sampler=BatchSampler(100, 16, seed=0), proximal_mu=mu)
-        return sum(float((p - s).pow(2).sum()) for p, s in zip(m.parameters(), start))
+        return sum(float((p.detach() - s).pow(2).sum()) for p, s in zip(m.parameters(), start))
 
     assert drift(10.0) < 0.5 * drift(0.0)
 

@@ -15,10 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_flwr_run_completes_and_writes_every_metric(tmp_path):
     results = tmp_path / "results"
-    run = flwr_run_local(
-        ROOT, flwr_home=tmp_path / "flwr-home", num_supernodes=3, timeout_s=420,
-        run_config={"num-rounds": 2, "local-steps": 5, "results-dir": str(results), "progress": "lines"},
-    )
+    over = {"num-rounds": 2, "local-steps": 5, "results-dir": str(results), "progress": "lines"}
+    run = flwr_run_local(ROOT, flwr_home=tmp_path / "flwr-home", num_supernodes=3, timeout_s=420,
+                         run_config=over)
     assert run.leftover_pids == [] and processes_of(str(tmp_path)) == []
     assert run.ok, f"status={run.status} rc={run.returncode}\n{run.output[-4000:]}"
     (run_dir,) = list(results.iterdir())
@@ -32,6 +31,17 @@ def test_flwr_run_completes_and_writes_every_metric(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     assert "[fededge] round    2/2" in run.output
 
+    # The same config in the in-process runtime sends messages of the same size: only
+    # metadata (random node ids, run id) differs, by a few bytes in ~1 MB.
+    from fededge.server.inprocess import run_inprocess
+
+    local_dir = run_inprocess({**over, "results-dir": str(tmp_path / "local"), "progress": "off"},
+                              num_clients=3)
+    local = [json.loads(x) for x in (local_dir / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(lines[1:], local[1:]):
+        for key in ("bytes_up", "bytes_down"):
+            assert abs(a[key] - b[key]) <= 1e-4 * b[key], (key, a[key], b[key])
+
 
 def test_flwr_run_with_a_bad_value_fails_before_training(tmp_path):
     results = tmp_path / "results"
@@ -42,4 +52,5 @@ def test_flwr_run_with_a_bad_value_fails_before_training(tmp_path):
     assert run.leftover_pids == []
     # flwr run exits 0 regardless; the run's status tells the truth.
     assert run.status is not None and run.status != "finished:completed", run.output[-3000:]
+    assert "'local-lr' must be > 0" in run.output
     assert not results.exists()
