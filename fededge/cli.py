@@ -6,6 +6,8 @@
 - ``fededge simulate [--num-supernodes N] [--run-config ...]``: ``flwr run .`` in Flower's
   simulation runtime on a private local SuperLink, which it stops afterwards; exits
   non-zero when the run failed (``flwr run`` itself exits 0 either way).
+- ``fededge netem profiles | show NAME | proxy ... | apply ... | clear ...``: link
+  profiles and the network-emulation backends.
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
   round, simulated time and cumulative uplink bytes).
 """
@@ -122,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run-config", default=None, help='overrides: "num-rounds=5 alpha=0.1"')
     sim.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is killed")
     sim.set_defaults(func=_cmd_simulate)
+
+    from fededge.netem.cli import register as register_netem
+
+    register_netem(sub)
 
     plot = sub.add_parser("plot", help="compare runs in one PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

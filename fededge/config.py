@@ -21,6 +21,7 @@ from typing import Any, Union
 from fededge.data.datasets import DATASETS
 from fededge.data.partition import PARTITIONS
 from fededge.models.zoo import MODELS
+from fededge.netem.assign import check_netem_spec, check_speed_spec
 
 __all__ = ["ConfigError", "RunConfig", "STRATEGIES", "DEVICES"]
 
@@ -139,6 +140,16 @@ class RunConfig:
         set runs every round regardless.
     round_timeout : float
         Seconds the server waits for the replies of one round.
+    netem : str
+        The emulated network on the simulated clock (``sim_s``): ``""`` (ideal: compute
+        only), a profile name for every client (``"4g"``; ``fededge netem profiles`` lists
+        them), a seeded mix (``"wifi:0.5,4g:0.5"``) or ``"file"`` (the ``[assign]`` table of
+        ``netem-file``). See :mod:`fededge.netem.assign`.
+    netem_file : str
+        A TOML file with extra profiles and optional ``[assign]`` / ``[speed]`` tables.
+    compute_speed : str
+        Device speed factors: ``"1.0"``, ``"lognormal:0.5"`` (heterogeneous, seeded) or
+        ``"file"``. A factor of 2 computes twice as fast as the measuring machine.
     progress : str
         ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
         ``lines`` or ``off``.
@@ -176,6 +187,9 @@ class RunConfig:
     krum_byzantine: int = 0
     fraction_evaluate: float = 0.0
     round_timeout: float = 3600.0
+    netem: str = ""
+    netem_file: str = ""
+    compute_speed: str = "1.0"
     progress: str = "auto"
 
     def __post_init__(self) -> None:
@@ -231,6 +245,17 @@ class RunConfig:
             raise ConfigError(f"run-config key 'weight-decay' must be >= 0, got {self.weight_decay}")
         if self.proximal_mu < 0:
             raise ConfigError(f"run-config key 'proximal-mu' must be >= 0, got {self.proximal_mu}")
+        try:
+            check_netem_spec(self.netem)
+        except ValueError as err:
+            raise ConfigError(f"run-config key 'netem': {err}") from None
+        try:
+            check_speed_spec(self.compute_speed)
+        except ValueError as err:
+            raise ConfigError(f"run-config key 'compute-speed': {err}") from None
+        if "file" in (self.netem, self.compute_speed) and not self.netem_file:
+            raise ConfigError("run-config key 'netem-file' must name a TOML file when netem or "
+                              "compute-speed is 'file'")
         if not self.results_dir:
             raise ConfigError("run-config key 'results-dir' must not be empty")
         if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):

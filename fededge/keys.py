@@ -15,6 +15,10 @@ NUM_EXAMPLES = "num-examples"  # FedAvg's weight: the client's local training-se
 TRAIN_LOSS = "train-loss"  # mean loss over the local steps of this round
 COMPUTE_S = "compute-s"  # measured seconds of local computation for this message
 LOCAL_STEPS_DONE = "local-steps-done"
+# The client's place in the data split, so that the server's simulated clock can give
+# it its link profile (node ids are random; partition ids are what users assign).
+REPLY_PARTITION_ID = "partition-id"
+REPLY_NUM_PARTITIONS = "num-partitions"
 
 # Keys of the ConfigRecord the server sends with each train message.
 SERVER_ROUND = "server-round"

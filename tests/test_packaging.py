@@ -18,6 +18,7 @@ def test_fab_holds_only_the_package_source(tmp_path):
     (fab,) = list(tmp_path.glob("*.fab"))
     names = zipfile.ZipFile(fab).namelist()
     assert "pyproject.toml" in names and "fededge/server/app.py" in names and "fededge/clients/app.py" in names
-    others = [n for n in names if not (n.startswith("fededge/") and n.endswith(".py"))]
+    assert "fededge/netem/profiles.toml" in names  # the built-in link profiles travel too
+    others = [n for n in names if not (n.startswith("fededge/") and n.endswith((".py", ".toml")))]
     assert sorted(others) == [".info/CONTENT", "README.md", "pyproject.toml"], others
     assert fab.stat().st_size < 1_000_000  # Flower caps a FAB at 10 MB

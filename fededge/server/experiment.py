@@ -9,6 +9,7 @@ round) and the :class:`~fededge.server.results.RunRecorder`. Any strategy from
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -28,7 +29,9 @@ from fededge.clients.device import resolve_device
 from fededge.clients.train import evaluate
 from fededge.config import RunConfig
 from fededge.models.zoo import count_parameters
-from fededge.server.metering import MeteredGrid
+from fededge.netem.assign import assign_links
+from fededge.netem.clock import ClientRound, SimClock, synchronous_round
+from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.registry import build_strategy
 from fededge.workload import dataset_for, model_for
@@ -72,6 +75,42 @@ def wait_for_nodes(grid: Grid, needed: int, timeout_s: float, *, poll_s: float =
                 "or start more SuperNodes (num-supernodes in simulation)"
             )
         time.sleep(poll_s)
+
+
+class RoundClock:
+    """Turns each round's metered traffic into its duration on the simulated clock.
+
+    Clients are placed on their links (``netem``, ``netem-file``, ``compute-speed``) by
+    partition id, which they report in their replies. The clock is built at the first
+    round, once the number of partitions is known; the assignment is written to
+    ``<run-dir>/netem.json``.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.clock: SimClock | None = None
+
+    def _build(self, num_partitions: int) -> SimClock:
+        cfg = self.cfg
+        links = assign_links(cfg.netem, num_partitions, seed=cfg.seed, netem_file=cfg.netem_file,
+                             speed=cfg.compute_speed)
+        (self.run_dir / "netem.json").write_text(json.dumps({
+            "netem": cfg.netem, "netem-file": cfg.netem_file, "compute-speed": cfg.compute_speed,
+            "clients": [{"partition-id": i, "profile": link.profile.name if link.profile else None,
+                         "speed": link.speed} for i, link in enumerate(links)],
+        }, indent=2) + "\n")
+        return SimClock(links, seed=cfg.seed)
+
+    def round_duration(self, traffic: RoundTraffic) -> float:
+        replied = [n for n in traffic.nodes.values() if n.replied and n.partition_id is not None]
+        if not replied:
+            return 0.0
+        if self.clock is None:
+            n = max((x.num_partitions or 0) for x in replied)
+            self.clock = self._build(max(n, 1 + max(x.partition_id for x in replied)))
+        rounds = [ClientRound(x.partition_id, x.bytes_down, x.compute_s, x.bytes_up) for x in replied]
+        return synchronous_round(self.clock, rounds).duration
 
 
 @dataclass
@@ -157,6 +196,7 @@ def run_experiment(
     )
 
     final = {"arrays": initial}
+    round_clock = RoundClock(cfg, recorder.run_dir)
 
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
         final["arrays"] = arrays
@@ -169,9 +209,9 @@ def run_experiment(
         rec = recorder.record_round(
             rnd, accuracy=acc, loss=loss, bytes_up=traffic.bytes_up,
             bytes_down=traffic.bytes_down,
-            # Synchronous round on the simulated clock: the slowest selected client's
-            # measured compute. The netem layer adds transfer times here.
-            round_sim_s=max(traffic.compute_s, default=0.0),
+            # Synchronous round on the simulated clock: download, compute (scaled by the
+            # client's speed) and upload on each client's link; the slowest one decides.
+            round_sim_s=round_clock.round_duration(traffic),
             num_clients=traffic.train_replies, failures=traffic.failures,
         )
         progress.update(rec)
@@ -185,7 +225,11 @@ def run_experiment(
 
     try:
         needed = cfg.clients_per_round if isinstance(cfg.clients_per_round, int) else 1
-        wait_for_nodes(grid, max(needed, cfg.min_available_nodes), cfg.round_timeout)
+        connected = wait_for_nodes(grid, max(needed, cfg.min_available_nodes), cfg.round_timeout)
+        # Resolve the network assignment now, so that an unknown profile or a bad
+        # netem-file stops the run before any training.
+        assign_links(cfg.netem, max(connected, 1), seed=cfg.seed, netem_file=cfg.netem_file,
+                     speed=cfg.compute_speed)
         with seeded_sampling(cfg.seed):
             result = strategy.start(
                 grid=metered, initial_arrays=initial, num_rounds=cfg.num_rounds,

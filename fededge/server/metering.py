@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from fededge import keys
 from fededge._flwr_internals import get_all_nested_objects
 
-__all__ = ["MeteredGrid", "RoundTraffic", "wire_size"]
+__all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,18 @@ def wire_size(msg: Message, cache: dict[str, int] | None = None) -> int:
 
 
 @dataclass
+class NodeTraffic:
+    """One node's share of a round (train messages only)."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    compute_s: float = 0.0
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    replied: bool = False
+
+
+@dataclass
 class RoundTraffic:
     """What crossed the grid since the last :meth:`MeteredGrid.take`."""
 
@@ -59,6 +71,7 @@ class RoundTraffic:
     train_replies: int = 0
     compute_s: list[float] = field(default_factory=list)  # per train reply
     errors: list[str] = field(default_factory=list)
+    nodes: dict[int, NodeTraffic] = field(default_factory=dict)  # train traffic per node
 
 
 class MeteredGrid(Grid):
@@ -83,6 +96,10 @@ class MeteredGrid(Grid):
         with self._lock:
             self._traffic.bytes_down += sum(sizes)
             self._traffic.messages_down += len(messages)
+            for m, n in zip(messages, sizes):
+                if m.metadata.message_type.startswith("train"):
+                    node = self._traffic.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
+                    node.bytes_down += n
 
     def _count_up(self, replies: list[Message]) -> None:
         for r in replies:
@@ -98,8 +115,16 @@ class MeteredGrid(Grid):
                 if r.metadata.message_type.startswith("train"):
                     t.train_replies += 1
                     metrics = r.content[keys.METRICS] if keys.METRICS in r.content else {}
+                    node = t.nodes.setdefault(r.metadata.src_node_id, NodeTraffic())
+                    node.bytes_up += n
+                    node.replied = True
                     if keys.COMPUTE_S in metrics:
                         t.compute_s.append(float(metrics[keys.COMPUTE_S]))
+                        node.compute_s += float(metrics[keys.COMPUTE_S])
+                    if keys.REPLY_PARTITION_ID in metrics:
+                        node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
+                    if keys.REPLY_NUM_PARTITIONS in metrics:
+                        node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
 
     # -- Grid ----------------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001 - flwr's Run

@@ -411,7 +411,9 @@ def plot_runs(
     if max_bytes > 0:
         ax_bytes.set_xscale("log")
         # "0.1, 1, 10" reads faster than "10^-1, 10^0, 10^1" next to a unit label.
-        ax_bytes.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+        ax_bytes.xaxis.set_major_formatter(plain)
+        ax_bytes.xaxis.set_minor_formatter(plain)
     for ax in (ax_round, ax_time, ax_bytes):
         ax.grid(True, which="major", alpha=0.3)
     if title:
