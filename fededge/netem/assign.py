@@ -14,6 +14,8 @@ Run-config keys (read by the server):
   per client, seeded: heterogeneous devices), or ``"file"`` (the ``[speed]`` table).
 
 A speed factor of 2 is a device twice as fast as the machine that measured the compute.
+A profile may carry its own ``compute-speed`` (slow phones behind ``4g``); a client's
+factor is the profile's times the run config's.
 
 Pure: no Flower.
 """
@@ -138,4 +140,5 @@ def assign_links(
         speeds = [float(v) for v in np.exp(srng.normal(0.0, sigma, num_clients))]
     else:
         speeds = [float(speed)] * num_clients
-    return [ClientLink(profile=p, speed=s) for p, s in zip(links, speeds)]
+    return [ClientLink(profile=p, speed=s * (p.compute_speed if p is not None else 1.0))
+            for p, s in zip(links, speeds)]

@@ -39,7 +39,7 @@ class ProfileError(ValueError):
 
 
 _DIR_KEYS = {"rate-kbit", "delay-ms", "jitter-ms", "loss", "loss-burst", "trace"}
-_PROFILE_KEYS = {"up", "down", "source", "description"}
+_PROFILE_KEYS = {"up", "down", "source", "description", "compute-speed"}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
@@ -108,6 +108,13 @@ class LinkProfile:
     down: Direction
     source: str
     description: str = ""
+    #: Compute-speed factor of the devices behind this link (a "phone-4g" profile can
+    #: say 0.25); multiplied with the run config's ``compute-speed``. Simulated clock only.
+    compute_speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.compute_speed > 0:
+            raise ProfileError(f"profile '{self.name}': compute-speed must be > 0, got {self.compute_speed}")
 
     @property
     def rtt_s(self) -> float:
@@ -184,6 +191,7 @@ def _parse_profiles(doc: Mapping[str, Any], *, origin: str, base_dir: Path | Non
             down=parse_direction(raw["down"], where=f"{where}.down", base_dir=base_dir),
             source=str(raw["source"]),
             description=str(raw.get("description", "")),
+            compute_speed=float(raw.get("compute-speed", 1.0)),
         )
     return out
 

@@ -196,6 +196,14 @@ def test_file_assignment_and_speeds(tmp_path):
     assert [link.speed for link in links] == [1.0, 4.0, 1.0]
 
 
+def test_profile_speed_multiplies_the_run_speed(tmp_path):
+    f = tmp_path / "net.toml"
+    f.write_text('[phone-4g]\nsource = "test"\ncompute-speed = 0.25\nup = { rate-kbit = 6300 }\n'
+                 'down = { rate-kbit = 21300 }\n')
+    links = assign_links("phone-4g", 2, netem_file=str(f), speed="2.0")
+    assert [link.speed for link in links] == [0.5, 0.5]
+
+
 def test_lognormal_speeds_are_seeded_and_spread():
     s1 = [link.speed for link in assign_links("", 200, seed=0, speed="lognormal:0.5")]
     s2 = [link.speed for link in assign_links("", 200, seed=0, speed="lognormal:0.5")]
