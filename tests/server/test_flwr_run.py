@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def test_flwr_run_completes_and_writes_every_metric(tmp_path):
     results = tmp_path / "results"
-    over = {"num-rounds": 2, "local-steps": 5, "results-dir": str(results), "progress": "lines"}
+    over = {"num-rounds": 2, "local-steps": 5, "results-dir": str(results), "progress": "lines",
+            "netem": "4g"}
     run = flwr_run_local(ROOT, flwr_home=tmp_path / "flwr-home", num_supernodes=3, timeout_s=420,
                          run_config=over)
     assert run.leftover_pids == [] and processes_of(str(tmp_path)) == []
@@ -30,6 +31,12 @@ def test_flwr_run_completes_and_writes_every_metric(tmp_path):
     assert config["runtime"] == "flower" and config["versions"]["flwr"]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     assert "[fededge] round    2/2" in run.output
+    # The simulated clock ran on 4g: a round is at least the network time of one client
+    # (27.5 ms each way, 21.3 Mbit/s down, 6.3 Mbit/s up), whatever the compute.
+    assert json.loads((run_dir / "netem.json").read_text())["clients"][0]["profile"] == "4g"
+    for r in lines[1:]:
+        network = 0.055 + (r["bytes_down"] / 3) * 8 / 21.3e6 + (r["bytes_up"] / 3) * 8 / 6.3e6
+        assert r["round_sim_s"] >= network
 
     # The same config in the in-process runtime sends messages of the same size: only
     # metadata (random node ids, run id) differs, by a few bytes in ~1 MB.
