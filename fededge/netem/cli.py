@@ -56,11 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("name")
     show.add_argument("--profiles-file", help="a TOML file of extra profiles")
     show.set_defaults(func=_cmd_show)
-    for module in ("fededge.netem.proxy", "fededge.netem.kernel"):
-        try:
-            mod = __import__(module, fromlist=["register_cli"])
-        except ImportError:
-            continue
-        register_cli = getattr(mod, "register_cli", None)
-        if register_cli is not None:
-            register_cli(nsub)
+    from fededge.netem import kernel, proxy
+
+    proxy.register_cli(nsub)
+    kernel.register_cli(nsub)

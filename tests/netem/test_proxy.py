@@ -1,0 +1,515 @@
+"""The netem proxy, measured through the real proxy on loopback (127.0.0.1 only).
+
+Every server here is a small thread on a port-0 socket; every loop is bounded in count
+and in time; every proxy runs in a ``with run_in_thread(...)`` block, so it stops also
+when an assertion fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from fededge.netem.profiles import Direction, LinkProfile
+from fededge.netem.proxy import (
+    MSS_BYTES, ProxyConfig, _GilbertElliott, _TraceCursor, mathis_ceiling_bps, parse_hostport,
+    register_cli, run_in_thread,
+)
+from fededge.netem.trace import DeliveryTrace
+
+HOST = "127.0.0.1"
+
+
+def profile(up: Direction, down: Direction | None = None, name: str = "t") -> LinkProfile:
+    return LinkProfile(name=name, up=up, down=down if down is not None else up, source="test")
+
+
+def config(upstream_port: int, prof: LinkProfile, **kw: object) -> ProxyConfig:
+    return ProxyConfig(listen_host=HOST, listen_port=0, upstream_host=HOST,
+                       upstream_port=upstream_port, profile=prof, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def tcp_server(handler: Callable[[socket.socket], None]) -> Iterator[int]:
+    """A threaded TCP server on 127.0.0.1:0 running ``handler(conn)`` per connection."""
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(32)
+    lsock.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except (socket.timeout, OSError):
+                continue
+            conn.settimeout(30)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def run(c: socket.socket = conn) -> None:
+                with c:
+                    try:
+                        handler(c)
+                    except OSError:
+                        pass
+
+            threading.Thread(target=run, daemon=True).start()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield lsock.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(5)
+        lsock.close()
+
+
+def echo(conn: socket.socket) -> None:
+    for _ in range(1_000_000):
+        data = conn.recv(65536)
+        if not data:
+            return
+        conn.sendall(data)
+
+
+class Sink:
+    """Receives everything; records when the first and last bytes came, and a digest."""
+
+    def __init__(self) -> None:
+        self.first = self.last = None
+        self.nbytes = 0
+        self.digest = hashlib.sha256()
+        self.done = threading.Event()
+
+    def __call__(self, conn: socket.socket) -> None:
+        try:
+            for _ in range(10_000_000):
+                data = conn.recv(1 << 20)
+                now = time.perf_counter()
+                if not data:
+                    return
+                if self.first is None:
+                    self.first = now
+                self.last = now
+                self.nbytes += len(data)
+                self.digest.update(data)
+        finally:
+            self.done.set()
+
+
+def connect(addr: tuple[str, int]) -> socket.socket:
+    s = socket.create_connection(addr, timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data = s.recv(n - len(buf))
+        if not data:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += data
+    return bytes(buf)
+
+
+def rtts(addr: tuple[str, int], n: int = 30, size: int = 64) -> list[float]:
+    out = []
+    with connect(addr) as s:
+        msg = b"x" * size
+        for _ in range(n):
+            t = time.perf_counter()
+            s.sendall(msg)
+            recv_exact(s, size)
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def send_through(payload: bytes, prof: LinkProfile, timeout_s: float = 30,
+                 **kw: object) -> tuple[Sink, dict[str, int]]:
+    """Send ``payload`` through a proxy to a Sink; return the Sink and the proxy stats."""
+    sink = Sink()
+    with tcp_server(sink) as up_port, run_in_thread(config(up_port, prof, **kw)) as proxy:
+        with connect(proxy.address) as s:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            assert sink.done.wait(timeout_s), "transfer did not finish in time"
+        stats = proxy.stats.as_dict()
+    return sink, stats
+
+
+# ------------------------------------------------------------------ pure pieces
+
+
+def test_gilbert_elliott_loss_rate_and_bursts():
+    d = Direction(loss=0.05, loss_burst=4)
+    ge = _GilbertElliott(d, np.random.default_rng(1))
+    packets, events, lost = 200_000, 0, 0
+    for _ in range(packets // 100):  # chunks of 100 packets
+        events += ge.events(100)
+    # Stationary loss p/(p+r) and mean burst 1/r: events ~ packets * loss / burst.
+    expected = packets * 0.05 / 4
+    assert abs(events - expected) < 0.15 * expected
+    assert _GilbertElliott(Direction(), np.random.default_rng(0)).events(10**6) == 0
+
+
+def test_trace_cursor_matches_delivery_trace_for_a_continuous_transfer():
+    trace = DeliveryTrace.parse("1\n1\n3\n7\n10\n", name="t")
+    cursor = _TraceCursor(trace, t0=100.0)
+    start, sent = 0.0042, 0
+    # Chunks arrive back to back (the link is busy): the cursor must not reuse an
+    # opportunity, so the last byte leaves when departure_s says for the whole transfer.
+    for n in (700, 2300, 1500, 1, 4000):
+        dep = cursor.departure(100.0 + start, n)
+        sent += n
+        assert dep - 100.0 == pytest.approx(trace.departure_s(start, sent))
+
+
+def test_mathis_ceiling():
+    # 1% loss at 60 ms RTT is about 2.4 Mbit/s (shared/reference/network-profiles.md).
+    assert mathis_ceiling_bps(0.01, 0.060) == pytest.approx(2.36e6, rel=0.01)
+    assert math.isinf(mathis_ceiling_bps(0.0, 0.06)) and math.isinf(mathis_ceiling_bps(0.01, 0))
+
+
+def test_config_validation():
+    prof = profile(Direction())
+    with pytest.raises(ValueError, match="upstream_port"):
+        config(0, prof)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        config(1, prof, chunk_bytes=100)
+    with pytest.raises(ValueError, match="max_buffer_bytes"):
+        config(1, prof, max_buffer_bytes=1000)
+
+
+# ------------------------------------------------------------------ through the proxy
+
+
+def test_delay_adds_configured_rtt():
+    prof = profile(Direction(delay_s=0.050))
+    with tcp_server(echo) as port:
+        direct = statistics.median(rtts((HOST, port)))
+        with run_in_thread(config(port, prof)) as proxy:
+            shaped = statistics.median(rtts(proxy.address))
+    added = shaped - direct
+    assert abs(added - 0.100) <= 0.003, f"added RTT {added * 1000:.2f} ms, want 100 +- 3 ms"
+
+
+def test_rate_measured_at_the_receiver():
+    payload = os.urandom(5_000_000)
+    sink, _ = send_through(payload, profile(Direction(rate_bps=10e6)), timeout_s=20)
+    assert sink.nbytes == len(payload) and sink.digest.digest() == hashlib.sha256(payload).digest()
+    elapsed = sink.last - sink.first
+    expected = len(payload) * 8 / 10e6  # 4.0 s
+    assert abs(elapsed - expected) <= 0.05 * expected, f"{elapsed:.3f} s, want {expected:.3f} s +- 5%"
+
+
+def test_jitter_keeps_order_and_bounds():
+    delay, jitter = 0.030, 0.010
+    prof = profile(Direction(delay_s=delay, jitter_s=jitter))
+    n, size = 60, 32
+    arrivals: dict[int, float] = {}
+    received = bytearray()
+    done = threading.Event()
+
+    def stamp(conn: socket.socket) -> None:
+        for _ in range(100_000):
+            data = conn.recv(65536)
+            now = time.perf_counter()
+            if not data:
+                break
+            received.extend(data)
+            while len(received) // size > len(arrivals):  # every complete message
+                arrivals[len(arrivals)] = now
+        done.set()
+
+    sent = bytearray()
+    send_times = []
+    with tcp_server(stamp) as port, run_in_thread(config(port, prof)) as proxy:
+        with connect(proxy.address) as s:
+            for i in range(n):
+                t = time.perf_counter()
+                msg = struct.pack("!Id", i, t).ljust(size, bytes([i % 256]))
+                s.sendall(msg)
+                sent += msg
+                send_times.append(t)
+                time.sleep(0.005)
+            s.shutdown(socket.SHUT_WR)
+            assert done.wait(10)
+    assert bytes(received) == bytes(sent)  # no reordering, nothing lost
+    one_way = [arrivals[i] - send_times[i] for i in range(n)]
+    tol = 0.004  # thread scheduling and asyncio's ~1 ms timer granularity
+    lo, hi = max(0.0, delay - 4 * jitter), delay + 4 * jitter
+    assert min(one_way) >= lo - tol and max(one_way) <= hi + tol, (min(one_way), max(one_way))
+    assert statistics.pstdev(one_way) > 0.002, "no jitter was applied"
+
+
+def test_loss_stalls_slow_a_transfer_and_keep_data_intact():
+    payload = os.urandom(600_000)
+    base = Direction(delay_s=0.005)
+    lossy = Direction(delay_s=0.005, loss=0.05)
+    sink0, stats0 = send_through(payload, profile(base))
+    sink1, stats1 = send_through(payload, profile(lossy))
+    for sink in (sink0, sink1):
+        assert sink.digest.digest() == hashlib.sha256(payload).digest()
+    t0, t1 = sink0.last - sink0.first, sink1.last - sink1.first
+    assert stats0["loss_events_up"] == 0 and stats1["loss_events_up"] > 0
+    # The model: bytes at the Mathis ceiling plus one RTT per loss event.
+    rtt = 0.010
+    model = len(payload) * 8 / mathis_ceiling_bps(0.05, rtt) + stats1["loss_events_up"] * rtt
+    assert t1 > t0 + 0.3
+    assert abs(t1 - model) <= 0.15 * model, f"{t1:.3f} s, model {model:.3f} s"
+
+
+def test_trace_replay_follows_delivery_opportunities(tmp_path: Path):
+    path = tmp_path / "2ms.trace"
+    path.write_text("".join(f"{ms}\n" for ms in range(2, 101, 2)))  # 6 Mbit/s
+    trace = DeliveryTrace.from_file(path)
+    assert trace.mean_rate_bps == pytest.approx(6e6)
+    payload = os.urandom(300_000)
+    sink, _ = send_through(payload, profile(Direction(trace=path)))
+    assert sink.digest.digest() == hashlib.sha256(payload).digest()
+    elapsed = sink.last - sink.first
+    # departure_s of everything but the first opportunity (the first byte's), from 0.
+    expected = trace.departure_s(0.0, len(payload)) - trace.departure_s(0.0, 1)
+    assert abs(elapsed - expected) <= 0.10 * expected, f"{elapsed:.3f} s, want {expected:.3f} s"
+
+
+def test_backpressure_bounds_the_queue():
+    limit = 256 * 1024
+    prof = profile(Direction(rate_bps=1e6))
+    sink = Sink()
+    sent = 0
+    with tcp_server(sink) as port, run_in_thread(config(port, prof, max_buffer_bytes=limit)) as proxy:
+        with connect(proxy.address) as s:
+            s.settimeout(0.2)
+            block = b"\0" * 65536
+            deadline = time.monotonic() + 2.0
+            while sent < 20_000_000 and time.monotonic() < deadline:
+                try:
+                    sent += s.send(block)
+                except socket.timeout:
+                    pass
+        peak = proxy.stats.peak_queued_up
+    read_bytes = MSS_BYTES  # 2 ms at 1 Mbit/s is below one MSS, so one MSS per read
+    assert peak <= limit + read_bytes, f"queued {peak} bytes, limit {limit} + {read_bytes}"
+    assert peak >= limit * 0.9, "the queue never filled: backpressure was not exercised"
+    assert sent < 20_000_000  # the sender was held back by its socket buffers
+
+
+def test_concurrent_connections_echo():
+    prof = profile(Direction(delay_s=0.010, rate_bps=50e6))
+    results: dict[int, bool] = {}
+
+    def client(i: int, addr: tuple[str, int]) -> None:
+        payload = os.urandom(200_000 + i)
+        with connect(addr) as s:
+            t = threading.Thread(target=s.sendall, args=(payload,), daemon=True)
+            t.start()
+            got = recv_exact(s, len(payload))
+            t.join(10)
+            results[i] = got == payload
+
+    with tcp_server(echo) as port, run_in_thread(config(port, prof)) as proxy:
+        threads = [threading.Thread(target=client, args=(i, proxy.address), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        total = sum(200_000 + i for i in range(8))
+        for _ in range(100):  # the proxy thread counts just after the client has the bytes
+            if proxy.stats.bytes_down == total:
+                break
+            time.sleep(0.02)
+        stats = proxy.stats.as_dict()
+    assert results == {i: True for i in range(8)}
+    assert stats["connections_accepted"] == 8
+    assert stats["bytes_up"] == stats["bytes_down"] == total
+
+
+def test_half_close_and_unreachable_upstream():
+    # EOF from the client reaches the server after the data; the reply still comes back.
+    def reply_after_eof(conn: socket.socket) -> None:
+        data = b""
+        for _ in range(1000):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        conn.sendall(b"got " + str(len(data)).encode())
+
+    with tcp_server(reply_after_eof) as port, run_in_thread(config(port, profile(Direction(delay_s=0.01)))) as p:
+        with connect(p.address) as s:
+            s.sendall(b"a" * 1000)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(100) == b"got 1000"
+            assert s.recv(100) == b""
+    # An upstream that refuses: the client's connection is closed, the proxy lives on.
+    with run_in_thread(config(free_port(), profile(Direction()))) as p:
+        with connect(p.address) as s:
+            assert s.recv(10) == b""
+        assert p.stats.connections_failed == 1
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_parses_and_rejects_bad_addresses():
+    parser = argparse.ArgumentParser(prog="fededge netem")
+    register_cli(parser.add_subparsers(dest="netem_command", required=True))
+    args = parser.parse_args(["proxy", "--profile", "4g", "--listen", "127.0.0.1:0",
+                              "--upstream", "[::1]:9092", "--seed", "3"])
+    assert args.listen == ("127.0.0.1", 0) and args.upstream == ("::1", 9092) and args.seed == 3
+    for bad in ("9092", "host:", "host:99999", ":80", "host:port"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["proxy", "--profile", "4g", "--listen", bad, "--upstream", "h:1"])
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_hostport("nope")
+
+
+def test_cli_runs_until_sigterm():
+    code = (
+        "import argparse, sys\n"
+        "from fededge.netem.proxy import register_cli\n"
+        "p = argparse.ArgumentParser(); register_cli(p.add_subparsers(dest='c'))\n"
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
+    )
+    with tcp_server(echo) as port:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "proxy", "--profile", "lan", "--listen", f"{HOST}:0",
+             "--upstream", f"{HOST}:{port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert "profile lan" in line, line + proc.stderr.read() if proc.poll() is not None else line
+            addr = line.split()[2]
+            host, _, lport = addr.rpartition(":")
+            assert len(rtts((host, int(lport)), n=3)) == 3
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=10)
+            assert proc.returncode == 0, err
+            assert "stopped" in out
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+
+
+# ------------------------------------------------------------------ Flower through the proxy
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+@pytest.mark.slow
+def test_flower_deployment_round_trip_through_the_proxy(tmp_path: Path):
+    """SuperLink <- proxy (20 ms each way) <- 2 SuperNodes; ``flwr run`` one round."""
+    import json
+
+    from fededge.server.launch import stop_processes_of
+
+    home = (tmp_path / "flwr-home").resolve()
+    home.mkdir()
+    results = tmp_path / "results"
+    link_port = free_port()
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", PYTHONUNBUFFERED="1",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "netem"\n\n'
+        f'[superlink.netem]\naddress = "{HOST}:{link_port}"\ninsecure = true\n')
+    procs: list[subprocess.Popen] = []
+    logs = []
+
+    def start(name: str, cmd: list[str]) -> None:
+        log = open(tmp_path / f"{name}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, cwd=home))
+
+    def tail(name: str) -> str:
+        p = tmp_path / f"{name}.log"
+        return f"--- {name}\n" + (p.read_text()[-3000:] if p.exists() else "")
+
+    prof = profile(Direction(delay_s=0.020))
+    proxy = None
+    try:
+        # `--database` under FLWR_HOME puts the marker on the SuperLink's command line.
+        start("superlink", [_bin("flower-superlink"), "--insecure", "--host", HOST,
+                            "--port", str(link_port), "--database", str(home / "state.db"),
+                            "--disable-runtime-dependency-installation"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((HOST, link_port), timeout=1).close()
+                break
+            except OSError:
+                assert procs[0].poll() is None, tail("superlink")
+                time.sleep(0.3)
+        else:
+            pytest.fail("SuperLink did not listen within 60 s\n" + tail("superlink"))
+        proxy = run_in_thread(config(link_port, prof))
+        for i in range(2):
+            # The node-config key only puts the marker on the SuperNode's command line, so
+            # that stop_processes_of finds it and its ClientApp processes.
+            start(f"supernode{i}", [
+                _bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{proxy.address[1]}",
+                "--node-config", f'partition-id={i} num-partitions=2 test-marker="{home}"',
+                "--host", HOST, "--port", str(free_port()),
+            ])
+        run_config = (f'num-rounds=1 local-steps=2 min-available-nodes=2 '
+                      f'results-dir="{results}" progress="lines"')
+        run = subprocess.run(
+            [_bin("flwr"), "run", str(Path(__file__).resolve().parents[2]),
+             "netem", "--stream", "--run-config", run_config],
+            env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL, cwd=home)
+        ls = subprocess.run([_bin("flwr"), "ls", "netem", "--format", "json"], env=env,
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=home)
+        summaries = list(results.rglob("summary.json"))
+        report = ("\n".join([run.stdout[-3000:], run.stderr[-3000:], ls.stdout[-2000:], ls.stderr[-1000:]])
+                  + "".join(tail(n) for n in ("superlink", "supernode0", "supernode1")))
+        runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
+        assert runs and runs[-1].get("status") == "finished:completed", report
+        assert summaries and json.loads(summaries[0].read_text())["status"] == "completed", report
+        stats = proxy.stats.as_dict()
+        # Both SuperNodes talked to the SuperLink only through the proxy.
+        assert stats["connections_accepted"] >= 2
+        assert stats["bytes_up"] > 10_000 and stats["bytes_down"] > 10_000, stats
+    finally:
+        stop_processes_of(str(home), grace_s=5)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        if proxy is not None:
+            proxy.stop()
+        for log in logs:
+            log.close()
