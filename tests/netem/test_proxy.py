@@ -513,3 +513,59 @@ def test_flower_deployment_round_trip_through_the_proxy(tmp_path: Path):
             proxy.stop()
         for log in logs:
             log.close()
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (SAN) and its key, made with `cryptography`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fededge-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_passes_through_the_proxy_untouched(tmp_path):
+    """The proxy shapes bytes and never terminates TLS: a client that verifies the
+    server's certificate (SAN 127.0.0.1) completes the handshake and echoes through it,
+    with the profile's delay added."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+
+    def tls_echo(conn: socket.socket) -> None:
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            echo(tls)
+
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    prof = profile(Direction(delay_s=0.02))
+    with tcp_server(tls_echo) as port, run_in_thread(config(port, prof)) as proxy:
+        host, pport = proxy.address
+        with socket.create_connection((host, pport), timeout=10) as raw:
+            with client_ctx.wrap_socket(raw, server_hostname=HOST) as tls:
+                t0 = time.perf_counter()
+                tls.sendall(b"hello over tls")
+                got = b""
+                while len(got) < 14:
+                    got += tls.recv(64)
+                rtt = time.perf_counter() - t0
+        assert got == b"hello over tls"
+        assert rtt >= 0.04 - 0.002  # 2 x 20 ms one-way, applied to the encrypted bytes
