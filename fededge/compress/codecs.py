@@ -1,0 +1,799 @@
+"""The stateless codecs: casts, quantizers and sparsifiers, each with its wire layout.
+
+Every codec here is a :class:`~fededge.compress.codec.Codec` configured by a frozen,
+validated config dataclass; ``encode`` uses only the ``torch.Generator`` it is handed
+(or a freshly seeded local one), never the global RNG. docs/wire-format.md gives each
+codec's parameter and body layout byte by byte; the layouts below must agree with it.
+
+All floats on the wire are IEEE-754 little-endian; all bit fields are packed least
+significant bit first (numpy ``bitorder='little'``), with zero padding bits, which a
+decoder checks. Every ``decode_body`` checks the body length against the header's shape
+*before* it allocates anything proportional to that shape.
+
+Pure: no Flower.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fededge.compress.codec import Codec, register
+from fededge.compress.wire import DTYPES, Header, MalformedPayloadError, pack
+
+__all__ = [
+    "CodecConfig", "Int8Config", "QSGDConfig", "ThresholdConfig", "SparsifyConfig",
+    "Raw", "FP16", "BF16", "Int8", "QSGD", "TernGrad", "OneBit", "SignSGD", "Threshold",
+    "TopK", "RandK", "encode_index_set", "decode_index_set", "topk_payload", "keep_count",
+]
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecConfig:
+    """Knobs every codec has.
+
+    Parameters
+    ----------
+    lossless : bool
+        Follow the codec with the zlib lossless stage (``Header.zlib``). Pays off for
+        bodies with redundancy (sparse bitmaps, low-entropy levels), rarely for floats.
+    """
+
+    lossless: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lossless, bool):
+            raise ValueError(f"lossless must be True or False, got {self.lossless!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int8Config(CodecConfig):
+    """Uniform symmetric int8.
+
+    Parameters
+    ----------
+    block : int
+        0 for one scale per tensor; otherwise one float32 scale per run of ``block``
+        consecutive elements (256 is a good start: 1.6 % overhead, robust to outliers).
+    stochastic : bool
+        Stochastic rounding (unbiased) instead of round-half-to-even (biased, lower
+        variance).
+    """
+
+    block: int = 0
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or not 0 <= self.block < 2**32:
+            raise ValueError(f"block must be 0 (per-tensor scale) or a positive element count, got {self.block!r}")
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic must be True or False, got {self.stochastic!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QSGDConfig(CodecConfig):
+    """QSGD.
+
+    Parameters
+    ----------
+    levels : int
+        The number s of quantization levels (1..65535). Each element costs
+        ceil(log2(s+1)) bits plus a sign bit; the variance bound min(d/s^2, sqrt(d)/s)
+        shrinks as s grows. 16 (5 bits) is close to full-precision accuracy in the paper.
+    """
+
+    levels: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.levels, int) or isinstance(self.levels, bool) or not 1 <= self.levels <= 65535:
+            raise ValueError(f"levels must be an integer in 1..65535, got {self.levels!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThresholdConfig(CodecConfig):
+    """Threshold quantization.
+
+    Parameters
+    ----------
+    tau : float
+        Both the threshold and the reconstruction value: elements with |x| >= tau are
+        sent as sign * tau. Must be tuned to the gradient scale (Strom 2015); too large
+        and nothing is sent (the residual then carries everything).
+    """
+
+    tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool):
+            raise ValueError(f"tau must be a positive number, got {self.tau!r}")
+        t32 = float(np.float32(self.tau))
+        if not (math.isfinite(t32) and t32 > 0):
+            raise ValueError(f"tau must be positive and finite in float32, got {self.tau!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparsifyConfig(CodecConfig):
+    """Top-k and random-k.
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of elements kept, in (0, 1]: k = max(1, ceil(ratio * d)). 0.01 sends
+        about 1 % of the values (plus their indices).
+    """
+
+    ratio: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.ratio, (int, float)) or isinstance(self.ratio, bool) or not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
+        if np.float32(self.ratio) <= 0:
+            raise ValueError(f"ratio {self.ratio!r} rounds to 0 in float32; use at least 1e-38")
+
+    def k(self, d: int) -> int:
+        """The number of elements kept of a tensor of ``d`` elements."""
+        return keep_count(self.ratio, d)
+
+
+def keep_count(ratio: float, d: int) -> int:
+    """k = max(1, ceil(ratio * d)), at most d; ratio * d is first rounded to 6 decimals so
+    that float noise (1 - 0.99 = 0.010000000000000009) does not add an element."""
+    return min(d, max(1, math.ceil(round(ratio * d, 6))))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _Configured(Codec):
+    """Builds ``self.config`` from a config object or from keyword arguments."""
+
+    Config: ClassVar[type[CodecConfig]] = CodecConfig
+
+    def __init__(self, config: CodecConfig | None = None, /, **kwargs: Any) -> None:
+        if config is None:
+            config = self.Config(**kwargs)
+        elif kwargs:
+            raise ValueError("pass either a config object or keyword arguments, not both")
+        elif not isinstance(config, self.Config):
+            raise ValueError(f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+
+def _flat32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous flat float32 CPU tensor; refuses non-float and non-finite input."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
+        raise ValueError(f"encode needs a float tensor of dtype {sorted(map(str, DTYPES))}, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    f = x.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+    if not torch.isfinite(f).all():
+        raise ValueError("cannot encode a tensor holding NaN or Inf (in float32); fix the update first")
+    return f
+
+
+def _generator(generator: torch.Generator | None) -> torch.Generator:
+    if generator is None:
+        generator = torch.Generator()
+        generator.seed()  # local and non-deterministic; pass a seeded one to reproduce
+    return generator
+
+
+def _header(codec: str, x: torch.Tensor, params: bytes, cfg: CodecConfig) -> Header:
+    return Header(codec, x.dtype, tuple(int(s) for s in x.shape), params, cfg.lossless)
+
+
+def _params(header: Header, fmt: str) -> tuple:
+    size = struct.calcsize(fmt)
+    if len(header.params) != size:
+        raise MalformedPayloadError(
+            f"{header.codec} parameters are {len(header.params)} bytes, expected {size}"
+        )
+    return struct.unpack(fmt, header.params)
+
+
+def _need(header: Header, body: bytes, size: int) -> None:
+    if len(body) != size:
+        raise MalformedPayloadError(
+            f"{header.codec} body of shape {header.shape} must be {size} bytes, got {len(body)}"
+        )
+
+
+def _f32s(buf: bytes, what: str) -> np.ndarray:
+    a = np.frombuffer(buf, dtype="<f4").astype(np.float32)
+    if not np.isfinite(a).all():
+        raise MalformedPayloadError(f"{what} holds NaN or Inf")
+    return a
+
+
+def _pack_uints(values: np.ndarray, bits: int) -> bytes:
+    """Unsigned ints of ``bits`` bits each, element i at bit offset i*bits, LSB first."""
+    v = values.astype(np.uint32).reshape(-1, 1)
+    field = ((v >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.bool_)
+    return np.packbits(field.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_uints(data: bytes, n: int, bits: int, what: str) -> np.ndarray:
+    if len(data) != (n * bits + 7) // 8:
+        raise MalformedPayloadError(f"{what}: {len(data)} bytes for {n} x {bits} bits")
+    raw = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+    if raw[n * bits:].any():
+        raise MalformedPayloadError(f"{what}: padding bits after the last field are not zero")
+    field = raw[: n * bits].reshape(n, bits).astype(np.uint32)
+    return (field << np.arange(bits, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+
+
+def _bits_np(data: bytes, n: int, what: str) -> np.ndarray:
+    return _unpack_uints(data, n, 1, what).astype(np.bool_)
+
+
+def _pack_bits_np(bits: np.ndarray) -> bytes:
+    return np.packbits(bits.astype(np.bool_).reshape(-1), bitorder="little").tobytes()
+
+
+def _out(values: np.ndarray, header: Header) -> torch.Tensor:
+    # np.require copies read-only views of the body (torch wants writable memory).
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(header.shape)
+
+
+# ---------------------------------------------------------------- varints and index sets
+
+
+def _varint_lengths(v: np.ndarray) -> np.ndarray:
+    """Bytes of the LEB128 encoding of each value (values < 2**35)."""
+    v = v.astype(np.uint64)
+    n = np.ones(v.shape, dtype=np.int64)
+    for j in range(1, 5):
+        n += v >= (np.uint64(1) << np.uint64(7 * j))
+    return n
+
+
+def _varints(v: np.ndarray) -> bytes:
+    """Unsigned LEB128 (7 bits per byte, low group first, 0x80 = more follow), vectorized."""
+    v = v.astype(np.uint64).reshape(-1)
+    if v.size == 0:
+        return b""
+    n = _varint_lengths(v)
+    j = np.arange(5, dtype=np.uint64)
+    groups = ((v[:, None] >> (np.uint64(7) * j)) & np.uint64(0x7F)).astype(np.uint8)
+    more = (np.arange(5)[None, :] < (n[:, None] - 1)).astype(np.uint8) << 7
+    keep = np.arange(5)[None, :] < n[:, None]
+    return (groups | more)[keep].tobytes()
+
+
+def _read_varint(buf: bytes, off: int, what: str) -> tuple[int, int]:
+    value = 0
+    for j in range(5):
+        if off + j >= len(buf):
+            raise MalformedPayloadError(f"{what}: varint truncated at byte {off + j}")
+        b = buf[off + j]
+        value |= (b & 0x7F) << (7 * j)
+        if b < 0x80:
+            if value >= 2**32:
+                raise MalformedPayloadError(f"{what}: varint {value} exceeds 32 bits")
+            return value, off + j + 1
+    raise MalformedPayloadError(f"{what}: varint longer than 5 bytes")
+
+
+def _read_varints(buf: bytes, off: int, count: int, what: str) -> tuple[np.ndarray, int]:
+    """``count`` LEB128 values from ``buf[off:]`` -> (uint64 array, offset after them)."""
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64), off
+    if count > len(buf) - off:
+        raise MalformedPayloadError(f"{what}: {count} varints announced but only {len(buf) - off} bytes follow")
+    b = np.frombuffer(buf, dtype=np.uint8, offset=off)
+    ends = np.flatnonzero(b < 0x80)
+    if ends.size < count:
+        raise MalformedPayloadError(f"{what}: {count} varints announced, {ends.size} found before the body ends")
+    ends = ends[:count]
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.max() > 5:
+        raise MalformedPayloadError(f"{what}: varint longer than 5 bytes")
+    stop = int(ends[-1]) + 1
+    seg = b[:stop].astype(np.uint64) & np.uint64(0x7F)
+    group = np.repeat(np.arange(count), lengths)
+    pos = np.arange(stop) - np.repeat(starts, lengths)
+    vals = np.zeros(count, dtype=np.uint64)
+    np.add.at(vals, group, seg << (np.uint64(7) * pos.astype(np.uint64)))
+    if (vals >= np.uint64(2**32)).any():
+        raise MalformedPayloadError(f"{what}: varint exceeds 32 bits")
+    return vals, off + stop
+
+
+TAG_BITMAP = 0
+TAG_VARINT = 1
+
+
+def encode_index_set(idx: np.ndarray, d: int) -> bytes:
+    """The index block for sorted distinct indices ``idx`` of a tensor of ``d`` elements.
+
+    A 1-byte tag, then either (tag 0) a bitmap of ceil(d/8) bytes, bit i set iff index i
+    is in the set, or (tag 1) a varint count k and k varint gaps
+    ``idx[0], idx[1] - idx[0] - 1, ...``. Whichever is shorter; a tie goes to the bitmap.
+    """
+    idx = np.asarray(idx, dtype=np.int64)
+    gaps = np.diff(idx, prepend=-1) - 1
+    bitmap_len = (d + 7) // 8
+    varint_len = int(_varint_lengths(np.array([idx.size]))[0] + _varint_lengths(gaps).sum())
+    if varint_len < bitmap_len:
+        return bytes([TAG_VARINT]) + _varints(np.array([idx.size])) + _varints(gaps)
+    mask = np.zeros(d, dtype=np.bool_)
+    mask[idx] = True
+    return bytes([TAG_BITMAP]) + _pack_bits_np(mask)
+
+
+def decode_index_set(body: bytes, d: int, what: str) -> tuple[np.ndarray, int]:
+    """Parse an index block at the start of ``body`` -> (sorted int64 indices, bytes used)."""
+    if len(body) < 1:
+        raise MalformedPayloadError(f"{what}: body too short for the index-encoding tag")
+    tag = body[0]
+    if tag == TAG_BITMAP:
+        nb = (d + 7) // 8
+        if len(body) < 1 + nb:
+            raise MalformedPayloadError(f"{what}: bitmap needs {nb} bytes, body has {len(body) - 1}")
+        mask = _bits_np(body[1:1 + nb], d, f"{what} bitmap")
+        return np.flatnonzero(mask).astype(np.int64), 1 + nb
+    if tag == TAG_VARINT:
+        k, off = _read_varint(body, 1, f"{what} index count")
+        if k > d:
+            raise MalformedPayloadError(f"{what}: {k} indices for a tensor of {d} elements")
+        gaps, off = _read_varints(body, off, k, f"{what} index gaps")
+        idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        if k and idx[-1] >= d:
+            raise MalformedPayloadError(f"{what}: index {int(idx[-1])} out of range for {d} elements")
+        return idx, off
+    raise MalformedPayloadError(f"{what}: unknown index-encoding tag {tag} (0 = bitmap, 1 = varint gaps)")
+
+
+# --------------------------------------------------------------------------- casts
+
+
+@register
+class Raw(_Configured):
+    """float32 as is (lossless). Body: d float32. With ``lossless=True`` a zlib stage follows.
+
+    Examples
+    --------
+    >>> Raw().decode(Raw().encode(torch.ones(3))).tolist()
+    [1.0, 1.0, 1.0]
+    """
+
+    name = "raw"
+    biased = False
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        return pack(_header(self.name, x, b"", self.config), f.numpy().astype("<f4").tobytes())
+
+    @classmethod
+    def decode_body(cls, header, body):
+        _params(header, "")
+        _need(header, body, 4 * header.numel)
+        return _out(np.frombuffer(body, dtype="<f4"), header)
+
+
+@register
+class FP16(_Configured):
+    """IEEE half precision (round to nearest even). Body: d float16. Overflow (|x| > 65504)
+    becomes Inf, which the decoder rejects, so encode refuses it up front."""
+
+    name = "fp16"
+    biased = True
+
+    def encode(self, x, *, generator=None):
+        h = _flat32(x).to(torch.float16)
+        if not torch.isfinite(h).all():
+            raise ValueError("tensor overflows float16 (|x| > 65504); use bf16 or int8 instead")
+        return pack(_header(self.name, x, b"", self.config), h.numpy().astype("<f2").tobytes())
+
+    @classmethod
+    def decode_body(cls, header, body):
+        _params(header, "")
+        _need(header, body, 2 * header.numel)
+        return _out(np.frombuffer(body, dtype="<f2"), header)
+
+
+@register
+class BF16(_Configured):
+    """bfloat16 (the top 16 bits of float32, rounded to nearest even). Body: d uint16."""
+
+    name = "bf16"
+    biased = True
+
+    def encode(self, x, *, generator=None):
+        b = _flat32(x).to(torch.bfloat16).view(torch.int16).numpy().astype("<i2")
+        return pack(_header(self.name, x, b"", self.config), b.tobytes())
+
+    @classmethod
+    def decode_body(cls, header, body):
+        _params(header, "")
+        _need(header, body, 2 * header.numel)
+        hi = np.frombuffer(body, dtype="<u2").astype(np.uint32) << np.uint32(16)
+        return _out(hi.view(np.float32), header)
+
+
+# --------------------------------------------------------------------------- quantizers
+
+
+@register
+class Int8(_Configured):
+    """Uniform symmetric int8 with a per-tensor or per-block scale.
+
+    scale = max|x| / 127 over the tensor (``block=0``) or over each run of ``block``
+    elements; q = round(x / scale) in [-127, 127] (round half to even, biased) or
+    floor(x / scale + u), u ~ U[0, 1) (``stochastic=True``, unbiased). Decoded value:
+    float32(q) * scale.
+
+    Params: ``<I`` block, ``<B`` flags (bit 0 = stochastic; informational).
+    Body: nblocks float32 scales (nblocks = 1 if block == 0 else ceil(d / block)), then d
+    int8. The decoder rejects -128 and negative or non-finite scales.
+    """
+
+    name = "int8"
+    biased = True
+    Config = Int8Config
+
+    def __init__(self, config=None, /, **kwargs):
+        super().__init__(config, **kwargs)
+        self.biased = not self.config.stochastic
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        d = f.numel()
+        block = min(self.config.block, d) if self.config.block else d
+        block = max(block, 1)
+        nblocks = 1 if self.config.block == 0 else -(-d // block)
+        padded = torch.zeros(nblocks * block)
+        padded[:d] = f
+        blocks = padded.view(nblocks, block)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        r = blocks / safe[:, None]
+        if self.config.stochastic:
+            r = torch.floor(r + torch.rand(r.shape, generator=_generator(generator)))
+        else:
+            r = torch.round(r)
+        q = r.clamp_(-127, 127).to(torch.int8).reshape(-1)[:d]
+        params = struct.pack("<IB", self.config.block, int(self.config.stochastic))
+        body = scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+        return pack(_header(self.name, x, params, self.config), body)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        block, flags = _params(header, "<IB")
+        if flags & ~1:
+            raise MalformedPayloadError(f"int8 flags 0x{flags:02x} has unknown bits")
+        d = header.numel
+        nblocks = 1 if block == 0 else -(-d // block)
+        _need(header, body, 4 * nblocks + d)
+        scale = _f32s(body[: 4 * nblocks], "int8 scales")
+        if (scale < 0).any():
+            raise MalformedPayloadError("int8 scales must be >= 0")
+        q = np.frombuffer(body, dtype=np.int8, offset=4 * nblocks)
+        if (q == -128).any():
+            raise MalformedPayloadError("int8 value -128 is outside the symmetric range [-127, 127]")
+        per = scale[np.arange(d) // block] if block else np.full(d, scale[0], dtype=np.float32)
+        return _out(q.astype(np.float32) * per, header)
+
+
+@register
+class QSGD(_Configured):
+    """QSGD: stochastic quantization to s levels of |x_i| / ||x||_2 (Alistarh et al., 2017,
+    "QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding").
+
+    level_i = floor(s |x_i| / ||x|| + u_i), u_i ~ U[0, 1), so E[level_i] = s |x_i| / ||x||
+    and the estimate ||x|| sign(x_i) level_i / s is unbiased with
+    E||Q(x) - x||^2 <= min(d / s^2, sqrt(d) / s) ||x||^2.
+
+    Params: ``<H`` s. Body: ||x||_2 as float32; d sign bits (1 = negative); d level indices
+    of b = ceil(log2(s + 1)) bits each, bit-packed LSB first. Decoded value:
+    ±(norm * (float32(level) / float32(s))). The decoder rejects level > s.
+
+    Examples
+    --------
+    >>> g = torch.Generator().manual_seed(0)
+    >>> payload = QSGD(levels=16).encode(torch.randn(1000), generator=g)
+    >>> len(payload)  # 19 header + 4 norm + 125 sign + 625 level bytes
+    773
+    """
+
+    name = "qsgd"
+    biased = False
+    Config = QSGDConfig
+
+    @staticmethod
+    def level_bits(s: int) -> int:
+        return max(1, math.ceil(math.log2(s + 1)))
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        s = self.config.levels
+        norm = torch.linalg.vector_norm(f.double()).float()
+        if not torch.isfinite(norm):
+            raise ValueError("the L2 norm overflows float32; scale the update down first")
+        if norm > 0:
+            r = f.abs() / norm * s
+            lv = torch.floor(r + torch.rand(f.shape, generator=_generator(generator))).clamp_(0, s)
+        else:
+            lv = torch.zeros_like(f)
+        body = (norm.numpy().astype("<f4").tobytes() + _pack_bits_np((f < 0).numpy())
+                + _pack_uints(lv.to(torch.int64).numpy(), self.level_bits(s)))
+        return pack(_header(self.name, x, struct.pack("<H", s), self.config), body)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        (s,) = _params(header, "<H")
+        if s < 1:
+            raise MalformedPayloadError("qsgd levels must be >= 1, got 0")
+        d, b = header.numel, cls.level_bits(s)
+        nsign = (d + 7) // 8
+        _need(header, body, 4 + nsign + (d * b + 7) // 8)
+        norm = _f32s(body[:4], "qsgd norm")[0]
+        if norm < 0:
+            raise MalformedPayloadError(f"qsgd norm {norm} is negative")
+        neg = _bits_np(body[4:4 + nsign], d, "qsgd signs")
+        lv = _unpack_uints(body[4 + nsign:], d, b, "qsgd levels")
+        if (lv > s).any():
+            raise MalformedPayloadError(f"qsgd level {int(lv.max())} exceeds s = {s}")
+        mag = norm * (lv.astype(np.float32) / np.float32(s))
+        return _out(np.where(neg, -mag, mag), header)
+
+
+@register
+class TernGrad(_Configured):
+    """TernGrad: stochastic ternary quantization with max scaling (Wen et al., 2017,
+    "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning").
+
+    s = max|x|; t_i = sign(x_i) with probability |x_i| / s, else 0; s * t_i is unbiased.
+    (The paper's optional 2.5-sigma gradient clipping is left to the caller.)
+
+    Params: none. Body: s as float32, then d 2-bit codes (0 -> 0, 1 -> +1, 2 -> -1;
+    3 is rejected), element i at bits 2i..2i+1, LSB first. Decoded value: s * t.
+    """
+
+    name = "terngrad"
+    biased = False
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        s = f.abs().max() if f.numel() else torch.tensor(0.0)
+        if s > 0:
+            keep = torch.rand(f.shape, generator=_generator(generator)) < f.abs() / s
+        else:
+            keep = torch.zeros(f.shape, dtype=torch.bool)
+        code = torch.where(keep, torch.where(f < 0, 2, 1), 0)
+        body = s.numpy().astype("<f4").tobytes() + _pack_uints(code.numpy(), 2)
+        return pack(_header(self.name, x, b"", self.config), body)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        _params(header, "")
+        d = header.numel
+        _need(header, body, 4 + (2 * d + 7) // 8)
+        s = _f32s(body[:4], "terngrad scale")[0]
+        if s < 0:
+            raise MalformedPayloadError(f"terngrad scale {s} is negative")
+        code = _unpack_uints(body[4:], d, 2, "terngrad codes")
+        if (code == 3).any():
+            raise MalformedPayloadError("terngrad code 3 is not a ternary value (0, 1 = +1, 2 = -1)")
+        t = np.where(code == 2, -1.0, code.astype(np.float64)).astype(np.float32)
+        return _out(np.float32(s) * t, header)
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, columns): dim 0 rows and the rest flattened; a 1-D tensor is one column."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], 1
+    return shape[0], math.prod(shape[1:])
+
+
+@register
+class OneBit(_Configured):
+    """1-bit SGD with per-column reconstruction values (Seide et al., 2014, "1-Bit
+    Stochastic Gradient Descent and its Application to Data-Parallel Distributed Training
+    of Speech DNNs").
+
+    The tensor is viewed as a matrix (dim 0 rows, the other dims flattened to columns; a
+    1-D tensor is one column). Each element sends its sign (bit 1 = x < 0); each column
+    sends the mean of its non-negative elements and the mean of its negative elements,
+    which minimise the squared error given the signs. Biased: wrap in
+    :class:`~fededge.compress.feedback.ErrorFeedback` ("quantization error feedback").
+
+    Params: none. Body: c float32 positive means, c float32 negative means (0 for an empty
+    group), then d sign bits in row-major order.
+    """
+
+    name = "onebit"
+    biased = True
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        rows, cols = _matrix_shape(tuple(x.shape))
+        m = f.view(rows, cols).double()
+        neg = m < 0
+        npos = (~neg).sum(0)
+        nneg = neg.sum(0)
+        pos_mean = torch.where(~neg, m, 0).sum(0) / npos.clamp(min=1)
+        neg_mean = torch.where(neg, m, 0).sum(0) / nneg.clamp(min=1)
+        body = (pos_mean.float().numpy().astype("<f4").tobytes()
+                + neg_mean.float().numpy().astype("<f4").tobytes() + _pack_bits_np(neg.numpy()))
+        return pack(_header(self.name, x, b"", self.config), body)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        _params(header, "")
+        rows, cols = _matrix_shape(header.shape)
+        d = header.numel
+        _need(header, body, 8 * cols + (d + 7) // 8)
+        pos = _f32s(body[: 4 * cols], "onebit positive means")
+        negm = _f32s(body[4 * cols: 8 * cols], "onebit negative means")
+        neg = _bits_np(body[8 * cols:], d, "onebit signs").reshape(rows, cols)
+        return _out(np.where(neg, negm[None, :], pos[None, :]), header)
+
+
+@register
+class SignSGD(_Configured):
+    """Scaled sign, as in EF-signSGD (Karimireddy et al., 2019, "Error Feedback Fixes
+    SignSGD and other Gradient Compression Schemes").
+
+    Sends scale = ||x||_1 / d and sign(x) (zero counts as +). Biased: use with
+    :class:`~fededge.compress.feedback.ErrorFeedback`, which is what makes it converge.
+
+    Params: none. Body: scale as float32, then d sign bits (1 = negative).
+    """
+
+    name = "signsgd"
+    biased = True
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        scale = (f.double().abs().sum() / max(f.numel(), 1)).float()
+        body = scale.numpy().astype("<f4").tobytes() + _pack_bits_np((f < 0).numpy())
+        return pack(_header(self.name, x, b"", self.config), body)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        _params(header, "")
+        d = header.numel
+        _need(header, body, 4 + (d + 7) // 8)
+        s = _f32s(body[:4], "signsgd scale")[0]
+        if s < 0:
+            raise MalformedPayloadError(f"signsgd scale {s} is negative")
+        neg = _bits_np(body[4:], d, "signsgd signs")
+        return _out(np.where(neg, -s, s), header)
+
+
+@register
+class Threshold(_Configured):
+    """Threshold quantization (Strom, 2015, "Scalable Distributed DNN Training Using
+    Commodity GPU Cloud Computing").
+
+    Elements with |x_i| >= tau are sent as an index and a sign and reconstructed as
+    ±tau; the rest are not sent. Biased: the error accumulates in
+    :class:`~fededge.compress.feedback.ErrorFeedback` and is sent once it reaches tau.
+
+    Params: ``<f`` tau. Body: an index block (see :func:`encode_index_set`), then
+    ceil(k / 8) sign bits (1 = negative) for the k indices in increasing order.
+    """
+
+    name = "threshold"
+    biased = True
+    Config = ThresholdConfig
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        tau = np.float32(self.config.tau)
+        fn = f.numpy()
+        idx = np.flatnonzero(np.abs(fn) >= tau)
+        body = encode_index_set(idx, fn.size) + _pack_bits_np(fn[idx] < 0)
+        return pack(_header(self.name, x, struct.pack("<f", tau), self.config), body)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        (tau,) = _params(header, "<f")
+        if not (math.isfinite(tau) and tau > 0):
+            raise MalformedPayloadError(f"threshold tau must be positive and finite, got {tau}")
+        d = header.numel
+        idx, off = decode_index_set(body, d, "threshold")
+        _need(header, body, off + (idx.size + 7) // 8)
+        neg = _bits_np(body[off:], idx.size, "threshold signs")
+        out = np.zeros(d, dtype=np.float32)
+        out[idx] = np.where(neg, -np.float32(tau), np.float32(tau))
+        return _out(out, header)
+
+
+def topk_payload(x: torch.Tensor, flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+                 ratio: float, lossless: bool, codec: str = "topk") -> bytes:
+    """The top-k / random-k payload of the (sorted) indices ``idx`` and their ``values``.
+
+    Shared with DGC, whose payload is the top-k wire format.
+    """
+    params = struct.pack("<f", ratio)
+    body = encode_index_set(idx.numpy(), flat.numel()) + values.numpy().astype("<f4").tobytes()
+    return pack(Header(codec, x.dtype, tuple(int(s) for s in x.shape), params, lossless), body)
+
+
+def _sparse_decode(header: Header, body: bytes) -> torch.Tensor:
+    (ratio,) = _params(header, "<f")
+    if not (0 < ratio <= 1):
+        raise MalformedPayloadError(f"{header.codec} ratio must be in (0, 1], got {ratio}")
+    d = header.numel
+    idx, off = decode_index_set(body, d, header.codec)
+    _need(header, body, off + 4 * idx.size)
+    vals = _f32s(body[off:], f"{header.codec} values")
+    out = np.zeros(d, dtype=np.float32)
+    out[idx] = vals
+    return _out(out, header)
+
+
+@register
+class TopK(_Configured):
+    """Top-k sparsification: the k = max(1, ceil(ratio d)) largest-magnitude elements
+    (as in Aji & Heafield, 2017; Stich et al., 2018, "Sparsified SGD with Memory").
+
+    Biased: wrap in :class:`~fededge.compress.feedback.ErrorFeedback`. Ties in |x| are
+    broken by torch.topk.
+
+    Params: ``<f`` ratio (informational; k is in the body). Body: an index block
+    (see :func:`encode_index_set`), then k float32 values in increasing index order.
+    """
+
+    name = "topk"
+    biased = True
+    Config = SparsifyConfig
+
+    def select(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sorted int64 indices of the kept elements of a flat float32 tensor."""
+        k = self.config.k(flat.numel())
+        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        idx = self.select(f)
+        return topk_payload(x, f, idx, f[idx], self.config.ratio, self.config.lossless)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        return _sparse_decode(header, body)
+
+
+@register
+class RandK(_Configured):
+    """Random-k sparsification: k = max(1, ceil(ratio d)) indices drawn uniformly without
+    replacement, values scaled by d / k so the estimate is unbiased (Stich et al., 2018,
+    "Sparsified SGD with Memory"; Wangni et al., 2018).
+
+    Params and body as :class:`TopK` (the values already carry the d / k factor).
+    """
+
+    name = "randk"
+    biased = False
+    Config = SparsifyConfig
+
+    def encode(self, x, *, generator=None):
+        f = _flat32(x)
+        d = f.numel()
+        k = self.config.k(d)
+        idx = torch.randperm(d, generator=_generator(generator))[:k].sort().values
+        vals = f[idx] * (d / k) if k else f[idx]
+        return topk_payload(x, f, idx, vals, self.config.ratio, self.config.lossless, "randk")
+
+    @classmethod
+    def decode_body(cls, header, body):
+        return _sparse_decode(header, body)

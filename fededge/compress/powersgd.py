@@ -1,0 +1,229 @@
+"""PowerSGD: rank-r compression by one step of power iteration, with error feedback.
+
+Vogels, Karimireddy and Jaggi, 2019, "PowerSGD: Practical Low-Rank Gradient Compression
+for Distributed Optimization". A tensor with two or more dimensions is viewed as the
+matrix M of shape (shape[0], prod(shape[1:])) (a conv weight (out, in, kh, kw) becomes
+(out, in*kh*kw)) and sent as two thin factors P (n x r) and Q (m x r); the receiver
+computes P Q^T.
+
+Star topology versus all-reduce
+-------------------------------
+The original runs inside an all-reduce: every worker computes P_i = M_i Q, the workers
+all-reduce P = mean(P_i) and orthogonalize it, then compute Q_i = M_i^T P and all-reduce
+Q = mean(Q_i). Two round trips, and the result P Q^T is the rank-r projection of the
+*average* matrix. fededge's clients talk to a server in one round trip, so each client i
+runs the power step on its own M_i and sends (P_i, Q_i); the server averages the products
+P_i Q_i^T. The average of products is not the product of averages: with K clients the
+server receives a matrix of rank up to K r, each client's error feedback corrects its own
+approximation (not the shared one), and the warm start reuses each client's own Q rather
+than a common one. This costs K times the server-side reconstruction and loses the
+"compress once, all-reduce linearly" property, but needs no extra round trip. The exact
+two-round-trip variant is not built.
+
+Pure: no Flower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from fededge.compress.codec import Codec, register
+from fededge.compress.codecs import BF16, FP16, CodecConfig, Raw, _Configured, _f32s, _flat32, _generator, _need, _params
+from fededge.compress.wire import Header, MalformedPayloadError, pack
+
+__all__ = ["PowerSGDConfig", "PowerSGD", "PowerSGDEncoder"]
+
+_FALLBACKS: dict[str, type[Codec]] = {"raw": Raw, "fp16": FP16, "bf16": BF16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PowerSGDConfig(CodecConfig):
+    """PowerSGD knobs.
+
+    Parameters
+    ----------
+    rank : int
+        The rank r of the approximation (>= 1). Rank 1-4 is typical; 2 already sends
+        about 100x fewer bytes than float32 on large layers. Clamped to min(n, m) per
+        tensor, where reconstruction becomes exact.
+    seed : int
+        Seed of the initial Q of each tensor, derived together with the tensor's name, so
+        two runs with the same seed compress identically.
+    fallback : str
+        How tensors with fewer than two dimensions (biases, norms) or no elements are
+        sent: ``"raw"`` (float32, lossless), ``"fp16"`` or ``"bf16"``. They carry no
+        error feedback.
+    lossless : bool
+        Follow every payload with the zlib stage.
+    """
+
+    rank: int = 2
+    seed: int = 0
+    fallback: str = "raw"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 1 <= self.rank <= 65535:
+            raise ValueError(f"rank must be an integer in 1..65535, got {self.rank!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.fallback not in _FALLBACKS:
+            raise ValueError(f"fallback must be one of {sorted(_FALLBACKS)}, got {self.fallback!r}")
+
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    return shape[0], math.prod(shape[1:])
+
+
+def _orthogonalize(p: torch.Tensor) -> torch.Tensor:
+    # Householder QR: orthonormal columns even when P is rank-deficient (then they still
+    # span a space containing P's columns, which is what exactness at full rank needs).
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+def power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power iteration: P = orth(M Q), Q' = M^T P. Returns (P, Q')."""
+    p = _orthogonalize(m @ q)
+    return p, m.T @ p
+
+
+def _payload(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lossless: bool) -> bytes:
+    body = p.contiguous().numpy().astype("<f4").tobytes() + q.contiguous().numpy().astype("<f4").tobytes()
+    header = Header("powersgd", x.dtype, tuple(int(s) for s in x.shape), struct.pack("<H", p.shape[1]), lossless)
+    return pack(header, body)
+
+
+def _product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    # The one product both the encoder's residual and the decoder use, so error feedback
+    # is exact with respect to what the server reconstructs.
+    return p @ q.T
+
+
+@register
+class PowerSGD(_Configured):
+    """Stateless PowerSGD: one power step from a random Q, no warm start, no feedback.
+
+    For training use :class:`PowerSGDEncoder`, which keeps the warm-started Q and the
+    error-feedback residual per tensor. Tensors must have two or more dimensions.
+
+    Params: ``<H`` r. Body: P (n x r) then Q (m x r), float32 row-major, with (n, m) =
+    (shape[0], prod(shape[1:])). Decoded value: P @ Q^T in float32 (summation order may
+    differ between implementations by float32 rounding).
+    """
+
+    name = "powersgd"
+    biased = True
+    Config = PowerSGDConfig
+
+    def encode(self, x, *, generator=None):
+        if x.dim() < 2 or x.numel() == 0:
+            raise ValueError(f"PowerSGD needs a non-empty tensor of >= 2 dims, got shape {tuple(x.shape)}; "
+                             "send it with the fallback codec (PowerSGDEncoder does)")
+        n, m = _matrix(tuple(x.shape))
+        mat = _flat32(x).view(n, m)
+        r = min(self.config.rank, n, m)
+        q = torch.randn(m, r, generator=_generator(generator))
+        p, q = power_step(mat, q)
+        return _payload(x, p, q, self.config.lossless)
+
+    @classmethod
+    def decode_body(cls, header, body):
+        (r,) = _params(header, "<H")
+        if len(header.shape) < 2:
+            raise MalformedPayloadError(f"powersgd needs >= 2 dimensions, header shape is {header.shape}")
+        n, m = _matrix(header.shape)
+        if not 1 <= r <= min(n, m):
+            raise MalformedPayloadError(f"powersgd rank {r} outside 1..min(n, m) = {min(n, m)}")
+        _need(header, body, 4 * r * (n + m))
+        p = torch.from_numpy(_f32s(body[: 4 * r * n], "powersgd P")).view(n, r)
+        q = torch.from_numpy(_f32s(body[4 * r * n:], "powersgd Q")).view(m, r)
+        return _product(p, q).reshape(header.shape)
+
+
+def _derived_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}\x00{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class PowerSGDEncoder:
+    """Client-side PowerSGD with warm start and error feedback, keyed by tensor name.
+
+    Per call, for a tensor of >= 2 dims: M = x + residual; P = orth(M Q_prev); Q = M^T P;
+    send (P, Q); residual = M - P Q^T; keep Q for the next call (the warm start that lets
+    one power step per round track the top singular space over rounds). Q_prev starts as
+    a standard normal matrix drawn from a generator seeded by (config.seed, name).
+
+    Tensors of fewer than two dims (or empty ones) go through ``config.fallback``
+    (``raw`` by default). See the module docstring for how the single-round-trip star
+    version differs from the all-reduce original.
+
+    Parameters
+    ----------
+    config : PowerSGDConfig
+        Rank, seed, fallback codec, lossless stage.
+
+    Examples
+    --------
+    >>> enc = PowerSGDEncoder(PowerSGDConfig(rank=2, seed=0))
+    >>> payload = enc.encode("conv1.weight", torch.randn(16, 3, 3, 3))
+    >>> len(payload)  # 31-byte header + 4 * 2 * (16 + 27)
+    375
+    """
+
+    def __init__(self, config: PowerSGDConfig | None = None) -> None:
+        self.config = config if config is not None else PowerSGDConfig()
+        if not isinstance(self.config, PowerSGDConfig):
+            raise ValueError(f"PowerSGDEncoder needs a PowerSGDConfig, got {type(self.config).__name__}")
+        self._fallback = _FALLBACKS[self.config.fallback](lossless=self.config.lossless)
+        self.q: dict[str, torch.Tensor] = {}
+        self.residual: dict[str, torch.Tensor] = {}
+
+    def encode(self, name: str, x: torch.Tensor) -> bytes:
+        """The payload of tensor ``name``'s update ``x``; updates Q and the residual."""
+        if x.dim() < 2 or x.numel() == 0:
+            return self._fallback.encode(x)
+        n, m = _matrix(tuple(x.shape))
+        r = min(self.config.rank, n, m)
+        mat = _flat32(x).view(n, m)
+        res = self.residual.get(name)
+        if res is not None:
+            if res.shape != mat.shape:
+                raise ValueError(f"tensor {name!r} changed shape from {tuple(res.shape)} to {(n, m)}; "
+                                 "reset() the encoder when the model changes")
+            mat = mat + res
+        q = self.q.get(name)
+        if q is None or q.shape != (m, r):
+            g = torch.Generator().manual_seed(_derived_seed(self.config.seed, name))
+            q = torch.randn(m, r, generator=g)
+        p, q = power_step(mat, q)
+        self.q[name] = q
+        self.residual[name] = mat - _product(p, q)
+        return _payload(x, p, q, self.config.lossless)
+
+    def reset(self) -> None:
+        """Forget every Q and residual."""
+        self.q.clear()
+        self.residual.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat float32 CPU tensors: ``"q:NAME"`` and ``"residual:NAME"``."""
+        out = {f"q:{k}": v.clone() for k, v in self.q.items()}
+        out.update({f"residual:{k}": v.clone() for k, v in self.residual.items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        q, res = {}, {}
+        for key, v in state.items():
+            kind, _, name = key.partition(":")
+            if kind == "q":
+                q[name] = torch.as_tensor(v, dtype=torch.float32).cpu().clone()
+            elif kind == "residual":
+                res[name] = torch.as_tensor(v, dtype=torch.float32).cpu().clone()
+            else:
+                raise ValueError(f"unknown PowerSGD state key {key!r}; expected 'q:NAME' or 'residual:NAME'")
+        self.q, self.residual = q, res

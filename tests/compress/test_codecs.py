@@ -1,0 +1,407 @@
+"""Properties of the stateless codecs: exactness, unbiasedness, sizes, bad input, vectors."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fededge.compress import (
+    CODECS, QSGD, BF16, FP16, Int8, MalformedPayloadError, OneBit, RandK, Raw, SignSGD, TernGrad,
+    Threshold, TopK, build_codec, decode_any, decode_limit, pack, unpack,
+)
+from fededge.compress.wire import Header
+
+VECTORS = Path(__file__).parent / "vectors"
+PARAMS = {"threshold": {"tau": 0.5}, "topk": {"ratio": 0.1}, "randk": {"ratio": 0.1}, "powersgd": {"rank": 2}}
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def head(ndim: int, plen: int) -> int:
+    """Header bytes of docs/wire-format.md: 7 fixed + 4 per dim + 2 + params + 4."""
+    return 7 + 4 * ndim + 2 + plen + 4
+
+
+def varint_len(v: int) -> int:
+    n = 1
+    while v >= 128:
+        v >>= 7
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------ exactness
+
+
+def test_raw_is_bit_exact_including_special_values():
+    x = torch.cat([torch.randn(1000, generator=gen()), torch.tensor([0.0, -0.0, 1e-45, -3.4e38, 3.4e38])])
+    y = Raw().decode(Raw().encode(x))
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32))
+
+
+def test_fp16_and_bf16_exact_for_representable_values():
+    x16 = torch.randn(4096, generator=gen()).to(torch.float16)
+    assert torch.equal(FP16().decode(FP16().encode(x16)), x16.float())
+    xb = (torch.randn(4096, generator=gen(1)) * 1e30).to(torch.bfloat16)
+    assert torch.equal(BF16().decode(BF16().encode(xb)), xb.float())
+    # fp16 header records the caller's dtype
+    assert unpack(FP16().encode(x16))[0].dtype == torch.float16
+
+
+def test_fp16_refuses_overflow():
+    with pytest.raises(ValueError, match="overflows float16"):
+        FP16().encode(torch.tensor([1e6]))
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_lossless_stage_is_exact_and_changes_only_the_body(name):
+    x = torch.randn(24, 20, generator=gen(3))
+    plain = build_codec(name, **PARAMS.get(name, {})).encode(x, generator=gen(7))
+    zl = build_codec(name, lossless=True, **PARAMS.get(name, {})).encode(x, generator=gen(7))
+    h0, b0 = unpack(plain)
+    h1, b1 = unpack(zl)
+    assert h1.zlib and not h0.zlib and b0 == b1
+    assert torch.equal(decode_any(plain), decode_any(zl))
+
+
+@pytest.mark.parametrize("name", [c for c in CODECS if c != "powersgd"])
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (3, 0, 2), (5, 1, 3)])
+def test_degenerate_shapes_round_trip(name, shape):
+    x = torch.randn(shape, generator=gen(2))
+    y = decode_any(build_codec(name, **PARAMS.get(name, {})).encode(x, generator=gen()))
+    assert y.shape == x.shape and y.dtype == torch.float32
+
+
+def test_every_codec_is_registered_and_named():
+    assert set(CODECS) == {"raw", "fp16", "bf16", "int8", "qsgd", "terngrad", "onebit", "signsgd",
+                           "threshold", "topk", "randk", "powersgd"}
+
+
+# ------------------------------------------------------------------ what each codec computes
+
+
+def test_int8_error_within_half_a_step_and_blocks_isolate_outliers():
+    x = torch.randn(1024, generator=gen())
+    x[5] = 1000.0
+    for block in (0, 256):
+        y = Int8(block=block).decode(Int8(block=block).encode(x))
+        blocks = x.view(-1, block or 1024)
+        step = (blocks.abs().amax(1, keepdim=True) / 127).expand_as(blocks).reshape(-1)
+        assert ((y - x).abs() <= step / 2 * (1 + 1e-5)).all()
+    err_tensor = (Int8().decode(Int8().encode(x)) - x)[256:].abs().max()
+    err_block = (Int8(block=256).decode(Int8(block=256).encode(x)) - x)[256:].abs().max()
+    assert err_block < err_tensor / 50
+
+
+def test_onebit_sends_column_means_of_each_sign():
+    x = torch.randn(50, 4, generator=gen())
+    y = OneBit().decode(OneBit().encode(x))
+    for c in range(4):
+        col = x[:, c]
+        assert torch.allclose(y[col >= 0, c], col[col >= 0].mean().expand(int((col >= 0).sum())), atol=1e-6)
+        assert torch.allclose(y[col < 0, c], col[col < 0].mean().expand(int((col < 0).sum())), atol=1e-6)
+    # one column for 1-D tensors: every element gets one of two values
+    assert len(torch.unique(OneBit().decode(OneBit().encode(torch.randn(100, generator=gen()))))) == 2
+
+
+def test_signsgd_scale_is_mean_abs_and_signs_match():
+    x = torch.randn(999, generator=gen())
+    y = SignSGD().decode(SignSGD().encode(x))
+    assert torch.allclose(y.abs(), x.abs().mean().expand(999))
+    assert torch.equal(y < 0, x < 0)
+
+
+def test_threshold_sends_exactly_the_large_elements_as_tau():
+    x = torch.randn(5000, generator=gen())
+    y = Threshold(tau=1.5).decode(Threshold(tau=1.5).encode(x))
+    big = x.abs() >= 1.5
+    assert torch.equal(y != 0, big)
+    assert torch.equal(y[big], torch.where(x[big] < 0, -1.5, 1.5))
+
+
+def test_topk_keeps_the_k_largest_magnitudes():
+    x = torch.randn(1000, generator=gen())
+    y = TopK(ratio=0.05).decode(TopK(ratio=0.05).encode(x))
+    kept = y != 0
+    assert int(kept.sum()) == 50
+    assert torch.equal(y[kept], x[kept])
+    assert x[kept].abs().min() >= x[~kept].abs().max()
+
+
+def test_randk_keeps_k_and_scales_by_d_over_k():
+    x = torch.randn(1000, generator=gen()) + 5
+    y = RandK(ratio=0.03).decode(RandK(ratio=0.03).encode(x, generator=gen()))
+    kept = y != 0
+    assert int(kept.sum()) == 30
+    assert torch.allclose(y[kept], x[kept] * (1000 / 30))
+
+
+# ------------------------------------------------------------------ unbiasedness
+
+N_DRAWS = 2000
+
+
+def mean_and_var(codec, x, n=N_DRAWS):
+    g = gen(1234)
+    ys = torch.stack([codec.decode(codec.encode(x, generator=g)).double() for _ in range(n)])
+    return ys.mean(0), ys.var(0)
+
+
+def assert_unbiased(mean, x, per_elem_var, n=N_DRAWS):
+    """Each element within 5 standard errors (sqrt(var / n)) of x, plus float32 slack."""
+    tol = 5 * torch.sqrt(per_elem_var / n) + 1e-6 * (1 + x.abs())
+    assert ((mean - x.double()).abs() <= tol).all(), float(((mean - x.double()).abs() - tol).max())
+
+
+def test_qsgd_unbiased_and_within_the_papers_variance_bound():
+    x = torch.randn(64, generator=gen())
+    s = 4
+    mean, var = mean_and_var(QSGD(levels=s), x)
+    norm = float(x.double().norm())
+    r = x.double().abs() / norm * s
+    p = r - torch.floor(r)
+    exact_var = (norm / s) ** 2 * p * (1 - p)  # Bernoulli between adjacent levels
+    assert_unbiased(mean, x, exact_var)
+    d = x.numel()
+    total = float(var.sum())
+    assert total <= min(d / s**2, math.sqrt(d) / s) * norm**2
+    assert abs(total - float(exact_var.sum())) <= 0.15 * float(exact_var.sum())
+
+
+def test_terngrad_unbiased():
+    x = torch.randn(64, generator=gen(1))
+    mean, _ = mean_and_var(TernGrad(), x)
+    s = float(x.abs().max())
+    assert_unbiased(mean, x, s * x.double().abs() - x.double() ** 2)
+
+
+def test_randk_unbiased():
+    x = torch.randn(64, generator=gen(2))
+    d, k = 64, 8
+    mean, _ = mean_and_var(RandK(ratio=k / d), x)
+    assert_unbiased(mean, x, x.double() ** 2 * (d / k - 1))
+
+
+def test_int8_stochastic_unbiased_and_deterministic_biased():
+    x = torch.randn(64, generator=gen(3)) * 0.01
+    x[0] = 1.0  # a coarse step: deterministic rounding is visibly biased
+    step = 1.0 / 127
+    mean, _ = mean_and_var(Int8(stochastic=True), x)
+    assert_unbiased(mean, x, torch.full((64,), step**2 / 4, dtype=torch.float64))
+    assert Int8(stochastic=True).biased is False and Int8().biased is True
+    det = Int8().decode(Int8().encode(x)).double()
+    # deterministic rounding misses by far more than the stochastic tolerance
+    assert (det - x.double()).abs().max() > 5 * (5 * math.sqrt(step**2 / 4 / N_DRAWS))
+
+
+# ------------------------------------------------------------------ payload sizes
+
+D = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def big():
+    return torch.randn(D, generator=gen(11))
+
+
+def test_sizes_of_casts_and_int8(big):
+    assert len(Raw().encode(big)) == head(1, 0) + 4 * D
+    assert len(FP16().encode(big)) == head(1, 0) + 2 * D
+    assert len(BF16().encode(big)) == head(1, 0) + 2 * D
+    assert len(Int8().encode(big)) == head(1, 5) + 4 + D
+    assert len(Int8(block=256).encode(big)) == head(1, 5) + 4 * math.ceil(D / 256) + D
+
+
+def test_onebit_of_a_million_is_125kB_plus_scales(big):
+    assert len(OneBit().encode(big)) == head(1, 0) + 8 + 125_000  # one column: 2 floats
+    m = big.view(1000, 1000)
+    assert len(OneBit().encode(m)) == head(2, 0) + 8 * 1000 + 125_000
+
+
+@pytest.mark.parametrize("s,bits", [(1, 1), (16, 5), (255, 8), (256, 9)])
+def test_qsgd_size(big, s, bits):
+    x = big[:100_003]
+    d = x.numel()
+    assert len(QSGD(levels=s).encode(x, generator=gen())) == head(1, 2) + 4 + math.ceil(d / 8) + math.ceil(d * bits / 8)
+
+
+def test_terngrad_and_signsgd_sizes(big):
+    assert len(TernGrad().encode(big, generator=gen())) == head(1, 0) + 4 + D // 4
+    assert len(SignSGD().encode(big[:D - 3])) == head(1, 0) + 4 + math.ceil((D - 3) / 8)
+
+
+def sparse_size(payload_body_tag: int, idx: np.ndarray, d: int, per_value: float) -> int:
+    if payload_body_tag == 0:
+        index = 1 + math.ceil(d / 8)
+    else:
+        gaps = np.diff(idx, prepend=-1) - 1
+        index = 1 + varint_len(len(idx)) + sum(varint_len(int(g)) for g in gaps)
+    return index + math.ceil(per_value * len(idx))
+
+
+@pytest.mark.parametrize("ratio,tag", [(0.5, 0), (0.01, 1), (0.001, 1)])
+def test_topk_size_picks_the_smaller_index_encoding(big, ratio, tag):
+    p = TopK(ratio=ratio).encode(big)
+    h, body = unpack(p)
+    assert body[0] == tag
+    idx = np.flatnonzero(decode_any(p).numpy())
+    assert len(idx) == math.ceil(ratio * D)
+    assert len(p) == head(1, 4) + sparse_size(tag, idx, D, 4)
+    # the other encoding would not have been smaller
+    other = sparse_size(1 - tag, idx, D, 4)
+    assert other >= len(body) if tag == 0 else other > len(body)
+
+
+def test_threshold_size(big):
+    for tau, tag in ((0.5, 0), (3.0, 1)):
+        p = Threshold(tau=tau).encode(big)
+        idx = np.flatnonzero(decode_any(p).numpy())
+        assert unpack(p)[1][0] == tag
+        assert len(p) == head(1, 4) + sparse_size(tag, idx, D, 1 / 8)
+
+
+def test_powersgd_size():
+    x = torch.randn(1000, 1000, generator=gen())
+    assert len(build_codec("powersgd", rank=2).encode(x, generator=gen())) == head(2, 2) + 4 * 2 * 2000
+
+
+# ------------------------------------------------------------------ configs and errors
+
+
+@pytest.mark.parametrize("name,params,match", [
+    ("qsgd", {"levels": 0}, "levels must be"),
+    ("int8", {"block": -1}, "block must be"),
+    ("threshold", {"tau": 0.0}, "tau must be"),
+    ("topk", {"ratio": 0.0}, "ratio must be in"),
+    ("randk", {"ratio": 1.5}, "ratio must be in"),
+    ("powersgd", {"rank": 0}, "rank must be"),
+    ("raw", {"lossless": 1}, "lossless must be"),
+    ("qsgd", {"bogus": 1}, "unknown parameter"),
+    ("nope", {}, "unknown codec"),
+])
+def test_bad_configs_say_what_to_change(name, params, match):
+    with pytest.raises(ValueError, match=match):
+        build_codec(name, **params)
+
+
+def test_encode_refuses_nan():
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        QSGD().encode(torch.tensor([1.0, float("nan")]))
+
+
+def test_configs_are_frozen():
+    c = build_codec("qsgd", levels=4)
+    with pytest.raises(Exception):
+        c.config.levels = 8  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_every_truncation_is_rejected(name):
+    p = build_codec(name, **PARAMS.get(name, {})).encode(torch.randn(6, 5, generator=gen()), generator=gen())
+    for n in range(len(p)):
+        with pytest.raises(MalformedPayloadError):
+            decode_any(p[:n])
+    with pytest.raises(MalformedPayloadError, match="body length"):
+        decode_any(p + b"\x00")
+
+
+def test_unknown_version_codec_and_dtype():
+    p = bytearray(Raw().encode(torch.ones(3)))
+    for off, val, match in ((2, 2, "version"), (3, 200, "codec id"), (5, 9, "dtype"), (0, 0, "magic"), (4, 2, "flag")):
+        q = bytearray(p)
+        q[off] = val
+        with pytest.raises(MalformedPayloadError, match=match):
+            decode_any(bytes(q))
+
+
+def test_shape_mismatch_is_named():
+    h, body = unpack(Raw().encode(torch.ones(3, 4)))
+    with pytest.raises(MalformedPayloadError, match="must be 64 bytes"):
+        decode_any(pack(Header("raw", h.dtype, (4, 4), b""), body))
+    with pytest.raises(MalformedPayloadError, match="not 'qsgd'"):
+        QSGD.decode(Raw().encode(torch.ones(3)))
+
+
+def test_topk_index_out_of_range_and_bad_tags():
+    params = struct.pack("<f", 0.5)
+    body = bytes([1, 1, 10]) + struct.pack("<f", 1.0)  # varint: k=1, index 10 of 10 elements
+    with pytest.raises(MalformedPayloadError, match="out of range"):
+        decode_any(pack(Header("topk", torch.float32, (10,), params), body))
+    with pytest.raises(MalformedPayloadError, match="index-encoding tag"):
+        decode_any(pack(Header("topk", torch.float32, (10,), params), bytes([7]) + body[1:]))
+    bitmap = bytes([0, 0, 0b100])  # 10 elements: bit 10 is padding
+    with pytest.raises(MalformedPayloadError, match="padding"):
+        decode_any(pack(Header("topk", torch.float32, (10,), params), bitmap + struct.pack("<f", 1.0)))
+    with pytest.raises(MalformedPayloadError, match="10 indices for a tensor of 3"):
+        decode_any(pack(Header("topk", torch.float32, (3,), params), bytes([1, 10]) + bytes(10)))
+
+
+def test_nan_and_inf_after_decoding_are_rejected():
+    nan = struct.pack("<f", float("nan"))
+    with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
+        decode_any(pack(Header("raw", torch.float32, (1,), b""), nan))
+    with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
+        decode_any(pack(Header("qsgd", torch.float32, (1,), struct.pack("<H", 1)), struct.pack("<f", float("inf")) + b"\x00\x01"))
+    # finite factors whose product overflows: caught after decoding
+    big = struct.pack("<f", 3e38)
+    with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
+        decode_any(pack(Header("powersgd", torch.float32, (1, 1), struct.pack("<H", 1)), big + big))
+
+
+def test_decode_limit_refuses_huge_shapes_before_allocating():
+    params = struct.pack("<f", 1e-9)
+    tiny = pack(Header("topk", torch.float32, (2**30,), params), bytes([1, 1, 0]) + struct.pack("<f", 1.0))
+    with decode_limit(1 << 20):
+        with pytest.raises(MalformedPayloadError, match="decode limit"):
+            decode_any(tiny)
+    # dense codecs never need the limit: the body length gives a forged shape away
+    for name in ("raw", "fp16", "int8", "qsgd", "terngrad", "onebit", "signsgd"):
+        h, body = unpack(build_codec(name).encode(torch.ones(8), generator=gen()))
+        with pytest.raises(MalformedPayloadError, match="must be"):
+            decode_any(pack(Header(name, h.dtype, (2**31,), h.params), body))
+
+
+def test_zlib_trailing_garbage_rejected():
+    p = Raw(lossless=True).encode(torch.ones(100))
+    h, _ = unpack(p)
+    import zlib
+    body = zlib.compress(bytes(400)) + b"junk"
+    raw = pack(Header("raw", torch.float32, (100,), b""), body)
+    forged = bytearray(raw)
+    forged[4] = 1  # set the zlib flag on a body that has trailing bytes
+    with pytest.raises(MalformedPayloadError, match="follow the end of the zlib stream"):
+        decode_any(bytes(forged))
+
+
+# ------------------------------------------------------------------ test vectors
+
+
+def _vectors():
+    index = json.loads((VECTORS / "index.json").read_text())
+    return index["vectors"]
+
+
+@pytest.mark.parametrize("v", _vectors(), ids=lambda v: v["name"])
+def test_vector_decodes_exactly_and_reencodes_byte_for_byte(v):
+    shape = tuple(v["shape"])
+    x = torch.from_numpy(np.fromfile(VECTORS / f"{v['name']}.input.f32", dtype="<f4").copy()).reshape(shape)
+    payload = (VECTORS / f"{v['name']}.payload.bin").read_bytes()
+    expected = np.fromfile(VECTORS / f"{v['name']}.decoded.f32", dtype="<f4").reshape(shape)
+    got = decode_any(payload).numpy()
+    assert got.tobytes() == expected.tobytes()
+    codec = build_codec(v["codec"], **v["params"])
+    assert codec.encode(x, generator=gen(v["seed"])) == payload
+
+
+def test_vectors_cover_every_codec_and_stay_small():
+    names = {v["codec"] for v in _vectors()}
+    assert names == set(CODECS)
+    assert sum(f.stat().st_size for f in VECTORS.iterdir()) < 200_000
