@@ -16,7 +16,10 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from fededge.compress.update import UpdateConfig
 
 from fededge.data.datasets import DATASETS
 from fededge.data.partition import PARTITIONS
@@ -147,6 +150,12 @@ class RunConfig:
         ``netem-file``). See :mod:`fededge.netem.assign`.
     netem_file : str
         A TOML file with extra profiles and optional ``[assign]`` / ``[speed]`` tables.
+    compressor, error_feedback, lossless, qsgd_levels, qsgd_bucket, topk_ratio, powersgd_rank, \
+    int8_block, threshold_tau, dgc_sparsity, dgc_warmup_rounds, dgc_momentum, \
+    dgc_clip_norm, compress_min_numel, compress_small_codec
+        Uplink compression (``compressor = "none"`` sends full weights). See
+        :class:`fededge.compress.update.UpdateConfig` for each knob, and docs/compression.md.
+        Example: ``compressor="qsgd" qsgd-levels=16 error-feedback=true``.
     compute_speed : str
         Device speed factors: ``"1.0"``, ``"lognormal:0.5"`` (heterogeneous, seeded) or
         ``"file"``. A factor of 2 computes twice as fast as the measuring machine.
@@ -190,6 +199,21 @@ class RunConfig:
     netem: str = ""
     netem_file: str = ""
     compute_speed: str = "1.0"
+    compressor: str = "none"
+    error_feedback: bool = False
+    lossless: bool = False
+    qsgd_levels: int = 16
+    qsgd_bucket: int = 512
+    topk_ratio: float = 0.01
+    powersgd_rank: int = 2
+    int8_block: int = 0
+    threshold_tau: float = 1e-3
+    dgc_sparsity: float = 0.999
+    dgc_warmup_rounds: int = 4
+    dgc_momentum: float = 0.9
+    dgc_clip_norm: float = 0.0
+    compress_min_numel: int = 256
+    compress_small_codec: str = "raw"
     progress: str = "auto"
 
     def __post_init__(self) -> None:
@@ -256,6 +280,12 @@ class RunConfig:
         if "file" in (self.netem, self.compute_speed) and not self.netem_file:
             raise ConfigError("run-config key 'netem-file' must name a TOML file when netem or "
                               "compute-speed is 'file'")
+        try:
+            self.update_config()
+        except ValueError as err:
+            msg = str(err)
+            raise ConfigError(f"run-config {msg}" if msg.startswith("'") else
+                              f"run-config key 'compressor': {msg}") from None
         if not self.results_dir:
             raise ConfigError("run-config key 'results-dir' must not be empty")
         if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):
@@ -295,6 +325,19 @@ class RunConfig:
     def to_mapping(self) -> dict[str, Any]:
         """The config as kebab-case keys, the form Flower and ``config.json`` use."""
         return {_kebab(k): v for k, v in dataclasses.asdict(self).items()}
+
+    def update_config(self) -> "UpdateConfig":
+        """The uplink compression knobs as :class:`fededge.compress.update.UpdateConfig`."""
+        from fededge.compress.update import UpdateConfig
+
+        return UpdateConfig(
+            compressor=self.compressor, error_feedback=self.error_feedback, lossless=self.lossless,
+            qsgd_levels=self.qsgd_levels, qsgd_bucket=self.qsgd_bucket, topk_ratio=self.topk_ratio, powersgd_rank=self.powersgd_rank,
+            int8_block=self.int8_block, threshold_tau=self.threshold_tau, dgc_sparsity=self.dgc_sparsity,
+            dgc_warmup_rounds=self.dgc_warmup_rounds, dgc_momentum=self.dgc_momentum,
+            dgc_clip_norm=self.dgc_clip_norm, min_numel=self.compress_min_numel,
+            small_codec=self.compress_small_codec, seed=self.seed,
+        )
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (snake_case names), validated again."""

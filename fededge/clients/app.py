@@ -23,6 +23,7 @@ from torch import nn
 
 from fededge import keys
 from fededge.clients.device import resolve_device
+from fededge.clients.mods import compression_mod
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
 from fededge.models.zoo import build_model
@@ -100,7 +101,7 @@ def _received_arrays(msg: Message) -> ArrayRecord:
     return msg.content[keys.ARRAYS]
 
 
-@app.train()
+@app.train(mods=[compression_mod])
 def train(msg: Message, context: Context) -> Message:
     """Load the received weights, run K local SGD steps, reply with the new weights."""
     work = client_workload(context)

@@ -59,7 +59,7 @@ def build_codec(name: str, **params: Any) -> Codec:
     Examples
     --------
     >>> build_codec("qsgd", levels=16)
-    QSGD(QSGDConfig(lossless=False, levels=16))
+    QSGD(QSGDConfig(lossless=False, levels=16, bucket=512))
     """
     cls = REGISTRY.get(name)
     if cls is None:

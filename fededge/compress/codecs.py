@@ -87,16 +87,28 @@ class QSGDConfig(CodecConfig):
     ----------
     levels : int
         The number s of quantization levels (1..65535). Each element costs
-        ceil(log2(s+1)) bits plus a sign bit; the variance bound min(d/s^2, sqrt(d)/s)
-        shrinks as s grows. 16 (5 bits) is close to full-precision accuracy in the paper.
+        ceil(log2(s+1)) bits plus a sign bit; the variance bound min(b/s^2, sqrt(b)/s)
+        (b = bucket) shrinks as s grows. 16 (5 bits) is close to full-precision accuracy
+        in the paper.
+    bucket : int
+        Elements per bucket, each bucket quantized with its own L2 norm (one float32 per
+        bucket on the wire). Default 512, the bucket size of the paper's experiments: it
+        costs 32 bits per 512 elements (1/16 bit each) and keeps the error of a large
+        tensor near that of a 512-element one, since the variance bound grows with b,
+        not with the tensor size d. 0 means one bucket for the whole tensor (one norm;
+        the variance bound then grows with sqrt(d) / s, huge for large tensors).
     """
 
     levels: int = 16
+    bucket: int = 512
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.levels, int) or isinstance(self.levels, bool) or not 1 <= self.levels <= 65535:
             raise ValueError(f"levels must be an integer in 1..65535, got {self.levels!r}")
+        if not isinstance(self.bucket, int) or isinstance(self.bucket, bool) or not 0 <= self.bucket < 2**32:
+            raise ValueError(f"bucket must be a positive element count below 2**32 (512 is the usual "
+                             f"choice) or 0 for one bucket per tensor, got {self.bucket!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -492,23 +504,29 @@ class Int8(_Configured):
 
 @register
 class QSGD(_Configured):
-    """QSGD: stochastic quantization to s levels of |x_i| / ||x||_2 (Alistarh et al., 2017,
-    "QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding").
+    """QSGD: stochastic quantization to s levels of |x_i| / ||x_B||_2 per bucket B of
+    ``bucket`` consecutive elements (Alistarh et al., 2017, "QSGD: Communication-Efficient
+    SGD via Gradient Quantization and Encoding"). The default is bucket = 512, as in the
+    paper's experiments; bucket = 0 quantizes the whole tensor with one norm.
 
-    level_i = floor(s |x_i| / ||x|| + u_i), u_i ~ U[0, 1), so E[level_i] = s |x_i| / ||x||
-    and the estimate ||x|| sign(x_i) level_i / s is unbiased with
-    E||Q(x) - x||^2 <= min(d / s^2, sqrt(d) / s) ||x||^2.
+    level_i = floor(s |x_i| / ||x_B|| + u_i), u_i ~ U[0, 1), so E[level_i] = s |x_i| / ||x_B||
+    and the estimate ||x_B|| sign(x_i) level_i / s is unbiased with, per bucket,
+    E||Q(x_B) - x_B||^2 <= min(b / s^2, sqrt(b) / s) ||x_B||^2 (b = bucket, or d when
+    bucket = 0); summed over the buckets, E||Q(x) - x||^2 <= min(b / s^2, sqrt(b) / s) ||x||^2.
 
-    Params: ``<H`` s. Body: ||x||_2 as float32; d sign bits (1 = negative); d level indices
-    of b = ceil(log2(s + 1)) bits each, bit-packed LSB first. Decoded value:
-    ±(norm * (float32(level) / float32(s))). The decoder rejects level > s.
+    Params: ``<H`` s, ``<I`` bucket (6 bytes). Body: n float32 bucket norms ||x_B||_2
+    (n = 1 if bucket == 0 else ceil(d / bucket); bucket j covers elements j*bucket ..
+    (j+1)*bucket - 1, the last one possibly shorter); d sign bits (1 = negative); d level
+    indices of b = ceil(log2(s + 1)) bits each, bit-packed LSB first. Decoded value:
+    ±(norm[i // bucket] * (float32(level) / float32(s))). The decoder rejects level > s,
+    s = 0 and a negative or non-finite norm.
 
     Examples
     --------
     >>> g = torch.Generator().manual_seed(0)
     >>> payload = QSGD(levels=16).encode(torch.randn(1000), generator=g)
-    >>> len(payload)  # 19 header + 4 norm + 125 sign + 625 level bytes
-    773
+    >>> len(payload)  # 23 header + 2 x 4 norms + 125 sign + 625 level bytes
+    781
     """
 
     name = "qsgd"
@@ -519,37 +537,61 @@ class QSGD(_Configured):
     def level_bits(s: int) -> int:
         return max(1, math.ceil(math.log2(s + 1)))
 
+    @staticmethod
+    def num_buckets(d: int, bucket: int) -> int:
+        """Norms on the wire for ``d`` elements: 1 if bucket == 0, else ceil(d / bucket)."""
+        return 1 if bucket == 0 else -(-d // bucket)
+
+    @classmethod
+    def body_size(cls, d: int, bucket: int, s: int) -> int:
+        """Body bytes: 4 per norm, ceil(d / 8) of signs, ceil(d * b / 8) of levels."""
+        return 4 * cls.num_buckets(d, bucket) + (d + 7) // 8 + (d * cls.level_bits(s) + 7) // 8
+
     def encode(self, x, *, generator=None):
         f = _flat32(x)
-        s = self.config.levels
-        norm = torch.linalg.vector_norm(f.double()).float()
-        if not torch.isfinite(norm):
-            raise ValueError("the L2 norm overflows float32; scale the update down first")
-        if norm > 0:
-            r = f.abs() / norm * s
-            lv = torch.floor(r + torch.rand(f.shape, generator=_generator(generator))).clamp_(0, s)
-        else:
-            lv = torch.zeros_like(f)
-        body = (norm.numpy().astype("<f4").tobytes() + _pack_bits_np((f < 0).numpy())
+        d = f.numel()
+        s, bucket = self.config.levels, self.config.bucket
+        nb = self.num_buckets(d, bucket)
+        width = max(1, d if bucket == 0 or bucket > d else bucket)  # never pad past d
+        padded = torch.zeros(nb * width, dtype=torch.float64)
+        padded[:d] = f
+        norms = torch.linalg.vector_norm(padded.view(nb, width), dim=1).float()
+        if not torch.isfinite(norms).all():
+            raise ValueError("the L2 norm of a bucket overflows float32; scale the update down first")
+        per = norms.repeat_interleave(width)[:d]  # each element's bucket norm
+        live = per > 0
+        r = f.abs() / torch.where(live, per, torch.ones_like(per)) * s
+        lv = torch.floor(r + torch.rand(f.shape, generator=_generator(generator))).clamp_(0, s)
+        lv = torch.where(live, lv, torch.zeros_like(lv))
+        body = (norms.numpy().astype("<f4").tobytes() + _pack_bits_np((f < 0).numpy())
                 + _pack_uints(lv.to(torch.int64).numpy(), self.level_bits(s)))
-        return pack(_header(self.name, x, struct.pack("<H", s), self.config), body)
+        params = struct.pack("<HI", s, bucket)
+        return pack(_header(self.name, x, params, self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        (s,) = _params(header, "<H")
+        s, bucket = _params(header, "<HI")
         if s < 1:
             raise MalformedPayloadError("qsgd levels must be >= 1, got 0")
         d, b = header.numel, cls.level_bits(s)
+        nb = cls.num_buckets(d, bucket)
         nsign = (d + 7) // 8
-        _need(header, body, 4 + nsign + (d * b + 7) // 8)
-        norm = _f32s(body[:4], "qsgd norm")[0]
-        if norm < 0:
-            raise MalformedPayloadError(f"qsgd norm {norm} is negative")
-        neg = _bits_np(body[4:4 + nsign], d, "qsgd signs")
-        lv = _unpack_uints(body[4 + nsign:], d, b, "qsgd levels")
+        size = cls.body_size(d, bucket, s)
+        if len(body) != size:
+            raise MalformedPayloadError(
+                f"qsgd body of shape {header.shape} (d = {d}) with bucket = {bucket} and s = {s} must be "
+                f"{size} bytes ({nb} norms x 4 + {nsign} sign + {(d * b + 7) // 8} level), got {len(body)}"
+            )
+        norms = _f32s(body[: 4 * nb], "qsgd norms")
+        if (norms < 0).any():
+            raise MalformedPayloadError(f"qsgd norm {float(norms.min())} is negative")
+        neg = _bits_np(body[4 * nb:4 * nb + nsign], d, "qsgd signs")
+        lv = _unpack_uints(body[4 * nb + nsign:], d, b, "qsgd levels")
         if (lv > s).any():
             raise MalformedPayloadError(f"qsgd level {int(lv.max())} exceeds s = {s}")
-        mag = norm * (lv.astype(np.float32) / np.float32(s))
+        # min(): a forged huge bucket must not allocate more than d elements
+        per = np.repeat(norms, min(bucket, d))[:d] if bucket else np.full(d, norms[0], dtype=np.float32)
+        mag = per * (lv.astype(np.float32) / np.float32(s))
         return _out(np.where(neg, -mag, mag), header)
 
 

@@ -33,6 +33,7 @@ from fededge.netem.assign import assign_links
 from fededge.netem.clock import ClientRound, SimClock, synchronous_round
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
+from fededge.strategies.compressed import Compressed
 from fededge.strategies.registry import build_strategy
 from fededge.workload import dataset_for, model_for
 
@@ -176,6 +177,8 @@ def run_experiment(
     model = model_for(cfg, ds).to(device)
     initial = ArrayRecord(model.state_dict())
     strategy = strategy or build_strategy(cfg)
+    if cfg.compressor != "none" and not isinstance(strategy, Compressed):
+        strategy = Compressed(strategy)
     metered = MeteredGrid(grid)
     recorder = RunRecorder(
         cfg.results_dir, run_id or new_run_id(cfg.run_name), cfg.to_mapping(),
@@ -203,6 +206,9 @@ def run_experiment(
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, x_test, y_test)
         traffic = metered.take()
+        comp = strategy.take_stats() if isinstance(strategy, Compressed) else None
+        for reason in comp.reasons if comp else []:
+            progress.note(f"round {rnd}: a compressed update was rejected and left out: {reason}")
         for err in traffic.errors:
             progress.note(f"round {rnd}: a client update was rejected and left out: {err}")
             log.warning("round %d: a client update was rejected and left out: %s", rnd, err)
@@ -212,14 +218,16 @@ def run_experiment(
             # Synchronous round on the simulated clock: download, compute (scaled by the
             # client's speed) and upload on each client's link; the slowest one decides.
             round_sim_s=round_clock.round_duration(traffic),
-            num_clients=traffic.train_replies, failures=traffic.failures,
+            num_clients=traffic.train_replies - (comp.rejected if comp else 0),
+            failures=traffic.failures, rejected=comp.rejected if comp else 0,
+            compression_ratio=comp.ratio if comp else None,
         )
         progress.update(rec)
-        if rnd >= 1 and traffic.train_replies == 0:
-            first = traffic.errors[0] if traffic.errors else "no reply arrived within round-timeout"
+        if rnd >= 1 and rec.num_clients == 0:
+            first = (traffic.errors or (comp.reasons if comp else []) or ["no reply arrived within round-timeout"])[0]
             raise RoundFailedError(
                 f"round {rnd}: no client update could be used ({traffic.failures} of "
-                f"{traffic.replies} replies failed); first error: {first}"
+                f"{traffic.replies} replies failed, {rec.rejected} rejected); first error: {first}"
             )
         return MetricRecord({"accuracy": acc, "loss": loss})
 

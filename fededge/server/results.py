@@ -77,6 +77,8 @@ class RoundRecord:
     round_sim_s: float = 0.0
     cum_bytes_up: int = 0
     cum_bytes_down: int = 0
+    rejected: int = 0  # client updates that did not decode and were left out
+    compression_ratio: Optional[float] = None  # float32 bytes of the update / payload bytes
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -148,6 +150,8 @@ class RunRecorder:
         round_sim_s: float,
         num_clients: int,
         failures: int = 0,
+        rejected: int = 0,
+        compression_ratio: float | None = None,
     ) -> RoundRecord:
         """Append one round; ``round_sim_s`` is that round's simulated duration."""
         self._cum_up += bytes_up
@@ -156,7 +160,8 @@ class RunRecorder:
         rec = RoundRecord(
             round=rnd, accuracy=accuracy, loss=loss, bytes_up=bytes_up, bytes_down=bytes_down,
             wall_s=round(self.elapsed, 6), sim_s=round(self._sim_s, 6), num_clients=num_clients,
-            failures=failures, round_sim_s=round(round_sim_s, 6),
+            failures=failures, round_sim_s=round(round_sim_s, 6), rejected=rejected,
+            compression_ratio=None if compression_ratio is None else round(compression_ratio, 4),
             cum_bytes_up=self._cum_up, cum_bytes_down=self._cum_down,
         )
         self.records.append(rec)
@@ -183,6 +188,7 @@ class RunRecorder:
             "total_bytes_up": self._cum_up,
             "total_bytes_down": self._cum_down,
             "total_failures": sum(r.failures for r in recs),
+            "total_rejected": sum(r.rejected for r in recs),
             "wall_s": last.wall_s if last else 0.0,
             "sim_s": last.sim_s if last else 0.0,
         }

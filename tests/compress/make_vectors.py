@@ -26,6 +26,8 @@ CASES = [
     ("int8_block_stochastic", "int8", {"block": 8, "stochastic": True}, (3, 7), 1.0, 6),
     ("qsgd_s16", "qsgd", {"levels": 16}, (4, 8), 1.0, 7),
     ("qsgd_s3_zlib", "qsgd", {"levels": 3, "lossless": True}, (37,), 1.0, 8),
+    ("qsgd_s4_bucket8", "qsgd", {"levels": 4, "bucket": 8}, (3, 7), 1.0, 21),  # 3 norms, last bucket of 5
+    ("qsgd_s16_bucket0", "qsgd", {"levels": 16, "bucket": 0}, (4, 8), 1.0, 22),  # one norm per tensor
     ("terngrad", "terngrad", {}, (4, 8), 1.0, 9),
     ("onebit_matrix", "onebit", {}, (6, 5), 1.0, 10),
     ("onebit_vector", "onebit", {}, (13,), 1.0, 11),

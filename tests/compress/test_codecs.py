@@ -161,19 +161,87 @@ def assert_unbiased(mean, x, per_elem_var, n=N_DRAWS):
     assert ((mean - x.double()).abs() <= tol).all(), float(((mean - x.double()).abs() - tol).max())
 
 
-def test_qsgd_unbiased_and_within_the_papers_variance_bound():
-    x = torch.randn(64, generator=gen())
+def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Each element's bucket L2 norm (float64); bucket 0 = the whole tensor."""
+    x = x.double().reshape(-1)
+    w = x.numel() if bucket == 0 else bucket
+    return torch.cat([c.norm().expand(c.numel()) for c in x.split(w)])
+
+
+@pytest.mark.parametrize("bucket", [0, 16])
+def test_qsgd_unbiased_and_within_the_papers_variance_bound(bucket):
+    x = torch.randn(100, generator=gen())  # bucket 16: six full buckets and one of 4
     s = 4
-    mean, var = mean_and_var(QSGD(levels=s), x)
-    norm = float(x.double().norm())
+    mean, var = mean_and_var(QSGD(levels=s, bucket=bucket), x)
+    norm = bucket_norms(x, bucket)
     r = x.double().abs() / norm * s
     p = r - torch.floor(r)
     exact_var = (norm / s) ** 2 * p * (1 - p)  # Bernoulli between adjacent levels
     assert_unbiased(mean, x, exact_var)
-    d = x.numel()
+    b = bucket or x.numel()
     total = float(var.sum())
-    assert total <= min(d / s**2, math.sqrt(d) / s) * norm**2
+    assert total <= min(b / s**2, math.sqrt(b) / s) * float(x.double().norm()) ** 2
     assert abs(total - float(exact_var.sum())) <= 0.15 * float(exact_var.sum())
+
+
+def test_qsgd_buckets_quantize_with_their_own_norm():
+    x = torch.cat([torch.randn(8, generator=gen()) * 1000, torch.randn(9, generator=gen(1)) * 1e-3])
+    y = QSGD(levels=4, bucket=8).decode(QSGD(levels=4, bucket=8).encode(x, generator=gen()))
+    for chunk, out in zip(x.split(8), y.split(8)):
+        step = float(chunk.float().norm()) / 4
+        assert torch.allclose(out.abs() / step, (out.abs() / step).round(), atol=1e-4)
+        assert ((out - chunk).abs() <= step * (1 + 1e-5)).all()
+    assert (y[8:].abs() < 1).all()  # the small buckets do not inherit the big norm
+
+
+def test_qsgd_bucket_zero_is_one_norm_for_the_whole_tensor():
+    x = torch.randn(1000, generator=gen())
+    c = QSGD(levels=16, bucket=0)
+    p = c.encode(x, generator=gen())
+    h, body = unpack(p)
+    assert struct.unpack("<HI", h.params) == (16, 0)
+    assert len(body) == 4 + 125 + 625
+    y = c.decode(p)
+    step = float(x.norm()) / 16
+    assert torch.allclose(y.abs() / step, (y.abs() / step).round(), atol=1e-4)
+    # a bucket at least d long encodes like bucket 0 except for the params
+    assert unpack(QSGD(levels=16, bucket=1000).encode(x, generator=gen()))[1] == body
+    assert unpack(QSGD(levels=16, bucket=4096).encode(x, generator=gen()))[1] == body
+
+
+def test_qsgd_default_is_bucket_512():
+    assert QSGD().config.bucket == 512 and QSGD().config.levels == 16
+
+
+def test_qsgd_bucketing_cuts_the_error_of_a_large_tensor(big):
+    """1M randn elements, s = 16: bucket 0 has relative error ||Q(x) - x|| / ||x|| ~ 6.99
+    (expected value sqrt(sum (||x||/s)^2 p(1-p)) / ||x||), bucket 512 ~ 0.577: 12x smaller.
+    Both stay under the paper's bound sqrt(min(b/s^2, sqrt(b)/s)): 7.91 and 1.19."""
+    err = {}
+    for bucket in (0, 512):
+        y = decode_any(QSGD(levels=16, bucket=bucket).encode(big, generator=gen(5)))
+        err[bucket] = float((y.double() - big.double()).norm() / big.double().norm())
+        b = bucket or D
+        assert err[bucket] <= math.sqrt(min(b / 16**2, math.sqrt(b) / 16))
+    assert err[0] > 6.5
+    assert err[512] < 0.6
+    assert err[0] / err[512] > 11
+
+
+def test_qsgd_body_length_is_checked_against_bucket_and_levels():
+    x = torch.randn(17, generator=gen())
+    h, body = unpack(QSGD(levels=16, bucket=4).encode(x, generator=gen()))
+    assert len(body) == 4 * 5 + 3 + 11
+    for s, bucket in ((16, 8), (16, 0), (7, 4)):
+        forged = pack(Header("qsgd", h.dtype, h.shape, struct.pack("<HI", s, bucket)), body)
+        with pytest.raises(MalformedPayloadError, match=f"bucket = {bucket} and s = {s} must be"):
+            decode_any(forged)
+    # a forged huge bucket means one norm; it must decode without allocating per bucket
+    h0, body0 = unpack(QSGD(levels=16, bucket=0).encode(x, generator=gen()))
+    huge = pack(Header("qsgd", h.dtype, h.shape, struct.pack("<HI", 16, 2**32 - 1)), body0)
+    assert torch.equal(decode_any(huge), decode_any(pack(h0, body0)))
+    with pytest.raises(MalformedPayloadError, match="parameters are 2 bytes, expected 6"):
+        decode_any(pack(Header("qsgd", h.dtype, h.shape, struct.pack("<H", 16)), body))
 
 
 def test_terngrad_unbiased():
@@ -226,11 +294,22 @@ def test_onebit_of_a_million_is_125kB_plus_scales(big):
     assert len(OneBit().encode(m)) == head(2, 0) + 8 * 1000 + 125_000
 
 
+@pytest.mark.parametrize("bucket", [0, 512, 1000])
 @pytest.mark.parametrize("s,bits", [(1, 1), (16, 5), (255, 8), (256, 9)])
-def test_qsgd_size(big, s, bits):
+def test_qsgd_size(big, s, bits, bucket):
     x = big[:100_003]
     d = x.numel()
-    assert len(QSGD(levels=s).encode(x, generator=gen())) == head(1, 2) + 4 + math.ceil(d / 8) + math.ceil(d * bits / 8)
+    norms = 1 if bucket == 0 else math.ceil(d / bucket)
+    assert len(QSGD(levels=s, bucket=bucket).encode(x, generator=gen())) == (
+        head(1, 6) + 4 * norms + math.ceil(d / 8) + math.ceil(d * bits / 8))
+
+
+def test_qsgd_size_of_a_million_with_bucket_512(big):
+    # 23 header (17 + 6 params) + 1954 norms x 4 (ceil(1e6 / 512)) + 125,000 sign bytes
+    # + 625,000 bytes of 5-bit levels = 757,839 (bucket 0: 750,027)
+    assert len(QSGD(levels=16, bucket=512).encode(big, generator=gen())) == 757_839
+    assert len(QSGD(levels=16).encode(big, generator=gen())) == 757_839
+    assert len(QSGD(levels=16, bucket=0).encode(big, generator=gen())) == 750_027
 
 
 def test_terngrad_and_signsgd_sizes(big):
@@ -278,6 +357,10 @@ def test_powersgd_size():
 
 @pytest.mark.parametrize("name,params,match", [
     ("qsgd", {"levels": 0}, "levels must be"),
+    ("qsgd", {"bucket": -1}, "bucket must be a positive element count"),
+    ("qsgd", {"bucket": 2**32}, "bucket must be"),
+    ("qsgd", {"bucket": 1.5}, "bucket must be"),
+    ("qsgd", {"bucket": True}, "bucket must be"),
     ("int8", {"block": -1}, "block must be"),
     ("threshold", {"tau": 0.0}, "tau must be"),
     ("topk", {"ratio": 0.0}, "ratio must be in"),
@@ -349,7 +432,7 @@ def test_nan_and_inf_after_decoding_are_rejected():
     with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
         decode_any(pack(Header("raw", torch.float32, (1,), b""), nan))
     with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
-        decode_any(pack(Header("qsgd", torch.float32, (1,), struct.pack("<H", 1)), struct.pack("<f", float("inf")) + b"\x00\x01"))
+        decode_any(pack(Header("qsgd", torch.float32, (1,), struct.pack("<HI", 1, 0)), struct.pack("<f", float("inf")) + b"\x00\x01"))
     # finite factors whose product overflows: caught after decoding
     big = struct.pack("<f", 3e38)
     with pytest.raises(MalformedPayloadError, match="NaN or Inf"):

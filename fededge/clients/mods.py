@@ -1,0 +1,68 @@
+"""Client mods: Flower's hook around the ClientApp's functions.
+
+:func:`compression_mod` turns a train reply into a compressed update. It keeps the
+delta from the weights the client received, encoded tensor by tensor, with the encoder's
+state (residuals, PowerSGD's Q, DGC's buffers) in ``context.state``. The compressed
+payloads travel in a record named ``compressed`` instead of ``arrays``, so a server
+without :class:`fededge.strategies.compressed.Compressed` fails loudly rather than
+averaging bytes. The arithmetic is :mod:`fededge.compress.update`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+
+from fededge import keys
+from fededge.compress.update import UpdateEncoder
+from fededge.config import RunConfig
+
+__all__ = ["compression_mod", "COMPRESSED", "UNCOMPRESSED"]
+
+COMPRESSED = "compressed"  # record of uint8 arrays: one wire payload per tensor
+UNCOMPRESSED = "arrays-uncompressed"  # non-float tensors (BatchNorm's counters), as they are
+STATE_KEY = "fededge.compress"
+
+
+def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Compress the reply of a train message when the run config names a compressor."""
+    reply = call_next(msg, context)
+    if not msg.metadata.message_type.startswith("train") or reply.has_error():
+        return reply
+    cfg = RunConfig.from_mapping(context.run_config)
+    if cfg.compressor == "none":
+        return reply
+    t0 = time.perf_counter()
+    received = msg.content[keys.ARRAYS].to_torch_state_dict()
+    trained = reply.content[keys.ARRAYS].to_torch_state_dict()
+    delta, raw = {}, {}
+    for name, new in trained.items():
+        if new.is_floating_point():
+            delta[name] = new.float() - received[name].float()
+        else:
+            raw[name] = new
+    pid = int(context.node_config.get(keys.PARTITION_ID, 0))
+    encoder = UpdateEncoder(cfg.update_config(), stream=pid)
+    if STATE_KEY in context.state:
+        encoder.load_state_dict(context.state[STATE_KEY].to_torch_state_dict())
+    rnd = int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 1)) if keys.CONFIG in msg.content else 1
+    payloads = encoder.encode(delta, round=rnd - 1)
+    state = encoder.state_dict()
+    if state:
+        context.state[STATE_KEY] = ArrayRecord({k: Array(v.numpy()) for k, v in state.items()})
+    content = RecordDict({
+        COMPRESSED: ArrayRecord({k: Array(np.frombuffer(p, dtype=np.uint8)) for k, p in payloads.items()}),
+        keys.METRICS: reply.content[keys.METRICS],
+    })
+    if raw:
+        content[UNCOMPRESSED] = ArrayRecord({k: Array(v.numpy()) for k, v in raw.items()})
+    # Encoding is the client's work too: it counts in the compute the clock sees.
+    metrics = content[keys.METRICS]
+    if keys.COMPUTE_S in metrics:
+        metrics[keys.COMPUTE_S] = float(metrics[keys.COMPUTE_S]) + (time.perf_counter() - t0)
+    reply.content = content
+    return reply
+

@@ -1,0 +1,211 @@
+"""Compress a whole model update: one payload per tensor, with the encoders' state.
+
+A client's update is the delta between the weights it trained and the weights it
+received. :class:`UpdateEncoder` encodes each floating-point tensor of that delta with the
+configured compressor. Tensors smaller than ``min_numel`` (biases, norm scales) and 1-D
+tensors under PowerSGD go with a small-tensor codec (``raw`` or a cast) instead, as the
+compression papers do. All encoder state (error-feedback residuals, PowerSGD's Q, DGC's
+velocity and accumulation) is in one ``state_dict()`` of tensors that fits in Flower's
+``context.state``. :func:`decode_update` is the server's side: stateless.
+
+Pure: no Flower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fededge.compress import (
+    CODECS, DGCConfig, DGCEncoder, ErrorFeedback, PowerSGDConfig, PowerSGDEncoder, build_codec,
+    decode_any, decode_limit,
+)
+from fededge.compress.codec import Codec
+
+__all__ = ["COMPRESSORS", "UNBIASED", "UpdateConfig", "UpdateEncoder", "decode_update"]
+
+#: ``none``, every codec name, and ``dgc`` (top-k with momentum correction and warm-up).
+COMPRESSORS: tuple[str, ...] = ("none", *CODECS, "dgc")
+#: Unbiased codecs: error feedback assumes a biased, contractive compressor and diverges
+#: with these (random-k's d/k rescaling makes the residual grow without bound).
+UNBIASED: tuple[str, ...] = ("qsgd", "terngrad", "randk")
+_SMALL = ("raw", "fp16", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateConfig:
+    """How a client compresses its update. Run-config keys in brackets.
+
+    Parameters
+    ----------
+    compressor : str
+        [compressor] ``none``, a codec (``fp16``, ``bf16``, ``int8``, ``qsgd``,
+        ``terngrad``, ``onebit``, ``signsgd``, ``threshold``, ``topk``, ``randk``,
+        ``powersgd``, ``raw``) or ``dgc``.
+    error_feedback : bool
+        [error-feedback] Keep what a biased codec dropped and add it to the next
+        update (Seide et al. 2014; Karimireddy et al. 2019). PowerSGD and DGC always
+        accumulate their own error and ignore this knob.
+    lossless : bool
+        [lossless] zlib the body of every payload.
+    qsgd_levels, qsgd_bucket, topk_ratio, powersgd_rank, int8_block, threshold_tau : codec knobs
+        [qsgd-levels, qsgd-bucket (elements per norm; 0 = one per tensor), topk-ratio (top-k and random-k), powersgd-rank, int8-block,
+        threshold-tau].
+    dgc_sparsity, dgc_warmup_rounds, dgc_momentum, dgc_clip_norm : DGC knobs
+        [dgc-sparsity (final), dgc-warmup-rounds, dgc-momentum, dgc-clip-norm (0: none)].
+    min_numel : int
+        [compress-min-numel] Tensors with fewer elements go with ``small_codec``.
+    small_codec : str
+        [compress-small-codec] ``raw``, ``fp16`` or ``bf16``.
+    seed : int
+        Seeds stochastic codecs and PowerSGD's initial Q (with the client's stream).
+    """
+
+    compressor: str = "none"
+    error_feedback: bool = False
+    lossless: bool = False
+    qsgd_levels: int = 16
+    qsgd_bucket: int = 512
+    topk_ratio: float = 0.01
+    powersgd_rank: int = 2
+    int8_block: int = 0
+    threshold_tau: float = 1e-3
+    dgc_sparsity: float = 0.999
+    dgc_warmup_rounds: int = 4
+    dgc_momentum: float = 0.9
+    dgc_clip_norm: float = 0.0
+    min_numel: int = 256
+    small_codec: str = "raw"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {self.compressor!r}")
+        if self.small_codec not in _SMALL:
+            raise ValueError(f"small codec must be one of {', '.join(_SMALL)}; got {self.small_codec!r}")
+        if self.min_numel < 0:
+            raise ValueError(f"min_numel must be >= 0, got {self.min_numel}")
+        if self.error_feedback and self.compressor in UNBIASED:
+            raise ValueError(
+                f"'error-feedback': error feedback is for biased codecs (onebit, signsgd, "
+                f"threshold, topk, int8, fp16, bf16); {self.compressor} is unbiased and needs none "
+                "(with it the residual grows without bound); set error-feedback=false"
+            )
+        if self.dgc_clip_norm < 0:
+            raise ValueError(f"dgc clip norm must be >= 0 (0 = no clipping), got {self.dgc_clip_norm}")
+        self.build_codec()  # validates the codec's own knobs now, not at the first round
+
+    def build_codec(self) -> Codec | None:
+        """The stateless codec of ``compressor`` (None for none / dgc / powersgd)."""
+        c, kw = self.compressor, {"lossless": self.lossless}
+        if c in ("none", "dgc", "powersgd"):
+            if c == "dgc":  # validate DGC's knobs too
+                _named("dgc-sparsity / dgc-warmup-rounds / dgc-momentum", lambda: DGCConfig(
+                    final_sparsity=self.dgc_sparsity, warmup_rounds=self.dgc_warmup_rounds,
+                    momentum=self.dgc_momentum, clip_norm=self.dgc_clip_norm or None))
+            if c == "powersgd":
+                _named("powersgd-rank", lambda: PowerSGDConfig(rank=self.powersgd_rank))
+            return None
+        key = {"qsgd": "qsgd-levels / qsgd-bucket", "topk": "topk-ratio", "randk": "topk-ratio", "int8": "int8-block",
+               "threshold": "threshold-tau"}.get(c, "compressor")
+        if c == "qsgd":
+            kw["levels"] = self.qsgd_levels
+            kw["bucket"] = self.qsgd_bucket
+        elif c in ("topk", "randk"):
+            kw["ratio"] = self.topk_ratio
+        elif c == "int8":
+            kw["block"] = self.int8_block
+        elif c == "threshold":
+            kw["tau"] = self.threshold_tau
+        return _named(key, lambda: build_codec(c, **kw))
+
+
+def _named(key: str, make):  # noqa: ANN001, ANN202
+    try:
+        return make()
+    except ValueError as err:
+        raise ValueError(f"'{key}': {err}") from None
+
+
+class UpdateEncoder:
+    """Encodes a client's model delta tensor by tensor; its state goes in context.state.
+
+    Parameters
+    ----------
+    config : UpdateConfig
+    stream : int
+        Separates this client's random streams from other clients' (its partition id).
+    """
+
+    def __init__(self, config: UpdateConfig, *, stream: int = 0) -> None:
+        if config.compressor == "none":
+            raise ValueError("compressor 'none' sends the model as it is; no encoder is needed")
+        self.config = config
+        self.stream = stream
+        self.codec = config.build_codec()
+        self.small = build_codec(config.small_codec, lossless=config.lossless)
+        self.feedback = ErrorFeedback(self.codec) if (self.codec is not None and config.error_feedback) else None
+        self.powersgd = (PowerSGDEncoder(PowerSGDConfig(rank=config.powersgd_rank, seed=config.seed * 1_000_003 + stream,
+                                                        fallback=config.small_codec, lossless=config.lossless))
+                         if config.compressor == "powersgd" else None)
+        self.dgc = (DGCEncoder(DGCConfig(final_sparsity=config.dgc_sparsity, warmup_rounds=config.dgc_warmup_rounds,
+                                         momentum=config.dgc_momentum,
+                                         clip_norm=config.dgc_clip_norm or None, lossless=config.lossless))
+                    if config.compressor == "dgc" else None)
+
+    def _generator(self, rnd: int, index: int) -> torch.Generator:
+        seq = np.random.SeedSequence([self.config.seed, self.stream, rnd, index])
+        g = torch.Generator()
+        g.manual_seed(int(seq.generate_state(1, dtype=np.uint64)[0]) & 0x7FFF_FFFF_FFFF_FFFF)
+        return g
+
+    def encode(self, delta: dict[str, torch.Tensor], *, round: int) -> dict[str, bytes]:
+        """Payloads of every floating-point tensor of ``delta`` (``round`` is 0-based)."""
+        out: dict[str, bytes] = {}
+        for i, (name, x) in enumerate(delta.items()):
+            x = x.detach().float().cpu()
+            small = x.numel() < self.config.min_numel
+            if self.powersgd is not None:
+                # PowerSGD sends 1-D and small tensors with its fallback codec itself.
+                out[name] = self.small.encode(x) if small else self.powersgd.encode(name, x)
+            elif self.dgc is not None:
+                out[name] = self.small.encode(x) if small else self.dgc.encode(name, x, round=round)
+            elif small:
+                out[name] = self.small.encode(x)
+            elif self.feedback is not None:
+                out[name] = self.feedback.encode(name, x, generator=self._generator(round, i))
+            else:
+                assert self.codec is not None
+                out[name] = self.codec.encode(x, generator=self._generator(round, i))
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        for part, prefix in ((self.feedback, "ef/"), (self.powersgd, "psgd/"), (self.dgc, "dgc/")):
+            if part is not None:
+                return {prefix + k: v for k, v in part.state_dict().items()}
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for part, prefix in ((self.feedback, "ef/"), (self.powersgd, "psgd/"), (self.dgc, "dgc/")):
+            if part is not None:
+                part.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+
+def decode_update(payloads: dict[str, bytes], *, max_elements: int) -> dict[str, torch.Tensor]:
+    """The server's side: every payload decoded; ``max_elements`` bounds any one tensor.
+
+    Raises :class:`~fededge.compress.MalformedPayloadError` (with the tensor's name) for
+    anything that does not decode.
+    """
+    from fededge.compress import MalformedPayloadError
+
+    out = {}
+    with decode_limit(max_elements):
+        for name, payload in payloads.items():
+            try:
+                out[name] = decode_any(payload)
+            except MalformedPayloadError as err:
+                raise MalformedPayloadError(f"tensor {name!r}: {err}") from None
+    return out

@@ -1,0 +1,137 @@
+"""``Compressed(strategy)``: decode compressed client updates for any Flower strategy.
+
+The client's :func:`fededge.clients.mods.compression_mod` sends, instead of its weights,
+one wire payload per tensor (the delta from the weights it received). This wrapper keeps
+the global arrays it sent each round, decodes every reply back into full weights
+(sent + decoded delta), and hands the inner strategy ordinary replies. So
+``Compressed(FedAvg(...))`` and ``Compressed(FedAdam(...))`` both work unchanged.
+
+A reply that does not decode (truncated, unknown version or codec, shape mismatch, index
+out of range, NaN/Inf) is rejected. It is logged with the node and the reason and
+counted for ``metrics.jsonl``, and the round goes on without it: nothing is lost but
+that one client's update.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fededge import keys
+from fededge.clients.mods import COMPRESSED, UNCOMPRESSED
+from fededge.compress import MalformedPayloadError
+from fededge.compress.update import decode_update
+
+__all__ = ["Compressed", "CompressionStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompressionStats:
+    """Per round: how many updates came compressed, how many were rejected, and sizes."""
+
+    decoded: int = 0
+    rejected: int = 0
+    payload_bytes: int = 0  # the payloads' own bytes
+    dense_bytes: int = 0  # what the same tensors weigh as float32
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.dense_bytes / self.payload_bytes if self.payload_bytes else None
+
+
+class Compressed(Strategy):
+    """Wrap a strategy so that it receives decoded, full-weight client updates.
+
+    Parameters
+    ----------
+    inner : Strategy
+        Any ``flwr.serverapp.strategy`` strategy, configured as usual.
+
+    Examples
+    --------
+    >>> strategy = Compressed(FedAvg(fraction_train=1.0))
+    """
+
+    def __init__(self, inner: Strategy) -> None:
+        self.inner = inner
+        self._sent: dict[int, ArrayRecord] = {}
+        self._stats = CompressionStats()
+
+    def take_stats(self) -> CompressionStats:
+        """The counts since the previous call (one round, when called once a round)."""
+        s, self._stats = self._stats, CompressionStats()
+        return s
+
+    # -- Strategy ------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._sent = {server_round: arrays}  # only the current round's base is needed
+        return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
+        base = self._sent.get(server_round)
+        kept = []
+        for r in replies:
+            if r.has_error() or COMPRESSED not in r.content:
+                kept.append(r)  # errors and uncompressed replies: the inner strategy decides
+                continue
+            if base is None:
+                raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
+            try:
+                r.content = self._decode(r.content, base)
+                self._stats.decoded += 1
+                kept.append(r)
+            except MalformedPayloadError as err:
+                reason = f"node {r.metadata.src_node_id}: {err}"
+                self._stats.rejected += 1
+                self._stats.reasons.append(reason)
+                log.warning("round %d: rejected a client update: %s", server_round, reason)
+        return self.inner.aggregate_train(server_round, kept)
+
+    def _decode(self, content: RecordDict, base: ArrayRecord) -> RecordDict:
+        rec = content[COMPRESSED]
+        sent = base.to_torch_state_dict()
+        largest = max((math.prod(v.shape) for v in sent.values()), default=1)
+        payloads = {k: rec[k].numpy().tobytes() for k in rec.keys()}
+        raw = content[UNCOMPRESSED].to_torch_state_dict() if UNCOMPRESSED in content else {}
+        deltas = decode_update(payloads, max_elements=largest)
+        full: dict[str, np.ndarray] = {}
+        for name, old in sent.items():
+            if name in deltas:
+                d = deltas[name]
+                if tuple(d.shape) != tuple(old.shape):
+                    raise MalformedPayloadError(
+                        f"tensor {name!r}: decoded shape {tuple(d.shape)} != model shape {tuple(old.shape)}")
+                full[name] = (old.float() + d).to(old.dtype).numpy()
+            elif name in raw:
+                full[name] = raw[name].numpy()
+            else:
+                raise MalformedPayloadError(f"tensor {name!r} of the model is missing from the update")
+        extra = set(deltas) - set(sent)
+        if extra:
+            raise MalformedPayloadError(f"update has tensors the model lacks: {sorted(extra)[:5]}")
+        self._stats.payload_bytes += sum(len(p) for p in payloads.values())
+        self._stats.dense_bytes += sum(4 * d.numel() for d in deltas.values())
+        metrics = content[keys.METRICS] if keys.METRICS in content else MetricRecord()
+        return RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
+                           keys.METRICS: metrics})
+
+    def configure_evaluate(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):  # noqa: ANN001, ANN201
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.inner.summary()
+
