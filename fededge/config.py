@@ -156,6 +156,8 @@ class RunConfig:
         Uplink compression (``compressor = "none"`` sends full weights). See
         :class:`fededge.compress.update.UpdateConfig` for each knob, and docs/compression.md.
         Example: ``compressor="qsgd" qsgd-levels=16 error-feedback=true``.
+    downlink_compressor : str
+        ``none``, ``fp16`` or ``bf16``: cast the model the server broadcasts.
     compute_speed : str
         Device speed factors: ``"1.0"``, ``"lognormal:0.5"`` (heterogeneous, seeded) or
         ``"file"``. A factor of 2 computes twice as fast as the measuring machine.
@@ -214,6 +216,7 @@ class RunConfig:
     dgc_clip_norm: float = 0.0
     compress_min_numel: int = 256
     compress_small_codec: str = "raw"
+    downlink_compressor: str = "none"
     progress: str = "auto"
 
     def __post_init__(self) -> None:
@@ -286,6 +289,7 @@ class RunConfig:
             msg = str(err)
             raise ConfigError(f"run-config {msg}" if msg.startswith("'") else
                               f"run-config key 'compressor': {msg}") from None
+        _choice("downlink-compressor", self.downlink_compressor, ("none", "fp16", "bf16"))
         if not self.results_dir:
             raise ConfigError("run-config key 'results-dir' must not be empty")
         if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):

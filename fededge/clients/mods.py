@@ -20,15 +20,34 @@ from fededge import keys
 from fededge.compress.update import UpdateEncoder
 from fededge.config import RunConfig
 
-__all__ = ["compression_mod", "COMPRESSED", "UNCOMPRESSED"]
+__all__ = ["compression_mod", "decode_downlink", "COMPRESSED", "COMPRESSED_DOWN", "UNCOMPRESSED"]
 
 COMPRESSED = "compressed"  # record of uint8 arrays: one wire payload per tensor
+COMPRESSED_DOWN = "compressed-down"  # the same, for the model the server broadcasts
 UNCOMPRESSED = "arrays-uncompressed"  # non-float tensors (BatchNorm's counters), as they are
 STATE_KEY = "fededge.compress"
 
 
+def decode_downlink(content: RecordDict) -> RecordDict:
+    """A message content whose model came compressed -> the same with ``arrays``."""
+    from fededge.compress import decode_any
+
+    rec = content[COMPRESSED_DOWN]
+    arrays = {k: decode_any(rec[k].numpy().tobytes()).numpy() for k in rec.keys()}
+    if UNCOMPRESSED in content:
+        arrays.update({k: v.numpy() for k, v in content[UNCOMPRESSED].to_torch_state_dict().items()})
+    out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+    for name in content.keys():
+        if name not in (COMPRESSED_DOWN, UNCOMPRESSED):
+            out[name] = content[name]
+    return out
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Compress the reply of a train message when the run config names a compressor."""
+    """Decode a compressed downlink model; compress the reply of a train message when the
+    run config names a compressor."""
+    if COMPRESSED_DOWN in msg.content:
+        msg.content = decode_downlink(msg.content)
     reply = call_next(msg, context)
     if not msg.metadata.message_type.startswith("train") or reply.has_error():
         return reply

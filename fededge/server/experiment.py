@@ -177,8 +177,8 @@ def run_experiment(
     model = model_for(cfg, ds).to(device)
     initial = ArrayRecord(model.state_dict())
     strategy = strategy or build_strategy(cfg)
-    if cfg.compressor != "none" and not isinstance(strategy, Compressed):
-        strategy = Compressed(strategy)
+    if (cfg.compressor != "none" or cfg.downlink_compressor != "none") and not isinstance(strategy, Compressed):
+        strategy = Compressed(strategy, downlink=cfg.downlink_compressor)
     metered = MeteredGrid(grid)
     recorder = RunRecorder(
         cfg.results_dir, run_id or new_run_id(cfg.run_name), cfg.to_mapping(),

@@ -25,11 +25,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.clients.mods import COMPRESSED, UNCOMPRESSED
-from fededge.compress import MalformedPayloadError
+from fededge.clients.mods import COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED
+from fededge.compress import MalformedPayloadError, build_codec, decode_any
 from fededge.compress.update import decode_update
 
-__all__ = ["Compressed", "CompressionStats"]
+__all__ = ["Compressed", "CompressionStats", "DOWNLINK"]
+
+#: Downlink codecs: stateless casts of the broadcast model. Delta-coded downlinks would
+#: need per-client state kept in step for clients that sat rounds out; not built.
+DOWNLINK = ("none", "fp16", "bf16")
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +60,20 @@ class Compressed(Strategy):
     ----------
     inner : Strategy
         Any ``flwr.serverapp.strategy`` strategy, configured as usual.
+    downlink : str
+        ``none``, ``fp16`` or ``bf16``: cast the model the server broadcasts for training
+        (halves ``bytes_down``). Evaluation messages go uncompressed.
 
     Examples
     --------
     >>> strategy = Compressed(FedAvg(fraction_train=1.0))
     """
 
-    def __init__(self, inner: Strategy) -> None:
+    def __init__(self, inner: Strategy, *, downlink: str = "none") -> None:
+        if downlink not in DOWNLINK:
+            raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
         self.inner = inner
+        self.downlink = downlink
         self._sent: dict[int, ArrayRecord] = {}
         self._stats = CompressionStats()
 
@@ -75,8 +85,34 @@ class Compressed(Strategy):
     # -- Strategy ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._sent = {server_round: arrays}  # only the current round's base is needed
-        return self.inner.configure_train(server_round, arrays, config, grid)
+        messages = list(self.inner.configure_train(server_round, arrays, config, grid))
+        if self.downlink == "none":
+            self._sent = {server_round: arrays}  # only the current round's base is needed
+            return messages
+        # Cast the broadcast model once; the base for decoding the replies is the model
+        # the clients actually received (the rounded one), so deltas rebuild exactly.
+        codec = build_codec(self.downlink)
+        state = arrays.to_torch_state_dict()
+        payloads, raw, received = {}, {}, {}
+        for name, t in state.items():
+            if t.is_floating_point():
+                payloads[name] = codec.encode(t)
+                received[name] = decode_any(payloads[name]).numpy()
+            else:
+                raw[name] = t.numpy()
+                received[name] = t.numpy()
+        self._sent = {server_round: ArrayRecord({k: Array(v) for k, v in received.items()})}
+        down = ArrayRecord({k: Array(np.frombuffer(p, dtype=np.uint8)) for k, p in payloads.items()})
+        extra = ArrayRecord({k: Array(v) for k, v in raw.items()}) if raw else None
+        for m in messages:
+            content = RecordDict({COMPRESSED_DOWN: down})
+            if extra is not None:
+                content[UNCOMPRESSED] = extra
+            for name in m.content.keys():
+                if name != keys.ARRAYS:
+                    content[name] = m.content[name]
+            m.content = content
+        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
         base = self._sent.get(server_round)

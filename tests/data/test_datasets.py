@@ -436,3 +436,20 @@ def test_cifar10_missing_files_lists_expected(tmp_path):
     msg = str(err.value)
     assert "data_batch_5" in msg and "cifar-10-batches-py" in msg
     assert "missing there: ['data_batch_4']" in msg
+
+
+def test_synthetic_images_are_cifar_shaped_seeded_and_learnable():
+    import torch
+
+    from fededge.data import load_dataset
+
+    a = load_dataset("synthetic-images", synthetic_samples=400, seed=1)
+    b = load_dataset("synthetic-images", synthetic_samples=400, seed=1)
+    assert a.x_train.shape[1:] == (3, 32, 32) and a.num_classes == 10
+    assert len(a.x_train) + len(a.x_test) == 400
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_train, b.y_train)
+    assert abs(float(a.x_train.mean())) < 1e-3 and abs(float(a.x_train.std()) - 1) < 1e-3
+    # Learnable: the nearest class mean of the training images beats chance (0.1) clearly.
+    means = torch.stack([a.x_train[a.y_train == c].mean(0) for c in range(10)])
+    dist = ((a.x_test[:, None] - means[None]) ** 2).flatten(2).sum(-1)
+    assert float((dist.argmin(1) == a.y_test).float().mean()) > 0.5

@@ -174,3 +174,26 @@ def test_client_with_nan_weights_fails_its_reply(tmp_path):
                             num_clients=2, client_app=app)
     last = _lines(run_dir)[-1]
     assert last["failures"] == 1 and last["num_clients"] == 1  # the encoder refused NaN
+
+
+@pytest.mark.parametrize("uplink", ["none", "topk"])
+def test_fp16_downlink_halves_bytes_down_and_learns(tmp_path, uplink):
+    plain = run_inprocess({**BASE, "results-dir": str(tmp_path / "p")}, num_clients=3)
+    down = run_inprocess({**BASE, "downlink-compressor": "fp16", "compressor": uplink, "topk-ratio": 0.1,
+                          "results-dir": str(tmp_path / "d")}, num_clients=3)
+    a, b = _lines(plain), _lines(down)
+    for ra, rb in zip(a[1:], b[1:]):
+        assert 0.45 < rb["bytes_down"] / ra["bytes_down"] < 0.56  # float16 + framing
+    assert b[-1]["loss"] < b[0]["loss"] - 0.05 and all(r["rejected"] == 0 for r in b)
+
+
+def test_downlink_base_is_what_the_client_received(tmp_path):
+    # raw uplink after an fp16 downlink: the server rebuilds the client's weights from the
+    # fp16-rounded model it sent, so the result equals training from that model.
+    a = run_inprocess({**BASE, "num-rounds": 1, "downlink-compressor": "fp16", "compressor": "raw",
+                       "results-dir": str(tmp_path / "a")}, num_clients=1)
+    b = run_inprocess({**BASE, "num-rounds": 1, "downlink-compressor": "fp16",
+                       "results-dir": str(tmp_path / "b")}, num_clients=1)
+    ma, mb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-6, atol=1e-6)
