@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fededge.compress.codec import Codec, register
+from fededge.compress.codec import Codec, all_finite, register
 from fededge.compress.wire import DTYPES, Header, MalformedPayloadError, pack
 
 __all__ = [
@@ -186,13 +186,15 @@ class _Configured(Codec):
         return f"{type(self).__name__}({self.config!r})"
 
 
-def _flat32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous flat float32 CPU tensor; refuses non-float and non-finite input."""
+def _flat32(x: torch.Tensor, *, check_finite: bool = True) -> torch.Tensor:
+    """``x`` as a contiguous flat float32 CPU tensor; refuses non-float and non-finite input.
+
+    ``check_finite=False`` is for encoders that check their (smaller) output instead."""
     if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
         raise ValueError(f"encode needs a float tensor of dtype {sorted(map(str, DTYPES))}, got "
                          f"{getattr(x, 'dtype', type(x).__name__)}")
     f = x.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-    if not torch.isfinite(f).all():
+    if check_finite and not all_finite(f):
         raise ValueError("cannot encode a tensor holding NaN or Inf (in float32); fix the update first")
     return f
 

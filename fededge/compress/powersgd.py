@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fededge.compress.codec import Codec, register
+from fededge.compress.codec import Codec, all_finite, register
 from fededge.compress.codecs import BF16, FP16, CodecConfig, Raw, _Configured, _f32s, _flat32, _generator, _need, _params
 from fededge.compress.wire import Header, MalformedPayloadError, pack
 
@@ -117,6 +117,7 @@ class PowerSGD(_Configured):
     """
 
     name = "powersgd"
+    output_finite_by_construction = True
     biased = True
     Config = PowerSGDConfig
 
@@ -142,6 +143,13 @@ class PowerSGD(_Configured):
         _need(header, body, 4 * r * (n + m))
         p = torch.from_numpy(_f32s(body[: 4 * r * n], "powersgd P")).view(n, r)
         q = torch.from_numpy(_f32s(body[4 * r * n:], "powersgd Q")).view(m, r)
+        # P and Q are finite (checked above); every entry of P Q^T is at most
+        # r * max|P| * max|Q|, so below float32's max the product is finite without a
+        # pass over it (the generic check is skipped: output_finite_by_construction).
+        bound = r * float(p.abs().max()) * float(q.abs().max())
+        if not bound < 3.0e38:
+            raise MalformedPayloadError(
+                f"decoded powersgd tensor could hold NaN or Inf: |P Q^T| up to {bound:.3g} overflows float32")
         return _product(p, q).reshape(header.shape)
 
 
@@ -189,20 +197,28 @@ class PowerSGDEncoder:
             return self._fallback.encode(x)
         n, m = _matrix(tuple(x.shape))
         r = min(self.config.rank, n, m)
-        mat = _flat32(x).view(n, m)
+        # NaN or Inf anywhere in x reaches P and Q through M Q and M^T P: checking those
+        # small factors replaces a pass over the whole tensor.
+        mat = _flat32(x, check_finite=False).view(n, m)
         res = self.residual.get(name)
+        owned = False
         if res is not None:
             if res.shape != mat.shape:
                 raise ValueError(f"tensor {name!r} changed shape from {tuple(res.shape)} to {(n, m)}; "
                                  "reset() the encoder when the model changes")
-            mat = mat + res
+            mat = res.add_(mat)  # M = x + residual, in the residual's own buffer
+            owned = True
         q = self.q.get(name)
         if q is None or q.shape != (m, r):
             g = torch.Generator().manual_seed(_derived_seed(self.config.seed, name))
             q = torch.randn(m, r, generator=g)
         p, q = power_step(mat, q)
+        if not (all_finite(p) and all_finite(q)):
+            raise ValueError(f"cannot encode tensor {name!r}: its update (plus the residual) holds NaN or Inf")
         self.q[name] = q
-        self.residual[name] = mat - _product(p, q)
+        # M - P Q^T with the decoder's own product, so feedback is exact w.r.t. what the
+        # server rebuilds; in place when M is a buffer of our own.
+        self.residual[name] = mat.sub_(_product(p, q)) if owned else mat - _product(p, q)
         return _payload(x, p, q, self.config.lossless)
 
     def reset(self) -> None:
