@@ -61,3 +61,22 @@ def test_flwr_run_with_a_bad_value_fails_before_training(tmp_path):
     assert run.status is not None and run.status != "finished:completed", run.output[-3000:]
     assert "'local-lr' must be > 0" in run.output
     assert not results.exists()
+
+
+def test_flwr_run_with_compressed_uplink_and_downlink(tmp_path):
+    """The client mod and the server wrapper under Flower's Ray runtime."""
+    results = tmp_path / "results"
+    run = flwr_run_local(
+        ROOT, flwr_home=tmp_path / "flwr-home", num_supernodes=3, timeout_s=420,
+        run_config={"num-rounds": 2, "local-steps": 5, "results-dir": str(results),
+                    "compressor": "topk", "error-feedback": True, "downlink-compressor": "fp16"},
+    )
+    assert run.leftover_pids == []
+    assert run.ok, f"status={run.status} rc={run.returncode}\n{run.output[-4000:]}"
+    (run_dir,) = list(results.iterdir())
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    params = json.loads((run_dir / "config.json").read_text())["model_parameters"]
+    for r in lines[1:]:
+        assert r["num_clients"] == 3 and r["rejected"] == 0 and r["compression_ratio"] > 20
+        assert r["bytes_up"] / 3 < 4 * params / 20  # top-1% with indices and framing
+        assert 0.45 < (r["bytes_down"] / 3) / (4 * params) < 0.56  # float16 model + framing
