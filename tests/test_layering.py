@@ -7,7 +7,8 @@ PURE = [
     "fededge.compress", "fededge.topology", "fededge.netem", "fededge.data", "fededge.models",
     "fededge.config", "fededge.keys", "fededge.workload", "fededge.clients.train",
     "fededge.clients.device", "fededge.server.results", "fededge.netem.profiles",
-    "fededge.netem.trace", "fededge.netem.clock", "fededge.netem.assign",
+    "fededge.netem.trace", "fededge.netem.clock", "fededge.netem.assign", "fededge.compress.bundle",
+    "fededge.compress.update",
 ]
 
 

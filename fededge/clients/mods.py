@@ -17,23 +17,31 @@ from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fededge import keys
+from fededge.compress.bundle import pack_bundle, unpack_bundle
 from fededge.compress.update import UpdateEncoder
 from fededge.config import RunConfig
 
-__all__ = ["compression_mod", "decode_downlink", "COMPRESSED", "COMPRESSED_DOWN", "UNCOMPRESSED"]
+__all__ = ["bundle_record", "compression_mod", "decode_downlink", "BUNDLE", "COMPRESSED",
+           "COMPRESSED_DOWN", "UNCOMPRESSED"]
 
-COMPRESSED = "compressed"  # record of uint8 arrays: one wire payload per tensor
+COMPRESSED = "compressed"  # record holding one uint8 array: the bundle of wire payloads
 COMPRESSED_DOWN = "compressed-down"  # the same, for the model the server broadcasts
+BUNDLE = "bundle"  # the array's name in those records
 UNCOMPRESSED = "arrays-uncompressed"  # non-float tensors (BatchNorm's counters), as they are
 STATE_KEY = "fededge.compress"
+
+
+def bundle_record(payloads: dict[str, bytes]) -> ArrayRecord:
+    """Every payload in one uint8 array: Flower's per-object framing is paid once."""
+    return ArrayRecord({BUNDLE: Array(np.frombuffer(pack_bundle(payloads), dtype=np.uint8))})
 
 
 def decode_downlink(content: RecordDict) -> RecordDict:
     """A message content whose model came compressed -> the same with ``arrays``."""
     from fededge.compress import decode_any
 
-    rec = content[COMPRESSED_DOWN]
-    arrays = {k: decode_any(rec[k].numpy().tobytes()).numpy() for k in rec.keys()}
+    payloads = unpack_bundle(content[COMPRESSED_DOWN][BUNDLE].numpy().tobytes())
+    arrays = {k: decode_any(p).numpy() for k, p in payloads.items()}
     if UNCOMPRESSED in content:
         arrays.update({k: v.numpy() for k, v in content[UNCOMPRESSED].to_torch_state_dict().items()})
     out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
@@ -73,7 +81,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     if state:
         context.state[STATE_KEY] = ArrayRecord({k: Array(v.numpy()) for k, v in state.items()})
     content = RecordDict({
-        COMPRESSED: ArrayRecord({k: Array(np.frombuffer(p, dtype=np.uint8)) for k, p in payloads.items()}),
+        COMPRESSED: bundle_record(payloads),
         keys.METRICS: reply.content[keys.METRICS],
     })
     if raw:

@@ -25,7 +25,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.clients.mods import COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED
+from fededge.clients.mods import BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_record
+from fededge.compress.bundle import unpack_bundle
 from fededge.compress import MalformedPayloadError, build_codec, decode_any
 from fededge.compress.update import decode_update
 
@@ -102,7 +103,7 @@ class Compressed(Strategy):
                 raw[name] = t.numpy()
                 received[name] = t.numpy()
         self._sent = {server_round: ArrayRecord({k: Array(v) for k, v in received.items()})}
-        down = ArrayRecord({k: Array(np.frombuffer(p, dtype=np.uint8)) for k, p in payloads.items()})
+        down = bundle_record(payloads)
         extra = ArrayRecord({k: Array(v) for k, v in raw.items()}) if raw else None
         for m in messages:
             content = RecordDict({COMPRESSED_DOWN: down})
@@ -138,7 +139,9 @@ class Compressed(Strategy):
         rec = content[COMPRESSED]
         sent = base.to_torch_state_dict()
         largest = max((math.prod(v.shape) for v in sent.values()), default=1)
-        payloads = {k: rec[k].numpy().tobytes() for k in rec.keys()}
+        if list(rec.keys()) != [BUNDLE]:
+            raise MalformedPayloadError(f"compressed record must hold one array '{BUNDLE}', has {list(rec.keys())[:5]}")
+        payloads = unpack_bundle(rec[BUNDLE].numpy().tobytes())
         raw = content[UNCOMPRESSED].to_torch_state_dict() if UNCOMPRESSED in content else {}
         deltas = decode_update(payloads, max_elements=largest)
         full: dict[str, np.ndarray] = {}

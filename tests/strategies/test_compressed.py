@@ -138,16 +138,18 @@ def test_error_feedback_on_an_unbiased_codec_is_refused(codec):
 
 
 def test_update_that_decodes_to_nan_is_rejected(tmp_path):
+    from fededge.compress.bundle import pack_bundle, unpack_bundle
     from fededge.compress.wire import pack, unpack
 
     def nan_payload(msg, context, call_next):  # noqa: ANN001, ANN202
         reply = call_next(msg, context)
         if int(context.node_config["partition-id"]) == 0:
             rec = reply.content[COMPRESSED]
-            name = next(iter(rec.keys()))
-            header, body = unpack(rec[name].numpy().tobytes())
-            forged = pack(header, b"\xff" * len(body))  # 0xFFFF is an fp16 NaN
-            rec[name] = Array(np.frombuffer(forged, dtype=np.uint8).copy())
+            payloads = unpack_bundle(rec["bundle"].numpy().tobytes())
+            name = next(iter(payloads))
+            header, body = unpack(payloads[name])
+            payloads[name] = pack(header, b"\xff" * len(body))  # 0xFFFF is an fp16 NaN
+            rec["bundle"] = Array(np.frombuffer(pack_bundle(payloads), dtype=np.uint8).copy())
         return reply
 
     app = ClientApp()
