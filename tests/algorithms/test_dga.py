@@ -1,0 +1,147 @@
+"""DGA's round-form rule against a hand trajectory and an independent NumPy reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from fededge.algorithms.dga import DGAClient, DGAConfig, average
+
+
+def _quadratic_clients(n: int, dim: int, seed: int = 0):
+    """f_j(x) = 1/2 (x - c_j)^T A_j (x - c_j), A_j SPD: deterministic local GD."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        m = rng.standard_normal((dim, dim))
+        out.append((m @ m.T / dim + 0.5 * np.eye(dim), rng.standard_normal(dim) * 3))
+    return out
+
+
+def _local_steps(x: np.ndarray, a: np.ndarray, c: np.ndarray, k: int, lr: float) -> np.ndarray:
+    for _ in range(k):
+        x = x - lr * a @ (x - c)
+    return x
+
+
+def _run_dga(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray):
+    """fededge's DGAClient driven round by round; returns each client's model after each round."""
+    dga = [DGAClient(cfg, {"x": torch.tensor(x0, dtype=torch.float64)}) for _ in clients]
+    history = []
+    avgs = {}  # round -> its average (the server's side)
+    for t in range(1, rounds + 1):
+        deltas = []
+        for state, (a, c) in zip(dga, clients):
+            start = state.model["x"].numpy()
+            delta = {"x": torch.tensor(_local_steps(start, a, c, k, lr) - start)}
+            state.finish_round(t, delta)
+            deltas.append(delta)
+        avgs[t] = average(deltas, weights)
+        for s in range(1, t + 1):  # averages arriving at the end of round t
+            if s + cfg.delay_at(s) == t:
+                for state in dga:
+                    state.receive(s, avgs[s])
+        history.append([state.model["x"].numpy().copy() for state in dga])
+    return history
+
+
+def _reference(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray):
+    """Independent NumPy form: rebuild every client's model from the unrolled formula."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    own: list[list[np.ndarray]] = [[] for _ in clients]  # own[j][s-1] = Δ(s, j)
+    avg: list[np.ndarray] = []
+    models = [x0.copy() for _ in clients]
+    history = []
+    for t in range(1, rounds + 1):
+        deltas = [_local_steps(models[j], a, c, k, lr) - models[j] for j, (a, c) in enumerate(clients)]
+        for j, d in enumerate(deltas):
+            own[j].append(d)
+        avg.append(sum(wj * d for wj, d in zip(w, deltas)))
+        arrived = [s for s in range(1, t + 1) if s + cfg.delay_at(s) <= t]
+        pending = [s for s in range(1, t + 1) if s + cfg.delay_at(s) > t]
+        for j in range(len(clients)):
+            x = x0 + sum((avg[s - 1] for s in arrived), np.zeros_like(x0))
+            if cfg.correction:
+                x = x + sum((own[j][s - 1] for s in pending), np.zeros_like(x0))
+            models[j] = x
+        history.append([m.copy() for m in models])
+    return history
+
+
+def test_hand_trajectory_two_scalar_clients():
+    # f_1 = (x-1)^2/2, f_2 = (x+1)^2/2, equal weights, x0 = 0, one step of lr 0.5, D = 1.
+    clients = [(np.eye(1), np.array([1.0])), (np.eye(1), np.array([-1.0]))]
+    hist = _run_dga(DGAConfig(delay=1), clients, [1, 1], 3, 1, 0.5, np.zeros(1))
+    # r1: Δ = ±0.5, nothing arrives -> ±0.5; r2: Δ = ±0.25, round 1's average (0) arrives
+    # and swaps the own ±0.5 -> ±0.25; r3: from ±0.25, Δ = ±0.375, round 2 swapped -> ±0.375.
+    assert [h[0][0] for h in hist] == pytest.approx([0.5, 0.25, 0.375])
+    assert [h[1][0] for h in hist] == pytest.approx([-0.5, -0.25, -0.375])
+    plain = _run_dga(DGAConfig(delay=1, correction=False), clients, [1, 1], 3, 1, 0.5, np.zeros(1))
+    assert all(h[0][0] == 0.0 and h[1][0] == 0.0 for h in plain)  # only averages (0) move it
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize(("delay", "warmup"), [(1, 0), (2, 0), (3, 2), (5, 1)])
+def test_matches_the_numpy_reference(delay, warmup, correction):
+    clients = _quadratic_clients(4, 6, seed=delay)
+    weights = [3, 1, 2, 5]
+    cfg = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup)
+    got = _run_dga(cfg, clients, weights, 12, 3, 0.05, np.ones(6))
+    ref = _reference(cfg, clients, weights, 12, 3, 0.05, np.ones(6))
+    for t, (g, r) in enumerate(zip(got, ref)):
+        for j in range(4):
+            np.testing.assert_allclose(g[j], r[j], rtol=1e-12, atol=1e-12, err_msg=f"round {t + 1} client {j}")
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_zero_delay_is_synchronous_local_sgd(correction):
+    clients = _quadratic_clients(3, 4)
+    weights = [1, 2, 3]
+    got = _run_dga(DGAConfig(delay=0, correction=correction), clients, weights, 8, 5, 0.1, np.zeros(4))
+    x = np.zeros(4)  # FedAvg with K = 5 local steps
+    w = np.array(weights) / 6
+    for t in range(8):
+        x = sum(wj * _local_steps(x, a, c, 5, 0.1) for wj, (a, c) in zip(w, clients))
+        for j in range(3):
+            np.testing.assert_allclose(got[t][j], x, rtol=1e-12, atol=1e-12)
+
+
+def test_identical_clients_stay_within_their_last_d_updates_of_the_global_model():
+    a, c = _quadratic_clients(1, 5)[0]
+    delay, k, lr = 3, 2, 0.05
+    cfg = DGAConfig(delay=delay)
+    states = [DGAClient(cfg, {"x": torch.zeros(5, dtype=torch.float64)}) for _ in range(3)]
+    global_x = torch.zeros(5, dtype=torch.float64)
+    avgs = {}
+    for t in range(1, 15):
+        deltas = []
+        for s in states:
+            start = s.model["x"].numpy()
+            d = {"x": torch.tensor(_local_steps(start, a, c, k, lr) - start)}
+            s.finish_round(t, d)
+            deltas.append(d)
+        avgs[t] = average(deltas, [1, 1, 1])
+        if t - delay >= 1:
+            for s in states:
+                s.receive(t - delay, avgs[t - delay])
+            global_x = global_x + avgs[t - delay]["x"]
+        for s in states:
+            assert s.staleness() == min(t, delay)
+            recent = sum((d["x"] for d in s.in_flight.values()), torch.zeros(5, dtype=torch.float64))
+            torch.testing.assert_close(s.model["x"], global_x + recent, rtol=0, atol=1e-12)
+
+
+def test_state_dict_round_trip_and_errors():
+    cfg = DGAConfig(delay=2)
+    s = DGAClient(cfg, {"w": torch.ones(2, 2), "b": torch.zeros(2)})
+    s.finish_round(1, {"w": torch.full((2, 2), 0.5), "b": torch.ones(2)})
+    s.finish_round(2, {"w": torch.full((2, 2), 0.25), "b": torch.ones(2)})
+    back = DGAClient.from_state_dict(cfg, s.state_dict())
+    assert sorted(back.in_flight) == [1, 2]
+    torch.testing.assert_close(back.model["w"], torch.full((2, 2), 1.75))
+    with pytest.raises(ValueError, match=r"average of round 7 arrived.*in flight: \[1, 2\]"):
+        back.receive(7, {"w": torch.zeros(2, 2), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="already finished"):
+        back.finish_round(2, {"w": torch.zeros(2, 2), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="delay must be >= 0"):
+        DGAConfig(delay=-1)
+    assert DGAConfig(delay=4, warmup_rounds=2).delay_at(2) == 0 and DGAConfig(delay=4, warmup_rounds=2).delay_at(3) == 4
