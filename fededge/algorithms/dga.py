@@ -37,10 +37,13 @@ only averages; the clock decides when averages arrive (fededge.netem.clock).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-__all__ = ["DGAConfig", "DGAClient", "average"]
+from fededge.netem.clock import ClientRound, SimClock
+
+__all__ = ["DGAConfig", "DGAClient", "DGATimeline", "average"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -142,3 +145,58 @@ class DGAClient:
             else:
                 raise ValueError(f"unknown DGA state key {key!r}")
         return cls(config, model, in_flight)
+
+
+class DGATimeline:
+    """When each DGA round happens on the simulated clock: the overlap the protocol allows.
+
+    Client ``j`` starts round ``t`` when all of these hold:
+    - its previous local steps are done;
+    - its previous reply has left it (its uplink is free);
+    - the averages the rule applies by then have arrived. Those are every round ``s``
+      with ``s + D(s) <= t - 1``, and, for round 1, the initial model.
+
+    The average of round ``t`` is ready at the server when the last upload of round
+    ``t`` has arrived. It is then sent down to every client. So a slow client delays
+    the others only through the averages they wait for. With ``D = 0`` this is
+    synchronous FedAvg: download, compute, upload, wait for everyone
+    (:func:`fededge.netem.clock.synchronous_round` gives the same times).
+
+    Built only from the clock's primitives (``send_down``, ``compute``, ``send_up``,
+    ``up_departed``).
+    """
+
+    def __init__(self, clock: SimClock, config: DGAConfig, *, model_bytes: int,
+                 clients: Sequence[int]) -> None:
+        self.clock = clock
+        self.config = config
+        self.clients = list(clients)
+        self._free = {j: 0.0 for j in self.clients}  # end of the client's last compute
+        # down[j][s]: when the average of round s reached client j (s = 0: the initial model)
+        self.down: dict[int, dict[int, float]] = {
+            j: {0: clock.send_down(j, model_bytes, 0.0)} for j in self.clients}
+        self.ready: dict[int, float] = {0: 0.0}  # round -> its average ready at the server
+        self.started: dict[tuple[int, int], float] = {}
+
+    def _needed(self, t: int) -> int:
+        """The last round whose average client models include when round t starts."""
+        done = [s for s in range(1, t) if s + self.config.delay_at(s) <= t - 1]
+        return max(done, default=0)
+
+    def run_round(self, t: int, work: Sequence[ClientRound]) -> float:
+        """Schedule round ``t`` (measured compute and bytes per client); return when its
+        average is ready at the server (the round's end on the clock)."""
+        need = self._needed(t)
+        arrivals = []
+        for c in work:
+            j = c.client
+            start = max(self._free[j], self.clock.up_departed(j), self.down[j][need])
+            self.started[(t, j)] = start
+            self._free[j] = self.clock.compute(j, c.compute_s, start)
+            arrivals.append(self.clock.send_up(j, c.bytes_up, self._free[j]))
+        self.ready[t] = max(arrivals, default=self.ready[t - 1])
+        down_bytes = {c.client: c.bytes_down for c in work}
+        for j in self.clients:
+            self.down[j][t] = self.clock.send_down(j, down_bytes.get(j, 0), self.ready[t])
+        self.clock.now = max(self.clock.now, self.ready[t])
+        return self.ready[t]

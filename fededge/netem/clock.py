@@ -193,6 +193,15 @@ class SimClock:
         link = self._link(client, _UP)
         return at if link is None else link.send(nbytes, at)
 
+    def up_departed(self, client: int) -> float:
+        """When the last byte of ``client``'s latest upload left it (0 on an ideal link).
+
+        A protocol that lets a client compute while its reply is in flight waits for
+        this, not for the arrival: the client's link must be free of its own upload.
+        """
+        link = self._link(client, _UP)
+        return 0.0 if link is None else link.busy_until
+
     def compute(self, client: int, measured_s: float, at: float) -> float:
         """When computation measured at ``measured_s`` seconds, begun at ``at``, ends."""
         if measured_s < 0:

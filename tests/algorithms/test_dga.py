@@ -145,3 +145,57 @@ def test_state_dict_round_trip_and_errors():
     with pytest.raises(ValueError, match="delay must be >= 0"):
         DGAConfig(delay=-1)
     assert DGAConfig(delay=4, warmup_rounds=2).delay_at(2) == 0 and DGAConfig(delay=4, warmup_rounds=2).delay_at(3) == 4
+
+
+# ------------------------------------------------------------------ timing on the clock
+from fededge.algorithms.dga import DGATimeline  # noqa: E402
+from fededge.netem.clock import ClientLink, ClientRound, SimClock, synchronous_round  # noqa: E402
+from fededge.netem.profiles import Direction, LinkProfile  # noqa: E402
+
+
+def _link(rate, delay, jitter=0.0, speed=1.0):
+    d = Direction(rate_bps=rate, delay_s=delay, jitter_s=jitter)
+    return ClientLink(LinkProfile(name="t", up=d, down=d, source="test"), speed=speed)
+
+
+def test_zero_delay_timeline_is_synchronous_fedavg_on_the_clock():
+    links = [_link(8e6, 0.1, 0.01), _link(2e6, 0.3, 0.05, speed=0.5), _link(20e6, 0.02)]
+    work = [ClientRound(j, 200_000, 0.3 + 0.1 * j, 200_000) for j in range(3)]
+    sync = SimClock(links, seed=4)
+    ends_sync = [synchronous_round(sync, work).end for _ in range(5)]
+    clock = SimClock(links, seed=4)
+    tl = DGATimeline(clock, DGAConfig(delay=0), model_bytes=200_000, clients=range(3))
+    ends_dga = [tl.run_round(t, work) for t in range(1, 6)]
+    assert ends_dga == pytest.approx(ends_sync, abs=1e-12)
+
+
+def test_homogeneous_round_times_by_hand():
+    # 100 kB each way at 1 MB/s + 0.1 s delay: 0.1 s on the wire, 0.2 s to arrive; compute 0.5 s.
+    work = [ClientRound(0, 100_000, 0.5, 100_000)]
+    fed = SimClock([_link(8e6, 0.1)])
+    assert [synchronous_round(fed, work).end for _ in range(4)] == pytest.approx([0.9, 1.8, 2.7, 3.6])
+    # DGA, D = 1: round 1 starts when the model arrives (0.2), computes to 0.7, its reply
+    # leaves at 0.8 and arrives at 0.9. Round t starts when the reply of t-1 has left and
+    # the average of t-2 has arrived: every round takes compute + 0.1 s of upload.
+    tl = DGATimeline(SimClock([_link(8e6, 0.1)]), DGAConfig(delay=1), model_bytes=100_000, clients=[0])
+    assert [tl.run_round(t, work) for t in range(1, 5)] == pytest.approx([0.9, 1.5, 2.1, 2.7])
+    assert [tl.started[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 0.8, 1.4, 2.0])
+
+
+def test_a_slow_client_delays_others_only_through_the_averages_they_wait_for():
+    links = [_link(80e6, 0.01), _link(80e6, 0.01, speed=0.25)]  # client 1 computes 4x slower
+    work = [ClientRound(0, 10_000, 0.1, 10_000), ClientRound(1, 10_000, 0.1, 10_000)]
+    # D large: no average is ever needed within 6 rounds, so the fast client never waits.
+    tl = DGATimeline(SimClock(links), DGAConfig(delay=10), model_bytes=10_000, clients=[0, 1])
+    for t in range(1, 7):
+        tl.run_round(t, work)
+    fast = [tl.started[(t, 0)] for t in range(1, 7)]
+    assert np.diff(fast) == pytest.approx([0.1 + 0.001] * 5)  # its compute + its own upload
+    # D = 1: from round 3 on, the fast client needs the average of round t-2, which waits
+    # for the slow client's upload: the fast client now starts at those averages' arrival.
+    tl = DGATimeline(SimClock(links), DGAConfig(delay=1), model_bytes=10_000, clients=[0, 1])
+    for t in range(1, 7):
+        tl.run_round(t, work)
+    for t in range(3, 7):
+        assert tl.started[(t, 0)] == pytest.approx(max(tl.down[0][t - 2], tl.started[(t - 1, 0)] + 0.101))
+        assert tl.started[(t, 0)] > tl.started[(t - 1, 0)] + 0.2  # held back by the slow client
