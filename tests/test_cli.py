@@ -1,5 +1,3 @@
-import json
-
 import pytest
 
 from fededge.cli import main, parse_run_config

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -75,7 +76,9 @@ class Compressed(Strategy):
             raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
         self.inner = inner
         self.downlink = downlink
-        self._sent: dict[int, ArrayRecord] = {}
+        # round -> the weights sent that round, as tensors: converted once per round, not
+        # once per reply (each conversion deserialises the whole model)
+        self._sent: dict[int, dict[str, torch.Tensor]] = {}
         self._stats = CompressionStats()
 
     def take_stats(self) -> CompressionStats:
@@ -88,7 +91,7 @@ class Compressed(Strategy):
                         grid: Grid) -> Iterable[Message]:
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         if self.downlink == "none":
-            self._sent = {server_round: arrays}  # only the current round's base is needed
+            self._sent = {server_round: arrays.to_torch_state_dict()}  # only this round's base
             return messages
         # Cast the broadcast model once; the base for decoding the replies is the model
         # the clients actually received (the rounded one), so deltas rebuild exactly.
@@ -102,7 +105,7 @@ class Compressed(Strategy):
             else:
                 raw[name] = t.numpy()
                 received[name] = t.numpy()
-        self._sent = {server_round: ArrayRecord({k: Array(v) for k, v in received.items()})}
+        self._sent = {server_round: {k: torch.from_numpy(v) for k, v in received.items()}}
         down = bundle_record(payloads)
         extra = ArrayRecord({k: Array(v) for k, v in raw.items()}) if raw else None
         for m in messages:
@@ -135,9 +138,8 @@ class Compressed(Strategy):
                 log.warning("round %d: rejected a client update: %s", server_round, reason)
         return self.inner.aggregate_train(server_round, kept)
 
-    def _decode(self, content: RecordDict, base: ArrayRecord) -> RecordDict:
+    def _decode(self, content: RecordDict, sent: dict[str, torch.Tensor]) -> RecordDict:
         rec = content[COMPRESSED]
-        sent = base.to_torch_state_dict()
         largest = max((math.prod(v.shape) for v in sent.values()), default=1)
         if list(rec.keys()) != [BUNDLE]:
             raise MalformedPayloadError(f"compressed record must hold one array '{BUNDLE}', has {list(rec.keys())[:5]}")

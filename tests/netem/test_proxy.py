@@ -168,7 +168,7 @@ def send_through(payload: bytes, prof: LinkProfile, timeout_s: float = 30,
 def test_gilbert_elliott_loss_rate_and_bursts():
     d = Direction(loss=0.05, loss_burst=4)
     ge = _GilbertElliott(d, np.random.default_rng(1))
-    packets, events, lost = 200_000, 0, 0
+    packets, events = 200_000, 0
     for _ in range(packets // 100):  # chunks of 100 packets
         events += ge.events(100)
     # Stationary loss p/(p+r) and mean burst 1/r: events ~ packets * loss / burst.
