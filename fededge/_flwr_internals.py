@@ -18,6 +18,9 @@ Internals used (checked against flwr 1.41):
 - ``Metadata.__dict__["_message_id"]`` / ``["_run_id"]``: set by the SuperLink in a real
   deployment; Flower's own grids set them the same way.
 - ``flwr.supercore.run.Run``: what ``Grid.run`` returns.
+- ``flwr.superlink.grid.http_grid.HttpGrid`` / ``inmemory_grid.InMemoryGrid``: which
+  runtime a ServerApp's Grid belongs to (a deployment runs each node's messages in
+  order; Ray simulation may run two at once), for strategies that push rounds ahead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "set_run_id",
     "task_identity",
     "empty_run",
+    "runs_messages_in_order",
 ]
 
 
@@ -121,6 +125,32 @@ def empty_run(run_id: int) -> Run:
     return Run.create_empty(run_id)
 
 
+def runs_messages_in_order(grid: object) -> bool | None:
+    """Whether ``grid`` runs each node's messages one at a time, in push order.
+
+    True for a deployment (``HttpGrid``: a SuperNode pulls and runs its messages in
+    order) and for grids that say so (``runs_messages_in_order = True``, as fededge's
+    in-process grid does); False for Ray simulation (``InMemoryGrid``), which may run
+    two queued messages of one node at once (shared/reference/flower-notes.md); None
+    for a grid it does not know. Wrappers with an ``inner`` grid are looked through.
+    """
+    while hasattr(grid, "inner"):
+        grid = grid.inner
+    own = getattr(type(grid), "runs_messages_in_order", None)
+    if isinstance(own, bool):
+        return own
+    try:
+        from flwr.superlink.grid.http_grid import HttpGrid
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    except ImportError as err:  # pragma: no cover - exercised only on a changed Flower
+        raise _fail("flwr.superlink.grid.{http_grid.HttpGrid, inmemory_grid.InMemoryGrid}", err) from err
+    if isinstance(grid, HttpGrid):
+        return True
+    if isinstance(grid, InMemoryGrid):
+        return False
+    return None
+
+
 def check() -> None:
     """Exercise every internal above on a small message; raise FlowerInternalsChanged."""
     import numpy as np
@@ -147,6 +177,9 @@ def check() -> None:
         name = "flwr.supercore.run.Run.create_empty"
         if empty_run(7).run_id != 7:
             raise AssertionError("run id not kept")
+        name = "flwr.superlink.grid.{http_grid.HttpGrid, inmemory_grid.InMemoryGrid}"
+        if runs_messages_in_order(object()) is not None:
+            raise AssertionError("an unknown grid was classified")
     except FlowerInternalsChanged:
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with the internal's name

@@ -29,7 +29,8 @@ from fededge.netem.assign import check_netem_spec, check_speed_spec
 __all__ = ["ConfigError", "RunConfig", "STRATEGIES", "DEVICES"]
 
 #: Strategies selectable with ``strategy=...``; fededge.strategies.registry builds them.
-#: All but ``fedavg`` are Flower's own classes from ``flwr.serverapp.strategy``.
+#: ``dga`` and ``diloco`` are fededge's (fededge.strategies); the others are Flower's own
+#: classes from ``flwr.serverapp.strategy``.
 STRATEGIES: tuple[str, ...] = (
     "fedavg",
     "fedavgm",
@@ -40,7 +41,10 @@ STRATEGIES: tuple[str, ...] = (
     "fedmedian",
     "fedtrimmedavg",
     "krum",
+    "dga",
+    "diloco",
 )
+DGA_PIPELINE: tuple[str, ...] = ("auto", "on", "off")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PROGRESS: tuple[str, ...] = ("auto", "bar", "lines", "off")
 
@@ -62,7 +66,10 @@ class RunConfig:
     ----------
     strategy : str
         Server strategy, one of :data:`STRATEGIES`. ``fedavg`` is FedAvg weighted by
-        examples (McMahan et al., 2017); the others are Flower's classes.
+        examples (McMahan et al., 2017); ``dga`` is Delayed Gradient Averaging (Zhu et
+        al., 2021; ``dga-*`` keys); ``diloco`` is FedAvg with an outer Nesterov-momentum
+        SGD step on the averaged update (the local SGD / DiLoCo line); the others are
+        Flower's classes.
     num_rounds : int
         Communication rounds.
     clients_per_round : int or float
@@ -127,10 +134,12 @@ class RunConfig:
         Write the final global model to ``<run-dir>/model.pt`` (a torch state_dict).
     server_lr : float
         Server learning rate of ``fedavgm`` / ``fedadam`` / ``fedadagrad`` / ``fedyogi``
-        (Reddi et al., 2021). 0 keeps the strategy's own default (Flower's: 1.0 for
-        FedAvgM, 0.1 for the adaptive ones). Ignored by ``fedavg``.
+        (Reddi et al., 2021) / ``diloco``. 0 keeps the strategy's own default (Flower's:
+        1.0 for FedAvgM, 0.1 for the adaptive ones; 0.7 for ``diloco``, as in Douillard
+        et al., 2023). Ignored by ``fedavg``.
     server_momentum : float
-        Server momentum of ``fedavgm`` (Hsu et al., 2019).
+        Server momentum of ``fedavgm`` (heavy ball, Hsu et al., 2019) and ``diloco``
+        (Nesterov).
     proximal_mu : float
         FedProx's proximal coefficient (Li et al., 2020); only with ``fedprox``.
     trimmed_beta : float
@@ -161,6 +170,19 @@ class RunConfig:
     compute_speed : str
         Device speed factors: ``"1.0"``, ``"lognormal:0.5"`` (heterogeneous, seeded) or
         ``"file"``. A factor of 2 computes twice as fast as the measuring machine.
+    dga_delay : int
+        ``strategy="dga"``: D, how many rounds (of K local steps) an average stays in
+        flight before clients apply it. 0 is FedAvg with K local steps, bit for bit.
+    dga_correction : bool
+        DGA's correction: swap the client's own stale update for the average (Zhu et al.,
+        2021). ``false`` is plain delayed averaging, for the ablation.
+    dga_warmup_rounds : int
+        The first rounds run with D = 0.
+    dga_pipeline : str
+        ``auto`` pushes rounds ahead (real overlap) where the grid runs each node's
+        messages in order (a SuperLink deployment, the in-process runtime) and keeps one
+        message per node in flight elsewhere (Ray simulation); ``on`` / ``off`` force it.
+        See docs/algorithms.md.
     progress : str
         ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
         ``lines`` or ``off``.
@@ -217,6 +239,10 @@ class RunConfig:
     compress_min_numel: int = 256
     compress_small_codec: str = "raw"
     downlink_compressor: str = "none"
+    dga_delay: int = 0
+    dga_correction: bool = True
+    dga_warmup_rounds: int = 0
+    dga_pipeline: str = "auto"
     progress: str = "auto"
 
     def __post_init__(self) -> None:
@@ -290,6 +316,15 @@ class RunConfig:
             raise ConfigError(f"run-config {msg}" if msg.startswith("'") else
                               f"run-config key 'compressor': {msg}") from None
         _choice("downlink-compressor", self.downlink_compressor, ("none", "fp16", "bf16"))
+        _int_at_least("dga-delay", self.dga_delay, 0)
+        _int_at_least("dga-warmup-rounds", self.dga_warmup_rounds, 0)
+        _choice("dga-pipeline", self.dga_pipeline, DGA_PIPELINE)
+        if self.strategy == "dga" and (self.compressor != "none" or self.downlink_compressor != "none"):
+            raise ConfigError(
+                "run-config keys 'compressor' / 'downlink-compressor' are not supported with "
+                "strategy='dga' yet (DGA's messages carry the global model and its replies a "
+                "rebased model, not the weights the compression mod expects); set them to 'none'"
+            )
         if not self.results_dir:
             raise ConfigError("run-config key 'results-dir' must not be empty")
         if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):

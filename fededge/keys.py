@@ -36,3 +36,10 @@ DATA_DIR = "data-dir"
 
 # Names of the records fededge keeps in a node's ``context.state``.
 STATE_SAMPLER = "fededge.sampler"
+STATE_DGA = "fededge.dga"  # DGA: the client's local model and its updates in flight
+
+# Delayed Gradient Averaging (fededge.strategies.dga): train config the server sends ...
+DGA_GLOBAL_ROUND = "dga-global-round"  # g: the round of the global model the client holds
+DGA_CORRECTION = "dga-correction"  # bool: swap the own stale update for the average
+# ... and metrics the client replies with.
+DGA_STALENESS = "dga-staleness"  # rounds of own updates whose average had not arrived

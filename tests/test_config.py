@@ -81,6 +81,10 @@ def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
         "fedadagrad": fs.FedAdagrad, "fedyogi": fs.FedYogi, "fedmedian": fs.FedMedian,
         "fedtrimmedavg": fs.FedTrimmedAvg, "krum": fs.Krum,
     }
+    from fededge.strategies.dga import DGA
+    from fededge.strategies.outer import FedAvgOuter
+
+    expected.update({"dga": DGA, "diloco": FedAvgOuter})
     assert set(expected) == set(STRATEGIES)
     for name, cls in expected.items():
         assert type(build_strategy(RunConfig(strategy=name))) is cls, name
@@ -93,6 +97,11 @@ def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
     assert build_strategy(RunConfig(strategy="fedprox", proximal_mu=0.3)).proximal_mu == 0.3
     assert build_strategy(RunConfig(strategy="fedtrimmedavg", trimmed_beta=0.1)).beta == 0.1
     assert build_strategy(RunConfig(strategy="krum", krum_byzantine=2)).num_malicious_nodes == 2
+    s = build_strategy(RunConfig(strategy="dga", dga_delay=3, dga_correction=False, dga_warmup_rounds=2,
+                                 dga_pipeline="off"))
+    assert (s.config.delay, s.config.correction, s.config.warmup_rounds, s.pipeline) == (3, False, 2, "off")
+    s = build_strategy(RunConfig(strategy="diloco"))
+    assert (s.outer.lr, s.outer.momentum, s.outer.nesterov) == (0.7, 0.9, True)
 
 
 def test_clients_per_round_maps_to_flower_sampling():

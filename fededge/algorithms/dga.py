@@ -30,8 +30,26 @@ with ``D = 0``, as the paper's warm-up does. A round-t client computes its K ste
 ``x(t, j)``, so the gradient staleness it experiences is between ``K*D`` and ``K*(D+1)-1``
 local steps. With K = 1 this is the paper's per-iteration rule exactly.
 
-This module is the client-side state and arithmetic, pure torch (no Flower). The server
-only averages; the clock decides when averages arrive (fededge.netem.clock).
+**What travels** (the form the Flower strategy uses). Rather than the bare average
+``Δ̄(s)``, the server sends the *global model* ``G(s) = x(1) + sum_{r <= s} Δ̄(r)``, the
+same number of bytes, so a client never drifts from the server through rounding and a
+client that missed a message is put right by the next one. Round t's message carries
+``G(g)`` with ``g = last_arrived(config, t)``, the newest round whose average the rule has
+delivered by the start of round t (``t - 1 - D`` after the warm-up); it carries no arrays
+when ``g`` did not change. The client rebuilds its model (:meth:`DGAClient.sync`):
+
+- with correction:    x(t, j) = G(g) + sum_{g < s < t} Δ(s, j)   (its own updates in flight)
+- without correction: x(t, j) = G(g)
+
+runs its K steps to ``x'``, and replies ``y(t, j) = x' - sum_{g < s < t} Δ(s, j)``, which is
+``G(g) + Δ(t, j)`` (:meth:`DGAClient.train_round`). The server takes the weighted mean
+``ȳ(t) = G(g) + Δ̄(t)`` (Flower's own FedAvg aggregation) and advances
+``G(t) = G(t-1) + ȳ(t) - G(g)`` (:class:`DGAServer`). When ``g = t - 1`` (D = 0, or the
+warm-up) the reply is ``x'`` itself and ``G(t) = ȳ(t)``: bit for bit FedAvg with K local
+steps. Both forms give the same models (tests check them against each other).
+
+This module is the arithmetic, pure torch (no Flower): the client's state, the server's
+global-model history, and the timeline on the simulated clock (fededge.netem.clock).
 """
 
 from __future__ import annotations
@@ -43,7 +61,7 @@ import torch
 
 from fededge.netem.clock import ClientRound, SimClock
 
-__all__ = ["DGAConfig", "DGAClient", "DGATimeline", "average"]
+__all__ = ["DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average", "last_arrived"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -79,6 +97,25 @@ class DGAConfig:
         return 0 if rnd <= self.warmup_rounds else self.delay
 
 
+class DGAStateError(ValueError):
+    """A client's DGA state does not fit the message it got (for example a SuperNode that
+    restarted and lost its ``context.state``). The server resends the global model."""
+
+
+def last_arrived(config: DGAConfig, t: int) -> int:
+    """``g``: the newest round whose average has arrived when round ``t`` starts.
+
+    Averages arrive in round order (round ``s`` at the end of round ``s + D(s)``), so every
+    round up to ``g`` has arrived and none after it. 0 means only the initial model.
+    """
+    if t < 1:
+        raise ValueError(f"rounds start at 1, got {t}")
+    for s in range(t - 1, 0, -1):  # arrival is monotone in s: the first hit is the newest
+        if s + config.delay_at(s) <= t - 1:
+            return s
+    return 0
+
+
 def average(deltas: list[Weights], weights: list[float]) -> Weights:
     """Δ̄: the weighted mean of the clients' round deltas (FedAvg's weighting)."""
     if not deltas or len(deltas) != len(weights):
@@ -93,15 +130,20 @@ def average(deltas: list[Weights], weights: list[float]) -> Weights:
 class DGAClient:
     """One client's DGA state: its local model and its own updates still in flight.
 
-    Per round: :meth:`finish_round` with the change of its K local steps, then
-    :meth:`receive` for each average that has arrived. Both keep ``model`` exactly as
-    the round-form rule above says. ``state_dict()`` is what goes in ``context.state``.
+    Two equivalent drivers. The average form, per round: :meth:`finish_round` with the
+    change of its K local steps, then :meth:`receive` for each average that has arrived.
+    The global-model form (what the ClientApp runs): :meth:`sync` with the global model
+    of round ``g`` when a message brings one, then :meth:`train_round` with the model
+    after the K steps, which returns the reply. ``state_dict()`` is what goes in
+    ``context.state``.
     """
 
     config: DGAConfig
     model: Weights
     in_flight: dict[int, Weights] = field(default_factory=dict)  # round -> own delta
+    global_round: int = 0  # the newest round whose average ``model`` includes
 
+    # -- the average form ------------------------------------------------------------
     def finish_round(self, rnd: int, delta: Weights) -> None:
         """Record round ``rnd``'s own change; with the correction it is applied at once."""
         if rnd in self.in_flight:
@@ -120,6 +162,48 @@ class DGAClient:
             self.model = {k: v - own[k] + avg[k] for k, v in self.model.items()}
         else:
             self.model = {k: v + avg[k] for k, v in self.model.items()}
+        self.global_round = max(self.global_round, rnd)
+
+    # -- the global-model form -------------------------------------------------------
+    def sync(self, g: int, global_model: Weights | None) -> None:
+        """Round ``g``'s global model ``G(g)`` has arrived (``None``: nothing new; the
+        message says the client already holds ``G(g)``).
+
+        Own updates of rounds ``<= g`` are now inside ``G(g)`` and leave the in-flight
+        list. With the correction the model is ``G(g)`` plus the rest in flight;
+        without it, ``G(g)``.
+        """
+        if global_model is None:
+            if g != self.global_round:
+                raise DGAStateError(
+                    f"the message says this client holds the global model of round {g}, but its "
+                    f"state holds round {self.global_round} (a SuperNode restarted, or a message "
+                    "failed); the server resends the global model on its next message")
+            return
+        if g < self.global_round:
+            raise DGAStateError(f"global model of round {g} arrived after that of round {self.global_round}")
+        self.in_flight = {s: d for s, d in self.in_flight.items() if s > g}
+        model = {k: v.clone() for k, v in global_model.items()}
+        if self.config.correction:
+            for s in sorted(self.in_flight):
+                model = {k: v + self.in_flight[s][k] for k, v in model.items()}
+        self.model = model
+        self.global_round = g
+
+    def train_round(self, t: int, after: Weights) -> Weights:
+        """Round ``t``'s K steps took ``model`` to ``after``: record the change, return
+        the reply ``after - (own updates in flight)``, which is ``G(g) + Δ(t)``."""
+        if t in self.in_flight or t <= self.global_round:
+            raise DGAStateError(f"round {t} was already trained (global round {self.global_round}, "
+                                f"in flight {sorted(self.in_flight)})")
+        delta = {k: after[k] - v for k, v in self.model.items()}
+        reply = {k: v.clone() for k, v in after.items()}
+        if self.config.correction:
+            for s in sorted(self.in_flight):
+                reply = {k: v - self.in_flight[s][k] for k, v in reply.items()}
+            self.model = {k: v.clone() for k, v in after.items()}
+        self.in_flight[t] = delta
+        return reply
 
     def staleness(self) -> int:
         """Rounds whose average this client is still waiting for."""
@@ -129,12 +213,14 @@ class DGAClient:
         out = {f"model/{k}": v for k, v in self.model.items()}
         for rnd, d in self.in_flight.items():
             out.update({f"inflight/{rnd}/{k}": v for k, v in d.items()})
+        out["meta/global_round"] = torch.tensor(self.global_round, dtype=torch.int64)
         return out
 
     @classmethod
     def from_state_dict(cls, config: DGAConfig, state: Weights) -> "DGAClient":
         model: Weights = {}
         in_flight: dict[int, Weights] = {}
+        global_round = 0
         for key, v in state.items():
             kind, _, rest = key.partition("/")
             if kind == "model":
@@ -142,61 +228,112 @@ class DGAClient:
             elif kind == "inflight":
                 rnd, _, name = rest.partition("/")
                 in_flight.setdefault(int(rnd), {})[name] = v
+            elif key == "meta/global_round":
+                global_round = int(v)
             else:
                 raise ValueError(f"unknown DGA state key {key!r}")
-        return cls(config, model, in_flight)
+        return cls(config, model, in_flight, global_round)
+
+
+class DGAServer:
+    """The server's side: the global models ``G(s)`` still needed, advanced each round.
+
+    Parameters
+    ----------
+    config : DGAConfig
+    initial : Weights
+        ``G(0)``, the initial model.
+    """
+
+    def __init__(self, config: DGAConfig, initial: Weights) -> None:
+        self.config = config
+        self.round = 0
+        self.globals: dict[int, Weights] = {0: initial}
+
+    def last_arrived(self, t: int) -> int:
+        return last_arrived(self.config, t)
+
+    def global_model(self, s: int) -> Weights:
+        if s not in self.globals:
+            raise KeyError(f"the global model of round {s} is not kept (kept: {sorted(self.globals)})")
+        return self.globals[s]
+
+    def advance(self, t: int, ybar: Weights) -> Weights:
+        """Round ``t``'s replies averaged to ``ȳ(t)``: return and keep ``G(t)``."""
+        if t != self.round + 1:
+            raise ValueError(f"rounds advance in order: expected {self.round + 1}, got {t}")
+        g = self.last_arrived(t)
+        if g == t - 1:  # everyone started from G(t-1): ȳ is the new model (FedAvg exactly)
+            new = dict(ybar)
+        else:
+            prev, base = self.globals[t - 1], self.globals[g]
+            new = {k: (v + (ybar[k].to(v.dtype) - base[k])).to(v.dtype) for k, v in prev.items()}
+        self._keep(t, new)
+        return new
+
+    def skip(self, t: int) -> Weights:
+        """Round ``t`` had no usable reply: ``Δ̄(t) = 0``, so ``G(t) = G(t-1)``."""
+        if t != self.round + 1:
+            raise ValueError(f"rounds advance in order: expected {self.round + 1}, got {t}")
+        self._keep(t, self.globals[t - 1])
+        return self.globals[t]
+
+    def _keep(self, t: int, new: Weights) -> None:
+        self.globals[t] = new
+        self.round = t
+        # Later messages need G(last_arrived(t')) for t' > t, and advance needs G(t) and
+        # G(last_arrived(t + 1)); last_arrived is monotone, so older ones can go.
+        keep = self.last_arrived(t + 1)
+        for s in [s for s in self.globals if s < keep]:
+            del self.globals[s]
 
 
 class DGATimeline:
     """When each DGA round happens on the simulated clock: the overlap the protocol allows.
 
+    Round ``t``'s message to client ``j`` leaves the server as soon as the global model
+    it carries, ``G(g)`` with ``g = last_arrived(t)``, is ready (that is when a pipelined
+    server pushes it), and travels on the client's downlink behind the earlier ones.
     Client ``j`` starts round ``t`` when all of these hold:
+
     - its previous local steps are done;
     - its previous reply has left it (its uplink is free);
-    - the averages the rule applies by then have arrived. Those are every round ``s``
-      with ``s + D(s) <= t - 1``, and, for round 1, the initial model.
+    - round ``t``'s message has arrived.
 
     The average of round ``t`` is ready at the server when the last upload of round
-    ``t`` has arrived. It is then sent down to every client. So a slow client delays
-    the others only through the averages they wait for. With ``D = 0`` this is
-    synchronous FedAvg: download, compute, upload, wait for everyone
-    (:func:`fededge.netem.clock.synchronous_round` gives the same times).
+    ``t`` has arrived. So a slow client delays the others only through the averages
+    they wait for. With ``D = 0`` this is synchronous FedAvg: download, compute,
+    upload, wait for everyone (:func:`fededge.netem.clock.synchronous_round` gives the
+    same times).
 
     Built only from the clock's primitives (``send_down``, ``compute``, ``send_up``,
     ``up_departed``).
     """
 
-    def __init__(self, clock: SimClock, config: DGAConfig, *, model_bytes: int,
-                 clients: Sequence[int]) -> None:
+    def __init__(self, clock: SimClock, config: DGAConfig, *, clients: Sequence[int]) -> None:
         self.clock = clock
         self.config = config
         self.clients = list(clients)
         self._free = {j: 0.0 for j in self.clients}  # end of the client's last compute
-        # down[j][s]: when the average of round s reached client j (s = 0: the initial model)
-        self.down: dict[int, dict[int, float]] = {
-            j: {0: clock.send_down(j, model_bytes, 0.0)} for j in self.clients}
         self.ready: dict[int, float] = {0: 0.0}  # round -> its average ready at the server
         self.started: dict[tuple[int, int], float] = {}
-
-    def _needed(self, t: int) -> int:
-        """The last round whose average client models include when round t starts."""
-        done = [s for s in range(1, t) if s + self.config.delay_at(s) <= t - 1]
-        return max(done, default=0)
+        self.arrived: dict[tuple[int, int], float] = {}  # (round, client) -> message arrival
+        self.blocked: dict[tuple[int, int], float] = {}  # time spent waiting for the message
 
     def run_round(self, t: int, work: Sequence[ClientRound]) -> float:
         """Schedule round ``t`` (measured compute and bytes per client); return when its
         average is ready at the server (the round's end on the clock)."""
-        need = self._needed(t)
+        sent = self.ready[last_arrived(self.config, t)]
         arrivals = []
         for c in work:
             j = c.client
-            start = max(self._free[j], self.clock.up_departed(j), self.down[j][need])
+            self.arrived[(t, j)] = self.clock.send_down(j, c.bytes_down, sent)
+            could = max(self._free[j], self.clock.up_departed(j))
+            start = max(could, self.arrived[(t, j)])
             self.started[(t, j)] = start
+            self.blocked[(t, j)] = start - could
             self._free[j] = self.clock.compute(j, c.compute_s, start)
             arrivals.append(self.clock.send_up(j, c.bytes_up, self._free[j]))
         self.ready[t] = max(arrivals, default=self.ready[t - 1])
-        down_bytes = {c.client: c.bytes_down for c in work}
-        for j in self.clients:
-            self.down[j][t] = self.clock.send_down(j, down_bytes.get(j, 0), self.ready[t])
         self.clock.now = max(self.clock.now, self.ready[t])
         return self.ready[t]

@@ -22,6 +22,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fededge import keys
+from fededge.algorithms.dga import DGAClient, DGAConfig
 from fededge.clients.device import resolve_device
 from fededge.clients.mods import compression_mod
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
@@ -107,7 +108,12 @@ def train(msg: Message, context: Context) -> Message:
     work = client_workload(context)
     cfg = work.cfg
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
-    work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
+    dga = _dga_start(msg, context, conf, work)
+    if dga is None:
+        work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
+    else:
+        work.model.load_state_dict(dga.model)
+        staleness = dga.staleness()  # before this round: its own rounds still in flight
     sampler = _sampler(work, context, int(conf.get(keys.BATCH_SIZE, cfg.batch_size)))
 
     threads = torch.get_num_threads()
@@ -133,6 +139,12 @@ def train(msg: Message, context: Context) -> Message:
         torch.set_num_threads(threads)  # the process may be shared (in-process runtime)
 
     context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
+    if dga is None:
+        arrays = ArrayRecord(work.model.state_dict())
+    else:
+        after = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+        arrays = ArrayRecord(dga.train_round(int(conf[keys.SERVER_ROUND]), after))
+        context.state[keys.STATE_DGA] = ArrayRecord(dga.state_dict())
     metrics = MetricRecord({
         keys.NUM_EXAMPLES: len(work.x),
         keys.TRAIN_LOSS: result.mean_loss,
@@ -141,8 +153,27 @@ def train(msg: Message, context: Context) -> Message:
         keys.REPLY_PARTITION_ID: work.partition_id,
         keys.REPLY_NUM_PARTITIONS: work.num_partitions,
     })
-    content = RecordDict({keys.ARRAYS: ArrayRecord(work.model.state_dict()), keys.METRICS: metrics})
+    if dga is not None:
+        metrics[keys.DGA_STALENESS] = staleness
+    content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
     return Message(content=content, reply_to=msg)
+
+
+def _dga_start(msg: Message, context: Context, conf: ConfigRecord, work: ClientWorkload) -> DGAClient | None:
+    """For a DGA message (``dga-global-round`` in its config): the client's DGA state,
+    brought up to the global model the message carries or names. None otherwise."""
+    if keys.DGA_GLOBAL_ROUND not in conf:
+        return None
+    config = DGAConfig(correction=bool(conf.get(keys.DGA_CORRECTION, True)))
+    if keys.STATE_DGA in context.state:
+        state = context.state[keys.STATE_DGA].to_torch_state_dict()
+        dga = DGAClient.from_state_dict(config, state)
+    else:
+        dga = DGAClient(config, {k: v.detach().clone() for k, v in work.model.state_dict().items()},
+                        global_round=-1)  # holds nothing yet: the first message must bring G(g)
+    arrays = _received_arrays(msg)
+    dga.sync(int(conf[keys.DGA_GLOBAL_ROUND]), arrays.to_torch_state_dict() if len(arrays) else None)
+    return dga
 
 
 @app.evaluate()

@@ -30,10 +30,12 @@ from fededge.clients.train import evaluate
 from fededge.config import RunConfig
 from fededge.models.zoo import count_parameters
 from fededge.netem.assign import assign_links
+from fededge.algorithms.dga import DGAConfig, DGATimeline
 from fededge.netem.clock import ClientRound, SimClock, synchronous_round
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.compressed import Compressed
+from fededge.strategies.dga import DGA
 from fededge.strategies.registry import build_strategy
 from fededge.workload import dataset_for, model_for
 
@@ -85,12 +87,19 @@ class RoundClock:
     partition id, which they report in their replies. The clock is built at the first
     round, once the number of partitions is known; the assignment is written to
     ``<run-dir>/netem.json``.
+
+    Rounds are synchronous (download, compute, upload; the slowest client decides),
+    except with ``dga``: a DGA round overlaps the previous ones as far as its delay
+    allows (:class:`fededge.algorithms.dga.DGATimeline`).
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, dga: DGAConfig | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.dga = dga
         self.clock: SimClock | None = None
+        self.timeline: DGATimeline | None = None
+        self.last_wait_s: float | None = None  # DGA: mean time a client waited for its message
 
     def _build(self, num_partitions: int) -> SimClock:
         cfg = self.cfg
@@ -103,15 +112,25 @@ class RoundClock:
         }, indent=2) + "\n")
         return SimClock(links, seed=cfg.seed)
 
-    def round_duration(self, traffic: RoundTraffic) -> float:
+    def round_duration(self, traffic: RoundTraffic, rnd: int = 0) -> float:
         replied = [n for n in traffic.nodes.values() if n.replied and n.partition_id is not None]
-        if not replied:
-            return 0.0
-        if self.clock is None:
+        rounds = [ClientRound(x.partition_id, x.bytes_down, x.compute_s, x.bytes_up) for x in replied]
+        if self.clock is None and replied:
             n = max((x.num_partitions or 0) for x in replied)
             self.clock = self._build(max(n, 1 + max(x.partition_id for x in replied)))
-        rounds = [ClientRound(x.partition_id, x.bytes_down, x.compute_s, x.bytes_up) for x in replied]
-        return synchronous_round(self.clock, rounds).duration
+            if self.dga is not None:
+                self.timeline = DGATimeline(self.clock, self.dga, clients=range(len(self.clock.clients)))
+                for s in range(1, rnd):  # rounds before the first reply: nothing on the clock
+                    self.timeline.run_round(s, [])
+        if self.clock is None:
+            return 0.0
+        if self.timeline is None:
+            return synchronous_round(self.clock, rounds).duration if replied else 0.0
+        before = self.timeline.ready[rnd - 1]
+        end = self.timeline.run_round(rnd, rounds)
+        waits = [self.timeline.blocked[(rnd, c.client)] for c in rounds]
+        self.last_wait_s = sum(waits) / len(waits) if waits else None
+        return end - before
 
 
 @dataclass
@@ -199,14 +218,29 @@ def run_experiment(
     )
 
     final = {"arrays": initial}
-    round_clock = RoundClock(cfg, recorder.run_dir)
+    dga = strategy.config if isinstance(strategy, DGA) else None
+    round_clock = RoundClock(cfg, recorder.run_dir, dga=dga)
 
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
         final["arrays"] = arrays
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, x_test, y_test)
-        traffic = metered.take()
+        # DGA keeps rounds in flight: take this round's messages only (its group id).
+        traffic = metered.take(str(rnd) if dga is not None else None)
         comp = strategy.take_stats() if isinstance(strategy, Compressed) else None
+        info = strategy.take_round_info(rnd) if isinstance(strategy, DGA) else None
+        extra = {}
+        for reason in info.reasons if info else []:
+            progress.note(f"round {rnd}: a client update was rejected and left out: {reason}")
+        round_sim_s = round_clock.round_duration(traffic, rnd)
+        if info is not None:
+            extra = {"dga_delay": info.delay, "dga_global_round": info.global_round,
+                     "staleness": info.staleness_mean, "staleness_max": info.staleness_max,
+                     "staleness_steps": (None if info.staleness_mean is None
+                                         else info.staleness_mean * cfg.local_steps),
+                     "wait_s": (None if round_clock.last_wait_s is None
+                                else round(round_clock.last_wait_s, 6)),
+                     "pipelined": info.pipelined}
         for reason in comp.reasons if comp else []:
             progress.note(f"round {rnd}: a compressed update was rejected and left out: {reason}")
         for err in traffic.errors:
@@ -215,12 +249,14 @@ def run_experiment(
         rec = recorder.record_round(
             rnd, accuracy=acc, loss=loss, bytes_up=traffic.bytes_up,
             bytes_down=traffic.bytes_down,
-            # Synchronous round on the simulated clock: download, compute (scaled by the
-            # client's speed) and upload on each client's link; the slowest one decides.
-            round_sim_s=round_clock.round_duration(traffic),
-            num_clients=traffic.train_replies - (comp.rejected if comp else 0),
-            failures=traffic.failures, rejected=comp.rejected if comp else 0,
+            # The round on the simulated clock: download, compute (scaled by the client's
+            # speed) and upload on each client's link (RoundClock).
+            round_sim_s=round_sim_s,
+            num_clients=traffic.train_replies - (comp.rejected if comp else 0) - (info.rejected if info else 0),
+            failures=traffic.failures,
+            rejected=(comp.rejected if comp else 0) + (info.rejected if info else 0),
             compression_ratio=comp.ratio if comp else None,
+            extra=extra,
         )
         progress.update(rec)
         if rnd >= 1 and rec.num_clients == 0:

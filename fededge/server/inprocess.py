@@ -67,6 +67,10 @@ class InProcessGrid(Grid):
         Seeds the (random, 63-bit) node ids.
     """
 
+    #: Each node's messages run one at a time, in push order (checked by strategies
+    #: that push rounds ahead; see ``fededge._flwr_internals.runs_messages_in_order``).
+    runs_messages_in_order = True
+
     def __init__(
         self,
         client_app: ClientApp,

@@ -73,39 +73,68 @@ class RoundTraffic:
     errors: list[str] = field(default_factory=list)
     nodes: dict[int, NodeTraffic] = field(default_factory=dict)  # train traffic per node
 
+    def merge(self, other: "RoundTraffic") -> None:
+        """Add ``other``'s traffic to this one."""
+        for name in ("bytes_down", "bytes_up", "messages_down", "replies", "failures", "train_replies"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.compute_s.extend(other.compute_s)
+        self.errors.extend(other.errors)
+        for nid, n in other.nodes.items():
+            mine = self.nodes.setdefault(nid, NodeTraffic())
+            mine.bytes_down += n.bytes_down
+            mine.bytes_up += n.bytes_up
+            mine.compute_s += n.compute_s
+            mine.partition_id = n.partition_id if n.partition_id is not None else mine.partition_id
+            mine.num_partitions = n.num_partitions if n.num_partitions is not None else mine.num_partitions
+            mine.replied = mine.replied or n.replied
+
 
 class MeteredGrid(Grid):
-    """A Grid that counts the bytes of every message it pushes and pulls."""
+    """A Grid that counts the bytes of every message it pushes and pulls.
+
+    Traffic is kept per message ``group_id`` (a reply carries its instruction's), so a
+    strategy that keeps several rounds in flight (DGA, pipelined) can take each round's
+    traffic on its own; Flower's own strategies leave the group empty and take it all.
+    """
 
     def __init__(self, inner: Grid) -> None:
         self.inner = inner
         self._lock = threading.Lock()
-        self._traffic = RoundTraffic()
-        self._size_cache: dict[str, int] = {}
+        self._traffic: dict[str, RoundTraffic] = {}
 
     # -- accounting ----------------------------------------------------------------
-    def take(self) -> RoundTraffic:
-        """Return the traffic since the previous call and start counting afresh."""
+    def take(self, group_id: str | None = None) -> RoundTraffic:
+        """Return the traffic counted since the previous call and start afresh: of every
+        group (default), or of messages whose ``group_id`` is ``group_id``."""
         with self._lock:
-            t, self._traffic = self._traffic, RoundTraffic()
-            self._size_cache.clear()
-            return t
+            if group_id is not None:
+                return self._traffic.pop(group_id, RoundTraffic())
+            total = RoundTraffic()
+            for t in self._traffic.values():
+                total.merge(t)
+            self._traffic.clear()
+            return total
+
+    def _group(self, msg: Message) -> RoundTraffic:
+        return self._traffic.setdefault(msg.metadata.group_id, RoundTraffic())
 
     def _count_down(self, messages: list[Message]) -> None:
-        sizes = [wire_size(m, self._size_cache) for m in messages]
+        cache: dict[str, int] = {}  # a model broadcast in one push is serialised once
+        sizes = [wire_size(m, cache) for m in messages]
         with self._lock:
-            self._traffic.bytes_down += sum(sizes)
-            self._traffic.messages_down += len(messages)
             for m, n in zip(messages, sizes):
+                t = self._group(m)
+                t.bytes_down += n
+                t.messages_down += 1
                 if m.metadata.message_type.startswith("train"):
-                    node = self._traffic.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
+                    node = t.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
                     node.bytes_down += n
 
     def _count_up(self, replies: list[Message]) -> None:
         for r in replies:
             n = wire_size(r)
             with self._lock:
-                t = self._traffic
+                t = self._group(r)
                 t.bytes_up += n
                 t.replies += 1
                 if r.has_error():

@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -79,9 +79,13 @@ class RoundRecord:
     cum_bytes_down: int = 0
     rejected: int = 0  # client updates that did not decode and were left out
     compression_ratio: Optional[float] = None  # float32 bytes of the update / payload bytes
+    # Strategy-specific figures (DGA: dga_delay, staleness, wait_s, ...), written flat.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        return out
 
 
 class RunRecorder:
@@ -152,6 +156,7 @@ class RunRecorder:
         failures: int = 0,
         rejected: int = 0,
         compression_ratio: float | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> RoundRecord:
         """Append one round; ``round_sim_s`` is that round's simulated duration."""
         self._cum_up += bytes_up
@@ -162,7 +167,7 @@ class RunRecorder:
             wall_s=round(self.elapsed, 6), sim_s=round(self._sim_s, 6), num_clients=num_clients,
             failures=failures, round_sim_s=round(round_sim_s, 6), rejected=rejected,
             compression_ratio=None if compression_ratio is None else round(compression_ratio, 4),
-            cum_bytes_up=self._cum_up, cum_bytes_down=self._cum_down,
+            cum_bytes_up=self._cum_up, cum_bytes_down=self._cum_down, extra=dict(extra or {}),
         )
         self.records.append(rec)
         self._metrics.write(json.dumps(rec.to_json()) + "\n")

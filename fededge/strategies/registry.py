@@ -1,8 +1,8 @@
 """Build the server strategy a run config names.
 
 fededge works with Flower rather than replacing it: every name but the fededge-specific
-ones (later: delayed averaging, gossip, compression wrappers) maps to a class of
-``flwr.serverapp.strategy``, configured from the run config.
+ones (``dga``: delayed gradient averaging; ``diloco``: FedAvg with an outer Nesterov
+step) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
 from fededge.config import STRATEGIES, RunConfig
+from fededge.strategies.dga import DGA
+from fededge.strategies.outer import FedAvgOuter
 
 __all__ = ["build_strategy", "sampling_kwargs"]
 
@@ -70,4 +72,10 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         return fs.FedTrimmedAvg(**kw, beta=cfg.trimmed_beta)
     if name == "krum":
         return fs.Krum(**kw, num_malicious_nodes=cfg.krum_byzantine)
+    if name == "dga":
+        return DGA(**kw, delay=cfg.dga_delay, correction=cfg.dga_correction,
+                   warmup_rounds=cfg.dga_warmup_rounds, pipeline=cfg.dga_pipeline)
+    if name == "diloco":
+        return FedAvgOuter(**kw, lr=cfg.server_lr or 0.7, momentum=cfg.server_momentum,
+                           nesterov=cfg.server_momentum > 0)
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

@@ -44,7 +44,8 @@ def _run_dga(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x
     return history
 
 
-def _reference(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray):
+def _reference(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray,
+               avgs_out: list | None = None):
     """Independent NumPy form: rebuild every client's model from the unrolled formula."""
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     own: list[list[np.ndarray]] = [[] for _ in clients]  # own[j][s-1] = Δ(s, j)
@@ -64,6 +65,8 @@ def _reference(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float,
                 x = x + sum((own[j][s - 1] for s in pending), np.zeros_like(x0))
             models[j] = x
         history.append([m.copy() for m in models])
+    if avgs_out is not None:
+        avgs_out.extend(avg)
     return history
 
 
@@ -164,7 +167,7 @@ def test_zero_delay_timeline_is_synchronous_fedavg_on_the_clock():
     sync = SimClock(links, seed=4)
     ends_sync = [synchronous_round(sync, work).end for _ in range(5)]
     clock = SimClock(links, seed=4)
-    tl = DGATimeline(clock, DGAConfig(delay=0), model_bytes=200_000, clients=range(3))
+    tl = DGATimeline(clock, DGAConfig(delay=0), clients=range(3))
     ends_dga = [tl.run_round(t, work) for t in range(1, 6)]
     assert ends_dga == pytest.approx(ends_sync, abs=1e-12)
 
@@ -177,7 +180,7 @@ def test_homogeneous_round_times_by_hand():
     # DGA, D = 1: round 1 starts when the model arrives (0.2), computes to 0.7, its reply
     # leaves at 0.8 and arrives at 0.9. Round t starts when the reply of t-1 has left and
     # the average of t-2 has arrived: every round takes compute + 0.1 s of upload.
-    tl = DGATimeline(SimClock([_link(8e6, 0.1)]), DGAConfig(delay=1), model_bytes=100_000, clients=[0])
+    tl = DGATimeline(SimClock([_link(8e6, 0.1)]), DGAConfig(delay=1), clients=[0])
     assert [tl.run_round(t, work) for t in range(1, 5)] == pytest.approx([0.9, 1.5, 2.1, 2.7])
     assert [tl.started[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 0.8, 1.4, 2.0])
 
@@ -186,16 +189,118 @@ def test_a_slow_client_delays_others_only_through_the_averages_they_wait_for():
     links = [_link(80e6, 0.01), _link(80e6, 0.01, speed=0.25)]  # client 1 computes 4x slower
     work = [ClientRound(0, 10_000, 0.1, 10_000), ClientRound(1, 10_000, 0.1, 10_000)]
     # D large: no average is ever needed within 6 rounds, so the fast client never waits.
-    tl = DGATimeline(SimClock(links), DGAConfig(delay=10), model_bytes=10_000, clients=[0, 1])
+    tl = DGATimeline(SimClock(links), DGAConfig(delay=10), clients=[0, 1])
     for t in range(1, 7):
         tl.run_round(t, work)
     fast = [tl.started[(t, 0)] for t in range(1, 7)]
     assert np.diff(fast) == pytest.approx([0.1 + 0.001] * 5)  # its compute + its own upload
-    # D = 1: from round 3 on, the fast client needs the average of round t-2, which waits
+    # D = 1: from round 3 on, round t's message carries the average of round t-2, which waits
     # for the slow client's upload: the fast client now starts at those averages' arrival.
-    tl = DGATimeline(SimClock(links), DGAConfig(delay=1), model_bytes=10_000, clients=[0, 1])
+    tl = DGATimeline(SimClock(links), DGAConfig(delay=1), clients=[0, 1])
     for t in range(1, 7):
         tl.run_round(t, work)
     for t in range(3, 7):
-        assert tl.started[(t, 0)] == pytest.approx(max(tl.down[0][t - 2], tl.started[(t - 1, 0)] + 0.101))
+        assert tl.started[(t, 0)] == pytest.approx(max(tl.arrived[(t, 0)], tl.started[(t - 1, 0)] + 0.101))
         assert tl.started[(t, 0)] > tl.started[(t - 1, 0)] + 0.2  # held back by the slow client
+
+
+# ------------------------------------------------------------------ the global-model form
+from fededge.algorithms.dga import DGAServer, DGAStateError, last_arrived  # noqa: E402
+
+
+def _run_global_form(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray):
+    """What the Flower strategy and ClientApp run: G(g) down, G(g) + Δ up, server advances G.
+
+    Returns each client's model at the start of each round (after sync) and G(t)."""
+    server = DGAServer(cfg, {"x": torch.tensor(x0, dtype=torch.float64)})
+    states = [DGAClient(cfg, {"x": torch.tensor(x0, dtype=torch.float64)}) for _ in clients]
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    starts, globals_ = [], []
+    for t in range(1, rounds + 1):
+        g = last_arrived(cfg, t)
+        new = t == 1 or g != last_arrived(cfg, t - 1)
+        replies = []
+        starts.append([])
+        for st, (a, c) in zip(states, clients):
+            st.sync(g, server.global_model(g) if new else None)
+            start = st.model["x"].numpy().copy()
+            starts[-1].append(start)
+            replies.append(st.train_round(t, {"x": torch.tensor(_local_steps(start, a, c, k, lr))}))
+        ybar = {"x": sum(wj * r["x"] for wj, r in zip(w, replies))}
+        globals_.append(server.advance(t, ybar)["x"].numpy().copy())
+    return starts, globals_
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize(("delay", "warmup"), [(0, 0), (1, 0), (3, 2), (5, 1)])
+def test_global_form_trains_the_same_models_as_the_average_form(delay, warmup, correction):
+    clients = _quadratic_clients(4, 6, seed=7)
+    weights = [3, 1, 2, 5]
+    cfg = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup)
+    starts, globals_ = _run_global_form(cfg, clients, weights, 12, 3, 0.05, np.ones(6))
+    avgs: list[np.ndarray] = []
+    ref = _reference(cfg, clients, weights, 12, 3, 0.05, np.ones(6), avgs_out=avgs)
+    for t in range(2, 13):  # the model a client starts round t from = the reference after t-1
+        for j in range(4):
+            np.testing.assert_allclose(starts[t - 1][j], ref[t - 2][j], rtol=1e-10, atol=1e-10,
+                                       err_msg=f"round {t} client {j}")
+    for t in range(1, 13):  # G(t) = x(1) + every average up to t
+        np.testing.assert_allclose(globals_[t - 1], np.ones(6) + sum(avgs[:t]), rtol=1e-10, atol=1e-10)
+
+
+def test_global_form_at_zero_delay_is_fedavg_bit_for_bit():
+    clients = _quadratic_clients(3, 4)
+    cfg = DGAConfig(delay=0)
+    x = np.zeros(4, dtype=np.float32)
+    server = DGAServer(cfg, {"x": torch.tensor(x)})
+    states = [DGAClient(cfg, {"x": torch.tensor(x)}) for _ in clients]
+    w = [0.2, 0.3, 0.5]
+    for t in range(1, 6):
+        afters = [_local_steps(x, a.astype(np.float32), c.astype(np.float32), 3, np.float32(0.1)).astype(np.float32)
+                  for a, c in clients]
+        fedavg = sum(np.float32(wj) * af for wj, af in zip(w, afters))
+        replies = []
+        for st, af in zip(states, afters):
+            st.sync(t - 1, server.global_model(t - 1))
+            assert torch.equal(st.model["x"], torch.tensor(x))  # starts from G(t-1) exactly
+            reply = st.train_round(t, {"x": torch.tensor(af)})
+            assert torch.equal(reply["x"], torch.tensor(af))  # replies x' itself
+            replies.append(reply)
+        got = server.advance(t, {"x": sum(np.float32(wj) * r["x"] for wj, r in zip(w, replies))})
+        assert np.array_equal(got["x"].numpy(), fedavg)
+        x = fedavg
+
+
+def test_last_arrived_and_server_history():
+    cfg = DGAConfig(delay=2, warmup_rounds=2)
+    assert [last_arrived(cfg, t) for t in range(1, 10)] == [0, 1, 2, 2, 2, 3, 4, 5, 6]
+    assert [last_arrived(DGAConfig(delay=0), t) for t in (1, 2, 5)] == [0, 1, 4]
+    with pytest.raises(ValueError, match="rounds start at 1"):
+        last_arrived(cfg, 0)
+    server = DGAServer(DGAConfig(delay=3), {"x": torch.zeros(2)})
+    for t in range(1, 8):
+        server.advance(t, {"x": server.global_model(last_arrived(server.config, t))["x"] + 1.0})
+    assert sorted(server.globals) == [4, 5, 6, 7]  # G(last_arrived(8)) = G(4) onwards
+    torch.testing.assert_close(server.global_model(7)["x"], torch.full((2,), 7.0))
+    with pytest.raises(KeyError, match="not kept"):
+        server.global_model(1)
+    with pytest.raises(ValueError, match="expected 8, got 9"):
+        server.advance(9, {"x": torch.zeros(2)})
+    torch.testing.assert_close(server.skip(8)["x"], torch.full((2,), 7.0))
+
+
+def test_sync_refuses_a_state_that_does_not_fit_the_message():
+    st = DGAClient(DGAConfig(delay=2), {"x": torch.zeros(2)})
+    st.sync(0, {"x": torch.ones(2)})
+    st.train_round(1, {"x": torch.full((2,), 2.0)})
+    with pytest.raises(DGAStateError, match="holds the global model of round 3.*holds round 0"):
+        st.sync(3, None)
+    with pytest.raises(DGAStateError, match="already trained"):
+        st.train_round(1, {"x": torch.zeros(2)})
+    back = DGAClient.from_state_dict(st.config, st.state_dict())
+    assert back.global_round == 0 and sorted(back.in_flight) == [1]
+    back.sync(1, {"x": torch.full((2,), 5.0)})  # round 1's own update is now inside G(1)
+    assert back.global_round == 1 and back.in_flight == {}
+    torch.testing.assert_close(back.model["x"], torch.full((2,), 5.0))
+    with pytest.raises(DGAStateError, match="arrived after"):
+        back.sync(0, {"x": torch.zeros(2)})

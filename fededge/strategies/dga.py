@@ -1,0 +1,289 @@
+"""Delayed Gradient Averaging as a Flower strategy: averages stay in flight for D rounds.
+
+The arithmetic is :mod:`fededge.algorithms.dga` (pure torch); this module moves it through
+Flower's Grid. Round t's message to each participant carries ``G(g)``, the global model
+made of every average that has arrived by then (``g = last_arrived(t)``; no arrays when
+``g`` did not change), and the train config with ``dga-global-round = g``. The client
+rebuilds its model from ``G(g)`` and its own updates still in flight (kept in
+``context.state``), runs K local steps and replies ``G(g) + Δ(t)``. The server averages
+the replies with Flower's FedAvg aggregation and advances ``G(t)``, which is what it
+evaluates.
+
+Two ways to run the same rule, with the same result:
+
+- **pipelined** (a real SuperLink, and fededge's in-process grid): round t is pushed as
+  soon as ``G(g)`` exists, before the replies of rounds ``g+1 .. t-1`` are in. Each
+  SuperNode runs its messages in order, so a client starts its next K steps as soon as
+  it has replied: the overlap is real, in wall-clock time.
+- **lock-step** (Flower's Ray simulation, which may run two queued messages of one node
+  at once; shared/reference/flower-notes.md): at most one message per node is
+  outstanding; round t is sent after round t-1's replies. The overlap is then accounted
+  on the simulated clock (``DGATimeline``), which is what ``sim_s`` reports anyway.
+
+``pipeline="auto"`` picks pipelined where the grid runs each node's messages in order.
+
+DGA needs the same clients every round (each holds its own model and updates in
+flight). The participants are chosen once, before round 1: all connected nodes, or a
+seeded sample of ``clients-per-round`` of them. A participant whose reply fails or times
+out is left out of that round's average (logged and counted); its next message carries
+the global model again, so it rejoins. With ``delay = 0`` the strategy is FedAvg with K
+local steps, bit for bit (same sampling order, same aggregation).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from fededge import keys
+from fededge._flwr_internals import runs_messages_in_order
+from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
+
+__all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
+
+log = logging.getLogger("fededge")
+
+PIPELINE_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class DGARoundInfo:
+    """What a DGA round did, for metrics.jsonl."""
+
+    delay: int
+    global_round: int  # g: the global model the round's clients started from
+    staleness_mean: float | None = None  # rounds of own updates in flight, per client
+    staleness_max: int | None = None
+    rejected: int = 0
+    reasons: list[str] = field(default_factory=list)
+    pipelined: bool = False
+
+
+class DGA(FedAvg):
+    """Delayed Gradient Averaging (Zhu et al., NeurIPS 2021) over Flower's Grid.
+
+    Parameters
+    ----------
+    delay : int
+        D, in rounds. 0 is synchronous local SGD (FedAvg), bit for bit.
+    correction : bool
+        DGA's correction (swap the own stale update for the average); off is plain
+        delayed averaging.
+    warmup_rounds : int
+        The first rounds run with D = 0.
+    pipeline : str
+        ``auto``, ``on`` or ``off`` (see the module docstring). ``on`` on a grid that
+        may run two messages of one node at once is refused.
+    poll_s : float
+        How often the pipelined loop pulls replies.
+    **fedavg
+        Flower's FedAvg arguments (sampling, record keys, weighting).
+    """
+
+    def __init__(self, *, delay: int = 0, correction: bool = True, warmup_rounds: int = 0,
+                 pipeline: str = "auto", poll_s: float = 0.1, **fedavg: Any) -> None:
+        super().__init__(**fedavg)
+        if pipeline not in PIPELINE_MODES:
+            raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {pipeline!r}")
+        self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds)
+        self.pipeline = pipeline
+        self.poll_s = poll_s
+        self._info: dict[int, DGARoundInfo] = {}
+        self.participants: list[int] = []
+        self.pipelined = False
+
+    def summary(self) -> None:
+        log.info("DGA: delay %d, correction %s, warm-up %d rounds, pipeline %s",
+                 self.config.delay, self.config.correction, self.config.warmup_rounds, self.pipeline)
+
+    def take_round_info(self, rnd: int) -> DGARoundInfo | None:
+        """The round's :class:`DGARoundInfo` (once; the experiment records it)."""
+        return self._info.pop(rnd, None)
+
+    # ----------------------------------------------------------------- the run
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        in_order = runs_messages_in_order(grid)
+        if self.pipeline == "on" and not in_order:
+            raise ValueError(
+                "dga-pipeline=on needs a grid that runs each node's messages in order (a "
+                "SuperLink deployment or fededge's in-process runtime); Flower's Ray "
+                "simulation may run two messages of one node at once. Use dga-pipeline=auto")
+        self.pipelined = self.pipeline == "on" or (self.pipeline == "auto" and bool(in_order))
+        if self.pipelined and self.fraction_evaluate > 0:
+            log.warning("DGA: federated evaluation (fraction-evaluate > 0) is skipped when rounds "
+                        "are pipelined; the server evaluates the global model every round")
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        self._server = DGAServer(self.config, dict(initial_arrays.to_torch_state_dict()))
+        self._keys = set(initial_arrays.keys())
+        self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
+        self._resync: set[int] = set()
+        self._result = Result()
+        self._evaluate_fn = evaluate_fn
+        log.info("DGA: delay %d rounds, correction %s, warm-up %d rounds, %s", self.config.delay,
+                 self.config.correction, self.config.warmup_rounds,
+                 "pipelined (rounds pushed ahead)" if self.pipelined else "lock-step (one message per node)")
+        if evaluate_fn:
+            res = evaluate_fn(0, initial_arrays)
+            if res is not None:
+                self._result.evaluate_metrics_serverapp[0] = res
+        self.participants = self._choose_participants(grid)
+        if self.pipelined:
+            self._run_pipelined(grid, num_rounds, timeout, train_config)
+        else:
+            self._run_lockstep(grid, num_rounds, timeout, train_config, evaluate_config)
+        return self._result
+
+    def _choose_participants(self, grid: Grid) -> list[int]:
+        from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+        n_all = len(list(grid.get_node_ids()))
+        size = max(int(n_all * self.fraction_train), self.min_train_nodes)
+        if size >= n_all:
+            _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
+            return list(nodes)
+        nodes, _ = sample_nodes(grid, self.min_available_nodes, size)
+        return sorted(nodes)
+
+    def _messages(self, t: int, train_config: ConfigRecord) -> list[Message]:
+        """Round t's train messages, in this round's (seeded) order of participants."""
+        g = last_arrived(self.config, t)
+        new = t == 1 or g != last_arrived(self.config, t - 1)
+        if g not in self._arrays_of:
+            self._arrays_of[g] = ArrayRecord(self._server.global_model(g))
+        full, empty = self._arrays_of[g], ArrayRecord()
+        config = ConfigRecord(dict(train_config))
+        config[keys.SERVER_ROUND] = t
+        config[keys.DGA_GLOBAL_ROUND] = g
+        config[keys.DGA_CORRECTION] = self.config.correction
+        # The same draw as FedAvg's per-round sample of all nodes, so D = 0 matches it.
+        order = random.sample(self.participants, len(self.participants))
+        out = []
+        for node in order:
+            arrays = full if (new or node in self._resync) else empty
+            self._resync.discard(node)
+            out.append(Message(RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config}),
+                               dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(t)))
+        return out
+
+    def _run_lockstep(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
+                      evaluate_config: ConfigRecord) -> None:
+        for t in range(1, num_rounds + 1):
+            replies = list(grid.send_and_receive(self._messages(t, train_config), timeout=timeout))
+            self._finish_round(t, replies)
+            if self.fraction_evaluate > 0:
+                ev = grid.send_and_receive(
+                    self.configure_evaluate(t, self._result.arrays, evaluate_config, grid), timeout=timeout)
+                agg = self.aggregate_evaluate(t, ev)
+                if agg is not None:
+                    self._result.evaluate_metrics_clientapp[t] = agg
+            self._evaluate(t)
+
+    def _run_pipelined(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord) -> None:
+        pushed: dict[int, list[str]] = {}  # round -> message ids, in push order
+        got: dict[str, Message] = {}
+        current_since = time.monotonic()
+        next_push, done = 1, 0
+        while done < num_rounds:
+            # Push every round whose global model exists: up to D + 1 rounds ahead.
+            while next_push <= num_rounds and last_arrived(self.config, next_push) <= done:
+                pushed[next_push] = list(grid.push_messages(self._messages(next_push, train_config)))
+                next_push += 1
+            t = done + 1
+            outstanding = [m for r in sorted(pushed) for m in pushed[r] if m not in got]
+            if outstanding:
+                for reply in grid.pull_messages(outstanding):
+                    got[reply.metadata.reply_to_message_id] = reply
+            complete = all(m in got for m in pushed[t])
+            if not complete and time.monotonic() - current_since < timeout:
+                time.sleep(self.poll_s)
+                continue
+            replies = [got.pop(m) for m in pushed.pop(t) if m in got]
+            if not complete:
+                log.warning("DGA round %d: %d of %d replies within round-timeout=%gs; the rest are "
+                            "left out", t, len(replies), len(self.participants), timeout)
+            self._finish_round(t, replies)
+            self._evaluate(t)
+            done, current_since = t, time.monotonic()
+
+    # ----------------------------------------------------------------- aggregation
+    def _usable(self, reply: Message) -> str | None:
+        """Why a train reply cannot be averaged, or None."""
+        c = reply.content
+        if self.arrayrecord_key not in c.array_records:
+            return f"reply has no '{self.arrayrecord_key}' ArrayRecord (has {list(c.keys())})"
+        if set(c[self.arrayrecord_key].keys()) != self._keys:
+            return (f"reply's arrays {sorted(c[self.arrayrecord_key].keys())} are not the model's "
+                    f"{sorted(self._keys)}")
+        metrics = next(iter(c.metric_records.values()), None)
+        if metrics is None or self.weighted_by_key not in metrics:
+            return f"reply has no '{self.weighted_by_key}' metric to weight it by"
+        if not float(metrics[self.weighted_by_key]) > 0:
+            return f"reply's '{self.weighted_by_key}' is {metrics[self.weighted_by_key]}, not > 0"
+        return None
+
+    def _finish_round(self, t: int, replies: list[Message]) -> None:
+        info = DGARoundInfo(delay=self.config.delay_at(t), global_round=last_arrived(self.config, t),
+                            pipelined=self.pipelined)
+        valid = []
+        for r in replies:
+            node = r.metadata.src_node_id
+            why = r.error.reason if r.has_error() else self._usable(r)
+            if why is None:
+                valid.append(r)
+                continue
+            self._resync.add(node)  # its state may not have the round's global model
+            if not r.has_error():  # errors are counted by the grid's metering already
+                info.rejected += 1
+                info.reasons.append(f"node {node}: {why}")
+            log.warning("DGA round %d: node %d left out: %s", t, node, why)
+        stale = [int(m[keys.DGA_STALENESS]) for r in valid
+                 for m in r.content.metric_records.values() if keys.DGA_STALENESS in m]
+        if stale:
+            info.staleness_mean = sum(stale) / len(stale)
+            info.staleness_max = max(stale)
+        if valid:
+            contents = [r.content for r in valid]
+            ybar = aggregate_arrayrecords(contents, self.weighted_by_key)
+            new = self._server.advance(t, {k: torch.from_numpy(v.numpy()) for k, v in ybar.items()})
+            # g = t - 1: G(t) is ȳ itself, FedAvg's own ArrayRecord (bit for bit)
+            arrays = ybar if last_arrived(self.config, t) == t - 1 else ArrayRecord(
+                {k: new[k] for k in ybar.keys()})
+            self._result.train_metrics_clientapp[t] = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        else:
+            self._server.skip(t)
+            arrays = self._result.arrays if self._result.arrays is not None else self._arrays_of[0]
+        self._arrays_of = {g: a for g, a in self._arrays_of.items() if g in self._server.globals}
+        self._arrays_of[t] = arrays
+        self._result.arrays = arrays
+        self._info[t] = info
+
+    def _evaluate(self, t: int) -> None:
+        if self._evaluate_fn:
+            res = self._evaluate_fn(t, self._result.arrays)
+            if res is not None:
+                self._result.evaluate_metrics_serverapp[t] = res
+
+    # Flower's per-round hooks are not how DGA runs: start() drives it.
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        raise NotImplementedError("DGA runs its own round loop: call start()")

@@ -1,0 +1,128 @@
+"""DGA through Flower (strategy + ClientApp), in-process: the same rule as the pure module."""
+
+import json
+
+import pytest
+import torch
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fededge import keys
+from fededge.clients.app import train as fededge_train
+from fededge.config import ConfigError, RunConfig
+from fededge.server.inprocess import run_inprocess
+from fededge.strategies.dga import DGA
+
+BASE = {"num-rounds": 5, "local-steps": 4, "progress": "off"}
+
+
+def _lines(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_models(a, b) -> None:
+    ma, mb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+
+
+@pytest.mark.parametrize("pipeline", ["on", "off"])
+def test_zero_delay_is_fedavg_bit_for_bit(tmp_path, pipeline):
+    """D = 0 reproduces synchronous local SGD (Flower's FedAvg, K local steps) exactly."""
+    fedavg = run_inprocess({**BASE, "results-dir": str(tmp_path / "fedavg")}, num_clients=4)
+    dga = run_inprocess({**BASE, "strategy": "dga", "dga-delay": 0, "dga-pipeline": pipeline,
+                         "results-dir": str(tmp_path / "dga")}, num_clients=4)
+    _same_models(fedavg, dga)
+    a, b = _lines(fedavg), _lines(dga)
+    assert [r["accuracy"] for r in a] == [r["accuracy"] for r in b]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert all(r["staleness"] == 0 and r["dga_delay"] == 0 for r in b[1:])
+
+
+def test_pipelined_and_lockstep_train_the_same_model(tmp_path):
+    over = {**BASE, "strategy": "dga", "dga-delay": 2, "netem": "4g"}
+    on = run_inprocess({**over, "dga-pipeline": "on", "results-dir": str(tmp_path / "on")}, num_clients=3)
+    off = run_inprocess({**over, "dga-pipeline": "off", "results-dir": str(tmp_path / "off")}, num_clients=3)
+    _same_models(on, off)
+    a, b = _lines(on), _lines(off)
+    assert [r["accuracy"] for r in a] == [r["accuracy"] for r in b]
+    assert [r["pipelined"] for r in a[1:]] == [True] * 5 and [r["pipelined"] for r in b[1:]] == [False] * 5
+
+
+def test_delay_shows_in_staleness_bytes_and_the_clock(tmp_path):
+    over = {**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 2, "netem": "4g"}
+    run = _lines(run_inprocess({**over, "results-dir": str(tmp_path / "dga")}, num_clients=3))
+    sync = _lines(run_inprocess({**over, "strategy": "fedavg", "results-dir": str(tmp_path / "fedavg")},
+                                num_clients=3))
+    # Round t starts from G(t-1-D): its clients have min(t-1, D) own rounds in flight.
+    assert [r["staleness"] for r in run[1:]] == [0, 1, 2, 2, 2, 2]
+    assert [r["staleness_steps"] for r in run[1:]] == [0, 4, 8, 8, 8, 8]
+    assert [r["dga_global_round"] for r in run[1:]] == [0, 0, 0, 1, 2, 3]
+    assert all(r["num_clients"] == 3 and r["failures"] == 0 for r in run[1:])
+    # Rounds 2 and 3 carry no new global model: a config only, not ~0.38 MB per client.
+    model_down = run[1]["bytes_down"]
+    assert model_down > 3 * 300_000
+    assert run[2]["bytes_down"] < model_down / 100 and run[3]["bytes_down"] < model_down / 100
+    assert all(abs(r["bytes_down"] - model_down) < 1000 for r in run[4:])
+    assert all(abs(r["bytes_up"] - s["bytes_up"]) < 1000 for r, s in zip(run[1:], sync[1:]))
+    # 4g: 0.38 MB up at 6.3 Mbit/s is ~0.48 s a round either way; FedAvg adds the download
+    # and both latencies every round, DGA overlaps them (and the compute) with the upload.
+    dga_round = (run[-1]["sim_s"] - run[1]["sim_s"]) / 5
+    fedavg_round = (sync[-1]["sim_s"] - sync[1]["sim_s"]) / 5
+    upload = run[2]["bytes_up"] / 3 * 8 / 6.3e6
+    assert upload <= dga_round < fedavg_round - 0.15, (dga_round, fedavg_round, upload)
+
+
+def test_without_correction_all_clients_hold_the_stale_global_model(tmp_path):
+    over = {**BASE, "strategy": "dga", "dga-delay": 2, "dga-correction": False}
+    with_c = run_inprocess({**over, "dga-correction": True, "results-dir": str(tmp_path / "c")}, num_clients=3)
+    without = run_inprocess({**over, "results-dir": str(tmp_path / "n")}, num_clients=3)
+    a, b = _lines(with_c), _lines(without)
+    assert a[1]["accuracy"] == b[1]["accuracy"]  # round 1 is the same in both
+    assert a[3]["accuracy"] != b[3]["accuracy"]  # from round 2 on, the correction matters
+
+
+def _failing_once(partition: int, at_round: int) -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        conf = msg.content[keys.CONFIG]
+        if int(context.node_config[keys.PARTITION_ID]) == partition and int(conf[keys.SERVER_ROUND]) == at_round:
+            raise RuntimeError(f"partition {partition} fails round {at_round}")
+        return fededge_train(msg, context)
+
+    return app
+
+
+@pytest.mark.parametrize("pipeline", ["on", "off"])
+def test_a_failed_client_is_left_out_and_rejoins(tmp_path, pipeline):
+    run_dir = run_inprocess({**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 1,
+                             "dga-pipeline": pipeline, "results-dir": str(tmp_path)},
+                            num_clients=3, client_app=_failing_once(1, 2))
+    lines = _lines(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    clients = [r["num_clients"] for r in lines[1:]]
+    failures = [r["failures"] for r in lines[1:]]
+    # Round 2 fails on partition 1. Its round-3 message names a global model it does not
+    # hold (the round-2 message brought it, and failed): refused, then resynchronised.
+    assert failures[1] == 1 and sum(failures) <= 3, failures
+    assert clients[-1] == 3 and clients[-2] == 3, clients
+
+
+def test_bad_dga_settings_are_named():
+    with pytest.raises(ConfigError, match="'dga-delay' must be >= 0"):
+        RunConfig.from_mapping({"strategy": "dga", "dga-delay": -1})
+    with pytest.raises(ConfigError, match="'dga-pipeline' must be one of auto, on, off"):
+        RunConfig.from_mapping({"strategy": "dga", "dga-pipeline": "yes"})
+    with pytest.raises(ConfigError, match="not supported with strategy='dga'"):
+        RunConfig.from_mapping({"strategy": "dga", "compressor": "qsgd"})
+
+
+def test_pipelining_on_a_grid_that_may_run_two_messages_at_once_is_refused():
+    class RayLike:
+        runs_messages_in_order = False
+
+    with pytest.raises(ValueError, match="dga-pipeline=on needs a grid that runs each node's messages in order"):
+        DGA(delay=1, pipeline="on").start(RayLike(), initial_arrays=None)  # type: ignore[arg-type]
