@@ -9,6 +9,8 @@ PURE = [
     "fededge.clients.device", "fededge.server.results", "fededge.netem.profiles",
     "fededge.netem.trace", "fededge.netem.clock", "fededge.netem.assign", "fededge.compress.bundle",
     "fededge.compress.update", "fededge.algorithms.dga",
+    "fededge.topology.graph", "fededge.topology.mixing", "fededge.topology.registry",
+    "fededge.algorithms.gossip",
 ]
 
 

@@ -1,0 +1,386 @@
+"""Gossip arithmetic on per-node models: D-PSGD mixing, CHOCO-SGD's compressed gossip,
+push-sum, and the consensus distance.
+
+Decentralized training keeps one model per node and no global average. After its local
+steps, node i mixes with the nodes it hears, using row i of a mixing matrix W
+(:mod:`fededge.topology`):
+
+- **D-PSGD** (Lian et al., 2017): ``x_i <- sum_j W[i, j] x_j`` (:func:`mix`, :func:`mix_row`).
+- **CHOCO-SGD** (Koloskova, Stich & Jaggi, ICML 2019, Algorithm 1 with CHOCO-GOSSIP):
+  every node keeps public estimates ``x̂_j`` of itself and of the nodes it hears, the
+  same copies everywhere. Per round, with ``x_i`` the model after the local steps::
+
+      q_i  = Q(x_i - x̂_i)                                 (sent to the neighbours)
+      x̂_j <- x̂_j + q_j        for j = i and every neighbour j
+      x_i  <- x_i + gamma * sum_j W[i, j] (x̂_j - x̂_i)
+
+  Only the compressed ``q_i`` travels. With the identity compressor and ``gamma = 1`` this
+  is D-PSGD. For symmetric doubly stochastic W the average of the models is preserved
+  whatever Q does, since the mixing terms cancel in pairs. Q should be contractive
+  (``||Q(x) - x||^2 <= (1 - delta) ||x||^2``): top-k is; the unbiased codecs (qsgd,
+  random-k with its d/k rescaling) are not unless scaled down, and then need a smaller
+  ``gamma``. The paper tunes ``gamma`` per compressor; a smaller Q ratio wants a smaller
+  gamma.
+- **Push-sum** (Kempe et al., 2003; SGP, Assran et al., 2019), for directed graphs
+  whose mixing is only column stochastic: :func:`push_sum_step`. The one-peer exponential
+  graph is doubly stochastic and does not need it.
+
+Only floating-point tensors are mixed and compressed; integer buffers (BatchNorm's
+``num_batches_tracked``) stay each node's own, since an average of counters means
+nothing.
+
+Gradient tracking (for strongly non-IID data) is left out of this module.
+
+:class:`ChocoNode` is one node's state, as a ClientApp keeps it in ``context.state``;
+:func:`choco_step` runs all nodes at once, as a simulation or a reference does. The two
+give identical results.
+
+Pure torch and numpy: no Flower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fededge.compress import decode_any
+from fededge.compress.codec import Codec
+
+__all__ = [
+    "ChocoConfig",
+    "ChocoNode",
+    "Compressor",
+    "GossipError",
+    "Weights",
+    "choco_step",
+    "codec_compressor",
+    "compress_model",
+    "consensus_distance",
+    "identity",
+    "mean_model",
+    "mix",
+    "mix_row",
+    "mixing_row",
+    "push_sum_estimates",
+    "push_sum_step",
+]
+
+Weights = dict[str, torch.Tensor]
+#: A compressor Q: a tensor in, its lossy reconstruction (encode then decode) out.
+Compressor = Callable[[torch.Tensor], torch.Tensor]
+
+
+class GossipError(ValueError):
+    """Gossip inputs that do not fit together: a node missing a neighbour's message, models
+    with different tensors, a mixing matrix of the wrong size."""
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _same_keys(models: Sequence[Mapping[str, torch.Tensor]], what: str) -> list[str]:
+    if not models:
+        raise GossipError(f"{what}: need at least one model")
+    keys = list(models[0])
+    for i, m in enumerate(models):
+        if set(m) != set(keys):
+            diff = sorted(set(m) ^ set(keys))
+            raise GossipError(f"{what}: model {i} has different tensors from model 0 ({diff[:5]}); "
+                              f"every node must hold the same architecture")
+    return keys
+
+
+def mix_row(models: Mapping[int, Weights], weights: Mapping[int, float], *, own: int) -> Weights:
+    """One node's gossip: ``sum_j weights[j] * models[j]``, the D-PSGD step of node ``own``.
+
+    Parameters
+    ----------
+    models : mapping of node -> model
+        The models of the nodes the row weights (the node's own included).
+    weights : mapping of node -> float
+        Row ``own`` of W, its nonzero entries (see :func:`mixing_row`).
+    own : int
+        The node itself: its integer buffers are kept.
+    """
+    missing = sorted(set(weights) - set(models))
+    if missing:
+        raise GossipError(f"node {own} weights node(s) {missing} but has no model from them; "
+                          f"relay every in-neighbour's model to it")
+    if own not in models:
+        raise GossipError(f"node {own} has no model of its own among {sorted(models)}; pass it too")
+    nodes = list(weights)
+    keys = _same_keys([models[j] for j in nodes], f"node {own}'s mixing")
+    mine = models[own]
+    return {k: sum(models[j][k] * float(weights[j]) for j in nodes) if _floating(mine[k]) else mine[k]
+            for k in keys}
+
+
+def mixing_row(w: np.ndarray, i: int) -> dict[int, float]:
+    """Row i of W as ``{node: weight}`` for its nonzero entries (what node i needs)."""
+    row = np.asarray(w)[i]
+    return {int(j): float(row[j]) for j in np.flatnonzero(row)}
+
+
+def _check_w(w: np.ndarray, n: int) -> np.ndarray:
+    w = np.asarray(w, dtype=np.float64)
+    if w.shape != (n, n):
+        raise GossipError(f"mixing matrix has shape {w.shape} but there are {n} models; build W "
+                          f"for these n nodes")
+    return w
+
+
+def mix(models: Sequence[Weights], w: np.ndarray) -> list[Weights]:
+    """D-PSGD's gossip step for every node: ``x_i <- sum_j W[i, j] x_j``.
+
+    W comes from :mod:`fededge.topology` (checked there); any (n, n) matrix is applied as
+    given, so the same function serves push-sum's column-stochastic weights.
+
+    Examples
+    --------
+    >>> import numpy as np, torch
+    >>> xs = [{"w": torch.tensor([0.0])}, {"w": torch.tensor([2.0])}]
+    >>> mix(xs, np.full((2, 2), 0.5))[0]["w"]
+    tensor([1.])
+    """
+    w = _check_w(w, len(models))
+    _same_keys(models, "mix")
+    table = dict(enumerate(models))
+    return [mix_row(table, mixing_row(w, i), own=i) for i in range(len(models))]
+
+
+def mean_model(models: Sequence[Weights]) -> Weights:
+    """The plain average of the nodes' models (FedAvg with equal weights): the model whose
+    accuracy decentralized runs report. Integer buffers are node 0's."""
+    n = len(models)
+    return mix_row(dict(enumerate(models)), {i: 1.0 / n for i in range(n)}, own=0)
+
+
+def consensus_distance(models: Sequence[Weights]) -> float:
+    """``(1/n) sum_i ||x_i - x̄||^2`` over every floating-point tensor, in float64.
+
+    0 when all nodes agree; gossip without training shrinks it by about ``|lambda_2|^2``
+    per round.
+    """
+    keys = _same_keys(models, "consensus_distance")
+    total = 0.0
+    for k in keys:
+        if not _floating(models[0][k]):
+            continue
+        stack = torch.stack([m[k].detach().to(torch.float64) for m in models])
+        total += float(((stack - stack.mean(dim=0)) ** 2).sum())
+    return total / len(models)
+
+
+# ------------------------------------------------------------------ compressors
+def identity(x: torch.Tensor) -> torch.Tensor:
+    """The lossless compressor: CHOCO-SGD with it (and gamma = 1) is D-PSGD."""
+    return x
+
+
+def codec_compressor(codec: Codec, *, generator: torch.Generator | None = None) -> Compressor:
+    """A :mod:`fededge.compress` codec as a compressor: encode, then decode, back in the
+    input's dtype and device (what the receiving neighbours reconstruct).
+
+    ``generator`` seeds the random codecs (qsgd, randk, terngrad). The Flower layer sends
+    the payload itself and counts its bytes; this is the arithmetic both ends agree on.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fededge.compress import build_codec
+    >>> q = codec_compressor(build_codec("topk", ratio=0.5))
+    >>> q(torch.tensor([1.0, -3.0, 0.5, 2.0]))
+    tensor([ 0., -3.,  0.,  2.])
+    """
+    def compress(x: torch.Tensor) -> torch.Tensor:
+        return decode_any(codec.encode(x, generator=generator)).to(dtype=x.dtype, device=x.device)
+
+    return compress
+
+
+def compress_model(delta: Weights, compressor: Compressor) -> Weights:
+    """``Q`` applied to every floating-point tensor of a model-shaped difference; integer
+    tensors are left out (they are not gossiped)."""
+    out = {}
+    for k, v in delta.items():
+        if _floating(v):
+            q = compressor(v)
+            if q.shape != v.shape:
+                raise GossipError(f"the compressor turned {k!r} of shape {tuple(v.shape)} into "
+                                  f"{tuple(q.shape)}; it must return a tensor of the input's shape")
+            out[k] = q
+    return out
+
+
+# ------------------------------------------------------------------ CHOCO-SGD
+@dataclass(frozen=True, kw_only=True)
+class ChocoConfig:
+    """CHOCO-SGD's knob.
+
+    Parameters
+    ----------
+    gamma : float
+        Consensus step size, in (0, 1]. 1 with a lossless compressor is D-PSGD. With a
+        lossy one, lower it until the nodes' models stop drifting apart (Koloskova et al.
+        tune it per compressor; top-1% used gamma near 0.05 on their tasks).
+    """
+
+    gamma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+
+
+def _choco_update(x: Weights, hats: Mapping[int, Weights], row: Mapping[int, float], own: int,
+                  gamma: float) -> Weights:
+    """``x_i + gamma * sum_j W[i, j] (x̂_j - x̂_i)`` (the diagonal term is zero)."""
+    mine = hats[own]
+    out = dict(x)
+    for k in mine:
+        drift = sum((hats[j][k] - mine[k]) * float(wij) for j, wij in row.items() if j != own)
+        out[k] = x[k] + gamma * drift
+    return out
+
+
+def _apply(hat: Weights, q: Weights) -> Weights:
+    if set(hat) != set(q):
+        raise GossipError(f"a CHOCO message has tensors {sorted(q)[:5]}, the estimate "
+                          f"{sorted(hat)[:5]}; both must cover the model's floating tensors")
+    return {k: v + q[k] for k, v in hat.items()}
+
+
+class ChocoNode:
+    """One node's CHOCO-SGD state: its public estimates ``x̂_j`` of itself and the nodes
+    it hears.
+
+    Per round, after the local steps give ``x``: ``q = node.message(x, compressor)`` goes
+    to the neighbours; once it has every neighbour's ``q_j`` (and its own),
+    ``x = node.step(x, messages, row)``. ``state_dict()`` is what goes in
+    ``context.state``.
+
+    Parameters
+    ----------
+    config : ChocoConfig
+        gamma.
+    index : int
+        This node.
+    neighbours : iterable of int
+        The nodes it hears (fixed: CHOCO's estimates assume a static graph).
+    init : Weights
+        The starting estimate of every ``x̂_j``. Koloskova et al. start from 0; when all
+        nodes start from one seeded model, that model is as good a shared start, and the
+        first messages are then updates rather than whole models. It must be the same
+        at every node.
+
+    Examples
+    --------
+    >>> import torch
+    >>> a = ChocoNode(ChocoConfig(gamma=1.0), index=0, neighbours=[1], init={"w": torch.zeros(1)})
+    >>> b = ChocoNode(ChocoConfig(gamma=1.0), index=1, neighbours=[0], init={"w": torch.zeros(1)})
+    >>> xa, xb = {"w": torch.tensor([0.0])}, {"w": torch.tensor([2.0])}
+    >>> qa, qb = a.message(xa, identity), b.message(xb, identity)
+    >>> a.step(xa, {0: qa, 1: qb}, {0: 0.5, 1: 0.5})["w"]
+    tensor([1.])
+    """
+
+    def __init__(self, config: ChocoConfig, *, index: int, neighbours: Sequence[int],
+                 init: Weights) -> None:
+        self.config = config
+        self.index = int(index)
+        nodes = sorted({self.index, *map(int, neighbours)})
+        start = {k: v.detach().clone() for k, v in init.items() if _floating(v)}
+        self.hats: dict[int, Weights] = {j: {k: v.clone() for k, v in start.items()} for j in nodes}
+
+    def message(self, x: Weights, compressor: Compressor) -> Weights:
+        """``q_i = Q(x_i - x̂_i)``: what this node sends. Does not change the state."""
+        mine = self.hats[self.index]
+        return compress_model({k: x[k] - v for k, v in mine.items()}, compressor)
+
+    def step(self, x: Weights, messages: Mapping[int, Weights], row: Mapping[int, float]) -> Weights:
+        """Apply every ``q_j`` to ``x̂_j`` and return the mixed model.
+
+        Parameters
+        ----------
+        x : Weights
+            This node's model after its local steps (the one :meth:`message` was given).
+        messages : mapping of node -> q
+            This node's own ``q`` and each neighbour's, every one exactly once.
+        row : mapping of node -> float
+            Row ``index`` of W, e.g. ``mixing_row(W, index)``.
+        """
+        if set(messages) != set(self.hats):
+            raise GossipError(f"node {self.index} needs the messages of {sorted(self.hats)} (its own "
+                              f"included), got {sorted(messages)}; relay each neighbour's message "
+                              f"every round")
+        stray = sorted(set(row) - set(self.hats))
+        if stray:
+            raise GossipError(f"node {self.index}'s mixing row weights {stray}, which it does not hear; "
+                              f"build the row from the same topology as the neighbours")
+        self.hats = {j: _apply(h, messages[j]) for j, h in self.hats.items()}
+        return _choco_update(x, self.hats, row, self.index, self.config.gamma)
+
+    def state_dict(self) -> Weights:
+        return {f"hat/{j}/{k}": v for j, h in self.hats.items() for k, v in h.items()}
+
+    @classmethod
+    def from_state_dict(cls, config: ChocoConfig, index: int, state: Mapping[str, torch.Tensor]) -> ChocoNode:
+        hats: dict[int, Weights] = {}
+        for key, v in state.items():
+            kind, _, rest = key.partition("/")
+            j, _, name = rest.partition("/")
+            if kind != "hat" or not j.isdigit() or not name:
+                raise GossipError(f"unknown CHOCO state key {key!r}; expected 'hat/<node>/<tensor>'")
+            hats.setdefault(int(j), {})[name] = v
+        if index not in hats:
+            raise GossipError(f"the CHOCO state has no estimate of node {index} itself; it belongs "
+                              f"to another node")
+        node = cls(config, index=index, neighbours=[], init={})
+        node.hats = hats
+        return node
+
+
+def choco_step(models: Sequence[Weights], hats: Sequence[Weights], w: np.ndarray, *, gamma: float,
+               compressor: Compressor) -> tuple[list[Weights], list[Weights]]:
+    """One CHOCO-SGD gossip round for every node at once.
+
+    ``hats[j]`` is the public estimate ``x̂_j``, the same at every node that hears j, so
+    one copy per node suffices here. Returns the mixed models and the new estimates;
+    the inputs are not modified. Start ``hats`` at zeros or at the common initial model.
+    Equal, tensor for tensor, to driving one :class:`ChocoNode` per node.
+    """
+    ChocoConfig(gamma=gamma)  # validates gamma
+    n = len(models)
+    w = _check_w(w, n)
+    if len(hats) != n:
+        raise GossipError(f"{len(hats)} estimates for {n} models; keep one x̂ per node")
+    qs = [compress_model({k: models[i][k] - v for k, v in hats[i].items()}, compressor)
+          for i in range(n)]
+    new_hats = [_apply(h, q) for h, q in zip(hats, qs)]
+    table = dict(enumerate(new_hats))
+    return [_choco_update(models[i], table, mixing_row(w, i), i, gamma) for i in range(n)], new_hats
+
+
+# ------------------------------------------------------------------ push-sum
+def push_sum_step(models: Sequence[Weights], weights: Sequence[float],
+                  p: np.ndarray) -> tuple[list[Weights], list[float]]:
+    """One push-sum round with column-stochastic P (``P[i, j]``: share of j's mass i gets).
+
+    The models and the scalar weights (start them at 1) are mixed alike; the de-biased
+    model of node i is ``models[i] / weights[i]`` (:func:`push_sum_estimates`), which
+    converges to the average of the initial models on any strongly connected directed
+    graph. Build P with :func:`fededge.topology.mixing.push_sum_weights`.
+    """
+    if len(weights) != len(models):
+        raise GossipError(f"{len(weights)} push-sum weights for {len(models)} models; keep one per node")
+    mixed = mix(models, p)
+    return mixed, (np.asarray(p, dtype=np.float64) @ np.asarray(weights, dtype=np.float64)).tolist()
+
+
+def push_sum_estimates(models: Sequence[Weights], weights: Sequence[float]) -> list[Weights]:
+    """Each node's de-biased model ``x_i / w_i`` (integer buffers as they are)."""
+    return [{k: v / w if _floating(v) else v for k, v in m.items()} for m, w in zip(models, weights)]
