@@ -421,98 +421,29 @@ def test_cli_runs_until_sigterm():
 # ------------------------------------------------------------------ Flower through the proxy
 
 
-def _bin(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
 @pytest.mark.slow
 def test_flower_deployment_round_trip_through_the_proxy(tmp_path: Path):
-    """SuperLink <- proxy (20 ms each way) <- 2 SuperNodes; ``flwr run`` one round."""
+    """SuperLink <- proxy (20 ms each way) <- SuperNode, twice; ``flwr run`` one round."""
     import json
 
-    from fededge.server.launch import stop_processes_of
+    from fededge.server.deploy import LocalDeployment
+    from fededge.server.launch import processes_of
 
-    home = (tmp_path / "flwr-home").resolve()
-    home.mkdir()
     results = tmp_path / "results"
-    link_port = free_port()
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", PYTHONUNBUFFERED="1",
-               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    (home / "config.toml").write_text(
-        '[superlink]\ndefault = "netem"\n\n'
-        f'[superlink.netem]\naddress = "{HOST}:{link_port}"\ninsecure = true\n')
-    procs: list[subprocess.Popen] = []
-    logs = []
-
-    def start(name: str, cmd: list[str]) -> None:
-        log = open(tmp_path / f"{name}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, cwd=home))
-
-    def tail(name: str) -> str:
-        p = tmp_path / f"{name}.log"
-        return f"--- {name}\n" + (p.read_text()[-3000:] if p.exists() else "")
-
     prof = profile(Direction(delay_s=0.020))
-    proxy = None
-    try:
-        # `--database` under FLWR_HOME puts the marker on the SuperLink's command line.
-        start("superlink", [_bin("flower-superlink"), "--insecure", "--host", HOST,
-                            "--port", str(link_port), "--database", str(home / "state.db"),
-                            "--disable-runtime-dependency-installation"])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection((HOST, link_port), timeout=1).close()
-                break
-            except OSError:
-                assert procs[0].poll() is None, tail("superlink")
-                time.sleep(0.3)
-        else:
-            pytest.fail("SuperLink did not listen within 60 s\n" + tail("superlink"))
-        proxy = run_in_thread(config(link_port, prof))
-        for i in range(2):
-            # The node-config key only puts the marker on the SuperNode's command line, so
-            # that stop_processes_of finds it and its ClientApp processes.
-            start(f"supernode{i}", [
-                _bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{proxy.address[1]}",
-                "--node-config", f'partition-id={i} num-partitions=2 test-marker="{home}"',
-                "--host", HOST, "--port", str(free_port()),
-            ])
-        run_config = (f'num-rounds=1 local-steps=2 min-available-nodes=2 '
-                      f'results-dir="{results}" progress="lines"')
-        run = subprocess.run(
-            [_bin("flwr"), "run", str(Path(__file__).resolve().parents[2]),
-             "netem", "--stream", "--run-config", run_config],
-            env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL, cwd=home)
-        ls = subprocess.run([_bin("flwr"), "ls", "netem", "--format", "json"], env=env,
-                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=home)
-        summaries = list(results.rglob("summary.json"))
-        report = ("\n".join([run.stdout[-3000:], run.stderr[-3000:], ls.stdout[-2000:], ls.stderr[-1000:]])
-                  + "".join(tail(n) for n in ("superlink", "supernode0", "supernode1")))
-        runs = json.loads(ls.stdout).get("runs", []) if ls.stdout.strip().startswith("{") else []
-        assert runs and runs[-1].get("status") == "finished:completed", report
-        assert summaries and json.loads(summaries[0].read_text())["status"] == "completed", report
-        stats = proxy.stats.as_dict()
-        # Both SuperNodes talked to the SuperLink only through the proxy.
-        assert stats["connections_accepted"] >= 2
-        assert stats["bytes_up"] > 10_000 and stats["bytes_down"] > 10_000, stats
-    finally:
-        stop_processes_of(str(home), grace_s=5)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
-        if proxy is not None:
-            proxy.stop()
-        for log in logs:
-            log.close()
+    root = Path(__file__).resolve().parents[2]
+    with LocalDeployment(root, num_supernodes=2, profile=prof, workdir=tmp_path / "dep") as dep:
+        run = dep.run({"num-rounds": 1, "local-steps": 2, "results-dir": str(results),
+                       "progress": "lines"}, timeout_s=240)
+    assert processes_of(str(dep.home)) == []
+    assert run.ok, run.describe()
+    summaries = list(results.rglob("summary.json"))
+    assert summaries and json.loads(summaries[0].read_text())["status"] == "completed", run.describe()
+    # Each SuperNode dialled its own proxy, and talked to the SuperLink only through it.
+    assert len(run.proxy_stats) == 2
+    for stats in run.proxy_stats:
+        assert stats["connections_accepted"] >= 1
+        assert stats["bytes_up"] > 10_000 and stats["bytes_down"] > 10_000, run.proxy_stats
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:

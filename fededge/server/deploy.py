@@ -1,0 +1,456 @@
+"""A real Flower deployment on loopback: one SuperLink, N SuperNodes, optional netem proxies.
+
+:class:`LocalDeployment` starts ``flower-superlink --insecure`` and ``num_supernodes``
+``flower-supernode`` processes on 127.0.0.1, each SuperNode with its own partition
+(``--node-config 'partition-id=i num-partitions=N'``) and its own runtime API ``--port``.
+With a ``profile`` each SuperNode dials its own userspace netem proxy
+(:mod:`fededge.netem.proxy`, in a thread of this process), which shapes the bytes and
+forwards them to the SuperLink; without one, SuperNodes dial the SuperLink directly.
+:meth:`LocalDeployment.run` then submits the app with ``flwr run APP_DIR CONNECTION
+--stream`` and reads the run's real status with ``flwr ls --format json`` (``flwr run``
+exits 0 even when the run failed). Several runs may go through one deployment.
+
+Unlike Flower's simulation, this is the runtime of real devices: each SuperNode runs its
+messages one at a time, in order, each in a fresh ``flwr-clientapp`` process, and an idle
+SuperNode polls the SuperLink every 3 s (shared/reference/flower-notes.md). A message
+therefore costs seconds, and a strategy that pushes rounds ahead (DGA, pipelined) gets
+its overlap in wall-clock time.
+
+Everything the deployment starts runs with a private ``FLWR_HOME`` (``WORKDIR/flwr-home``)
+whose path is on every command line it starts (the SuperLink's ``--database``, a
+``deploy-home`` node-config key on each SuperNode), so that
+:func:`fededge.server.launch.stop_processes_of` finds them and all their children
+(``flwr-serverapp``, ``flwr-clientapp``). :meth:`LocalDeployment.stop` stops them, then
+the ``Popen`` objects that are left, the proxies, and closes the logs; it runs on leaving
+the ``with`` block, also on an exception or ``KeyboardInterrupt``, and is idempotent.
+Runtime dependency installation is disabled (it needs the network and would install a
+CUDA torch) and telemetry is off. Each process logs to ``WORKDIR/logs/NAME.log``; error
+messages and :meth:`DeploymentRun.describe` quote their tails.
+
+Example
+-------
+>>> with LocalDeployment(".", num_supernodes=2, profile="4g", workdir="/tmp/dep") as dep:  # doctest: +SKIP
+...     run = dep.run({"strategy": "dga", "dga-delay": 1, "num-rounds": 3,
+...                    "results-dir": "/tmp/dep/results"}, timeout_s=300)
+...     assert run.ok, run.describe()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, TextIO
+
+from fededge.netem.profiles import LinkProfile, get_profile
+from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
+from fededge.server.launch import FlwrRun, format_run_config, stop_processes_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DeploymentError", "DeploymentRun", "LocalDeployment"]
+
+HOST = "127.0.0.1"
+CONNECTION = "fededge-local"
+MARKER_KEY = "deploy-home"  # node-config key that puts FLWR_HOME on a SuperNode's command line
+_RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+
+class DeploymentError(RuntimeError):
+    """A process of the deployment did not start, did not listen, or died."""
+
+
+@dataclass
+class DeploymentRun(FlwrRun):
+    """A :class:`~fededge.server.launch.FlwrRun` on a :class:`LocalDeployment`.
+
+    ``leftover_pids`` is always empty: the deployment's processes outlive a run and are
+    stopped by :meth:`LocalDeployment.stop`. ``log_tails`` holds the tails of the
+    SuperLink's and SuperNodes' logs when the run ended; ``proxy_stats`` each proxy's
+    counters then (cumulative over the deployment's runs; empty without a profile).
+    """
+
+    log_tails: str = ""
+    proxy_stats: list[dict[str, int]] = field(default_factory=list)
+
+    def describe(self, chars: int = 3000) -> str:
+        """Status, return code, the tail of ``flwr run``'s output and of every log."""
+        return (f"status={self.status} rc={self.returncode} run_id={self.run_id} "
+                f"wall={self.wall_s:.1f}s\n--- flwr run\n{self.output[-chars:]}\n{self.log_tails}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    exe = Path(sys.executable).with_name(name)
+    return str(exe) if exe.exists() else (shutil.which(name) or name)
+
+
+def _tail(path: Path, chars: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parse_runs(text: str) -> list[dict[str, Any]]:
+    try:
+        runs = json.loads(text).get("runs", [])
+    except (json.JSONDecodeError, AttributeError):
+        return []
+    return [r for r in runs if isinstance(r, dict)]
+
+
+class LocalDeployment:
+    """SuperLink + ``num_supernodes`` SuperNodes on 127.0.0.1, optionally behind proxies.
+
+    Parameters
+    ----------
+    app_dir : path
+        The Flower app ``flwr run`` bundles (the directory with ``pyproject.toml``).
+    num_supernodes : int
+        SuperNodes to start; node ``i`` gets ``partition-id=i num-partitions=N``.
+    profile : str, LinkProfile, a sequence of them, or None
+        With a profile (a name from :func:`fededge.netem.profiles.get_profile` or a
+        :class:`~fededge.netem.profiles.LinkProfile`) each SuperNode dials its own
+        userspace proxy with that profile (``up`` is SuperNode -> SuperLink); a
+        sequence gives one profile per SuperNode. None: SuperNodes dial the SuperLink.
+    workdir : path or None
+        Holds ``flwr-home`` (the private ``FLWR_HOME``) and ``logs/``. None makes a
+        temporary directory that :meth:`stop` removes; a given directory is kept.
+    env : mapping or None
+        Extra environment variables for every process (after the deployment's own).
+    node_config : mapping or None
+        Extra node-config keys for every SuperNode (for example ``data-dir``).
+    proxy_seed : int
+        Seed of proxy ``i``'s jitter and loss draws is ``proxy_seed + i``.
+    start_timeout_s : float
+        How long the SuperLink may take to listen.
+
+    The processes run with ``WORKDIR`` as working directory: give ``results-dir`` as an
+    absolute path. :meth:`run` adds ``min-available-nodes=N`` to the run config unless it
+    is given, so that round 1 waits for every SuperNode.
+    """
+
+    def __init__(
+        self,
+        app_dir: str | os.PathLike[str],
+        *,
+        num_supernodes: int,
+        profile: str | LinkProfile | Sequence[str | LinkProfile] | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        node_config: Mapping[str, Any] | None = None,
+        proxy_seed: int = 0,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        if not (isinstance(num_supernodes, int) and num_supernodes >= 1):
+            raise ValueError(f"num_supernodes must be an integer >= 1, got {num_supernodes!r}")
+        self.app_dir = Path(app_dir).resolve()
+        if not (self.app_dir / "pyproject.toml").is_file():
+            raise ValueError(f"app_dir {str(self.app_dir)!r} has no pyproject.toml: not a Flower app")
+        self.num_supernodes = num_supernodes
+        self.profiles = self._resolve_profiles(profile, num_supernodes)
+        reserved = {"partition-id", "num-partitions", MARKER_KEY} & set(node_config or {})
+        if reserved:
+            raise ValueError(f"node_config must not set {', '.join(sorted(reserved))}: the deployment sets them")
+        self.node_config = dict(node_config or {})
+        self.proxy_seed = proxy_seed
+        self.start_timeout_s = start_timeout_s
+        self._own_workdir = workdir is None
+        self.workdir = Path(tempfile.mkdtemp(prefix="fededge-deploy-") if workdir is None else workdir).resolve()
+        self.home = self.workdir / "flwr-home"
+        self.log_dir = self.workdir / "logs"
+        self.connection = CONNECTION
+        self.superlink_port: int | None = None
+        self.proxies: list[ProxyHandle] = []
+        self._extra_env = dict(env or {})
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[Any]] = []
+        self._runs = 0
+        self._lock = threading.Lock()
+        self._started = self._stopped = False
+        self.survivors: list[int] = []
+
+    @staticmethod
+    def _resolve_profiles(profile: Any, n: int) -> list[LinkProfile] | None:
+        if profile is None:
+            return None
+        if isinstance(profile, (str, LinkProfile)):
+            profile = [profile] * n
+        profs = [get_profile(p) if isinstance(p, str) else p for p in profile]
+        if len(profs) != n:
+            raise ValueError(f"profile: {len(profs)} profiles given for {n} SuperNodes")
+        for p in profs:
+            if not isinstance(p, LinkProfile):
+                raise TypeError(f"profile must be a name or a LinkProfile, got {type(p).__name__}")
+        return profs
+
+    # ----------------------------------------------------------------- environment
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "FLWR_HOME": str(self.home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+            # Flower starts flwr-serverapp / flwr-clientapp from PATH: this interpreter's first.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        })
+        env.update(self._extra_env)
+        return env
+
+    @property
+    def superlink_address(self) -> str:
+        if self.superlink_port is None:
+            raise RuntimeError("the deployment has not been started")
+        return f"{HOST}:{self.superlink_port}"
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        return f"--- {name} ({self.log_path(name)})\n{_tail(self.log_path(name), chars)}"
+
+    def log_tails(self, chars: int = 3000) -> str:
+        """The tail of every process's log (SuperLink, then SuperNodes)."""
+        return "\n".join(self.log_tail(name, chars) for name in self._procs if name != "flwr-run")
+
+    def proxy_stats(self) -> list[dict[str, int]]:
+        return [p.stats.as_dict() for p in self.proxies]
+
+    # ----------------------------------------------------------------- start
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Self:
+        """Start the SuperLink, the proxies and the SuperNodes; stop them all on failure."""
+        if self._started:
+            raise RuntimeError("a LocalDeployment starts once; make a new one")
+        self._started = True
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.log_path(name), "ab")  # noqa: SIM115 - open until stop()
+        self._logs.append(log)
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=self.workdir)
+        self._procs[name] = proc
+        return proc
+
+    def _start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.superlink_port = _free_port()
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{self.connection}"\n\n'
+            f'[superlink.{self.connection}]\naddress = "{self.superlink_address}"\ninsecure = true\n')
+        # `--database` under FLWR_HOME puts the marker on the SuperLink's command line.
+        link = self._spawn("superlink", [
+            _bin("flower-superlink"), "--insecure", "--host", HOST, "--port", str(self.superlink_port),
+            "--database", str(self.home / "state.db"), "--disable-runtime-dependency-installation"])
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                socket.create_connection((HOST, self.superlink_port), timeout=1).close()
+                break
+            except OSError:
+                if link.poll() is not None:
+                    raise DeploymentError(f"the SuperLink exited with code {link.returncode} before "
+                                          f"listening\n{self.log_tail('superlink')}") from None
+                if time.monotonic() > deadline:
+                    raise DeploymentError(f"the SuperLink did not listen on {self.superlink_address} "
+                                          f"within {self.start_timeout_s} s\n{self.log_tail('superlink')}"
+                                          ) from None
+                time.sleep(0.2)
+        for i in range(self.num_supernodes):
+            target = self.superlink_port
+            if self.profiles is not None:
+                proxy = run_in_thread(ProxyConfig(
+                    listen_host=HOST, listen_port=0, upstream_host=HOST, upstream_port=self.superlink_port,
+                    profile=self.profiles[i], seed=self.proxy_seed + i))
+                self.proxies.append(proxy)
+                target = proxy.address[1]
+            node_config = {"partition-id": i, "num-partitions": self.num_supernodes, **self.node_config,
+                           MARKER_KEY: str(self.home)}
+            self._spawn(f"supernode-{i}", [
+                _bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{target}",
+                "--node-config", format_run_config(node_config),
+                "--host", HOST, "--port", str(_free_port())])
+        time.sleep(0.5)  # a SuperNode that cannot start (port taken, bad flag) exits at once
+        self._check_alive()
+
+    def _dead(self) -> list[str]:
+        return [f"{name} exited with code {p.returncode}" for name, p in self._procs.items()
+                if name != "flwr-run" and p.poll() is not None]
+
+    def _check_alive(self) -> None:
+        dead = self._dead()
+        if dead:
+            raise DeploymentError("; ".join(dead) + "\n" + self.log_tails())
+
+    # ----------------------------------------------------------------- run
+    def _flwr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([_bin("flwr"), *args], check=False, env=self.env, capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=self.workdir)
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        """``flwr ls CONNECTION --format json``: every run the SuperLink knows."""
+        ls = self._flwr("ls", self.connection, "--format", "json")
+        runs = _parse_runs(ls.stdout)
+        if not runs and not ls.stdout.strip().startswith("{"):
+            raise DeploymentError(f"flwr ls gave no JSON (rc {ls.returncode}): "
+                                  f"{ls.stdout[-1000:]} {ls.stderr[-1000:]}")
+        return runs
+
+    def run(self, run_config: Mapping[str, Any] | None = None, *, timeout_s: float = 600,
+            echo: TextIO | None = None) -> DeploymentRun:
+        """``flwr run APP_DIR CONNECTION --stream --run-config ...``; the run's real status.
+
+        Returns when ``flwr run`` exits, after ``timeout_s`` (return code 124; the run is
+        then stopped on the SuperLink with ``flwr stop``), or as soon as a process of the
+        deployment dies (return code 125). ``status`` is Flower's (``finished:completed``
+        when the run succeeded), read with ``flwr ls``. With ``echo`` the run's output is
+        copied there line by line.
+        """
+        if not self._started or self._stopped:
+            raise RuntimeError("run() needs a started deployment (use it in a with block)")
+        self._check_alive()
+        cfg = dict(run_config or {})
+        cfg.setdefault("min-available-nodes", self.num_supernodes)
+        self._runs += 1
+        name = f"flwr-run-{self._runs}"
+        cmd = [_bin("flwr"), "run", str(self.app_dir), self.connection, "--stream"]
+        if cfg:
+            cmd += ["--run-config", format_run_config(cfg)]
+        t0 = time.perf_counter()
+        rc, out = self._stream(name, cmd, timeout_s, echo)
+        wall = time.perf_counter() - t0
+        m = _RUN_ID.search(out)
+        run_id = int(m.group(1)) if m else None
+        if rc == 124 and run_id is not None:
+            stop = self._flwr("stop", str(run_id), self.connection)
+            out += f"\n[fededge] flwr stop {run_id}: rc {stop.returncode} {stop.stdout[-300:]}"
+        info = self._run_info(run_id)
+        if info is None:
+            out += "\n[fededge] flwr ls did not list the run"
+        status = (str(info.get("status", "")) or None) if info else None
+        if run_id is None and info:
+            run_id = int(info["run-id"])
+        return DeploymentRun(rc, out, status, run_id, wall, [], info or {},
+                             log_tails=self.log_tails(), proxy_stats=self.proxy_stats())
+
+    def _run_info(self, run_id: int | None) -> dict[str, Any] | None:
+        # `flwr run --stream` may return a moment before the SuperLink marks the run finished.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                runs = self.list_runs()
+            except (DeploymentError, subprocess.TimeoutExpired):
+                runs = []
+            if run_id is not None:
+                runs = [r for r in runs if str(r.get("run-id")) == str(run_id)]
+            last = max(runs, key=lambda r: str(r.get("pending-at", "")), default=None)
+            if (last is not None and str(last.get("status", "")).startswith("finished")) \
+                    or time.monotonic() > deadline:
+                return last
+            time.sleep(1)
+
+    def _stream(self, name: str, cmd: list[str], timeout_s: float, echo: TextIO | None) -> tuple[int, str]:
+        lines: list[str] = []
+        log = open(self.log_path(name), "w")  # noqa: SIM115 - open until stop()
+        self._logs.append(log)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, bufsize=1, cwd=self.workdir)
+        self._procs["flwr-run"] = proc  # type: ignore[assignment]
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                log.write(line)
+                log.flush()
+                if echo is not None:
+                    echo.write(line)
+                    echo.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout_s
+        rc: int | None = None
+        try:
+            while rc is None:
+                try:
+                    rc = proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    dead = self._dead()
+                    if dead:
+                        lines.append(f"\n[fededge] {'; '.join(dead)}: run abandoned\n")
+                        rc = 125
+                    elif time.monotonic() > deadline:
+                        lines.append(f"\n[fededge] flwr run timed out after {timeout_s} s\n")
+                        rc = 124
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=10)
+            del self._procs["flwr-run"]
+        return rc, "".join(lines)
+
+    # ----------------------------------------------------------------- stop
+    def stop(self) -> list[int]:
+        """Stop every process, proxy and log of the deployment; return surviving pids.
+
+        Idempotent: later calls return the first call's survivors.
+        """
+        with self._lock:
+            if self._stopped:
+                return self.survivors
+            self._stopped = True
+        survivors = stop_processes_of(str(self.home), grace_s=5)
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        for proxy in self.proxies:
+            proxy.stop()
+        for log in self._logs:
+            log.close()
+        self.survivors = [p for p in survivors if Path(f"/proc/{p}").exists()]
+        if self._own_workdir and not self.survivors:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return self.survivors

@@ -1,0 +1,92 @@
+"""LocalDeployment: a real SuperLink and SuperNodes on loopback, and a clean teardown.
+
+The slow tests start Flower's deployment runtime (each message runs in a fresh
+``flwr-clientapp`` process; an idle SuperNode polls every 3 s): tens of seconds each.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fededge.netem.profiles import Direction, LinkProfile
+from fededge.server.deploy import LocalDeployment
+from fededge.server.launch import processes_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _metrics(results: Path) -> list[dict]:
+    (run_dir,) = list(results.iterdir())
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ without processes
+
+
+def test_arguments_are_validated_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="num_supernodes must be an integer >= 1"):
+        LocalDeployment(ROOT, num_supernodes=0, workdir=tmp_path)
+    with pytest.raises(ValueError, match="no pyproject.toml"):
+        LocalDeployment(tmp_path, num_supernodes=1, workdir=tmp_path)
+    with pytest.raises(ValueError, match="2 profiles given for 3 SuperNodes"):
+        LocalDeployment(ROOT, num_supernodes=3, profile=["4g", "wifi"], workdir=tmp_path)
+    with pytest.raises(ValueError, match="unknown link profile 'nope'"):
+        LocalDeployment(ROOT, num_supernodes=1, profile="nope", workdir=tmp_path)
+    with pytest.raises(ValueError, match="must not set partition-id"):
+        LocalDeployment(ROOT, num_supernodes=1, node_config={"partition-id": 3}, workdir=tmp_path)
+    prof = LinkProfile(name="t", up=Direction(delay_s=0.01), down=Direction(), source="test")
+    dep = LocalDeployment(ROOT, num_supernodes=2, profile=[prof, "4g"], workdir=tmp_path)
+    assert [p.name for p in dep.profiles] == ["t", "4g"]
+    with pytest.raises(RuntimeError, match="needs a started deployment"):
+        dep.run({})
+    assert dep.stop() == [] and dep.stop() == []  # idempotent, also when never started
+
+
+# ------------------------------------------------------------------ a real SuperLink
+
+
+@pytest.mark.slow
+def test_dga_pipelines_rounds_on_a_real_superlink(tmp_path):
+    """DGA with D=1 pushes round t+1 before round t's replies are in: each SuperNode
+    runs its messages in order, so the strategy picks the pipelined loop."""
+    results = tmp_path / "results"
+    with LocalDeployment(ROOT, num_supernodes=2, workdir=tmp_path / "dep") as dep:
+        run = dep.run({"strategy": "dga", "dga-delay": 1, "num-rounds": 3, "local-steps": 2,
+                       "results-dir": str(results), "progress": "lines"}, timeout_s=400)
+    assert processes_of(str(dep.home)) == []
+    assert run.ok, run.describe()
+    lines = _metrics(results)
+    assert [r["round"] for r in lines] == [0, 1, 2, 3], run.describe()
+    assert all(r["pipelined"] is True and r["num_clients"] == 2 for r in lines[1:]), lines
+    # Rounds of a client's own updates in flight: none in round 1, then D = 1.
+    assert [r["staleness"] for r in lines[1:]] == [0, 1, 1], lines
+    # Round t starts from G(t - 1 - D): rounds 1 and 2 from the initial model.
+    assert [r["dga_global_round"] for r in lines[1:]] == [0, 0, 1], lines
+    assert all(r["bytes_up"] > 0 for r in lines[1:])
+    (summary,) = results.rglob("summary.json")
+    assert json.loads(summary.read_text())["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_teardown_leaves_nothing_behind_after_a_failed_run_and_an_interrupt(tmp_path):
+    """A run that fails (bad run config) leaves the deployment up; an interrupt in the
+    with block then stops the SuperLink, the SuperNode and all their children."""
+    dep = LocalDeployment(ROOT, num_supernodes=1, workdir=tmp_path / "dep")
+    home = str(dep.home)
+    with pytest.raises(KeyboardInterrupt), dep:
+        alive = processes_of(home)
+        assert len(alive) >= 2, alive  # the SuperLink and the SuperNode carry the marker
+        run = dep.run({"local-lr": -1.0, "results-dir": str(tmp_path / "results")}, timeout_s=300)
+        # flwr run exits 0 regardless; the run's status tells the truth.
+        assert run.status is not None and run.status != "finished:completed", run.describe()
+        assert not run.ok
+        assert "'local-lr' must be > 0" in run.output, run.describe()
+        assert processes_of(home), "a failed run must not stop the deployment"
+        raise KeyboardInterrupt
+    assert processes_of(home) == []
+    assert all(p.poll() is not None for p in dep._procs.values())
+    assert dep.stop() == []  # idempotent
+    with pytest.raises(RuntimeError, match="needs a started deployment"):
+        dep.run({})
+
