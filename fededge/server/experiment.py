@@ -229,12 +229,19 @@ def run_experiment(
         traffic = metered.take(str(rnd) if dga is not None else None)
         comp = strategy.take_stats() if isinstance(strategy, Compressed) else None
         info = strategy.take_round_info(rnd) if isinstance(strategy, DGA) else None
-        extra = {}
+        extra: dict[str, Any] = {}
         for reason in info.reasons if info else []:
             progress.note(f"round {rnd}: a client update was rejected and left out: {reason}")
         round_sim_s = round_clock.round_duration(traffic, rnd)
+        # What each client did, so that the run can be re-timed under another network
+        # (fededge.server.replay) without training again.
+        extra["clients"] = [
+            {"partition": n.partition_id, "compute_s": round(n.compute_s, 6),
+             "bytes_down": n.bytes_down, "bytes_up": n.bytes_up}
+            for n in sorted((n for n in traffic.nodes.values() if n.replied and n.partition_id is not None),
+                            key=lambda n: n.partition_id)]
         if info is not None:
-            extra = {"dga_delay": info.delay, "dga_global_round": info.global_round,
+            extra |= {"dga_delay": info.delay, "dga_global_round": info.global_round,
                      "staleness": info.staleness_mean, "staleness_max": info.staleness_max,
                      "staleness_steps": (None if info.staleness_mean is None
                                          else info.staleness_mean * cfg.local_steps),

@@ -69,3 +69,22 @@ def test_progress_lines(tmp_path, capsys):
 @pytest.mark.parametrize(("n", "text"), [(999, "999 B"), (1500, "1.50 kB"), (2_500_000, "2.50 MB"), (3e9, "3.00 GB")])
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
+    """Replaying a run under its own network gives its sim_s; under another, other times
+    from the same per-client record."""
+    import json
+
+    from fededge.server.inprocess import run_inprocess
+    from fededge.server.replay import replay_sim_s
+
+    for over in ({"strategy": "fedavg"}, {"strategy": "dga", "dga-delay": 2}):
+        run_dir = run_inprocess({"num-rounds": 4, "local-steps": 3, "progress": "off", "netem": "wifi:0.5,4g:0.5",
+                                 "results-dir": str(tmp_path / over["strategy"]), **over}, num_clients=3)
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert all(len(r["clients"]) == 3 and r["clients"][0]["bytes_up"] > 0 for r in lines[1:])
+        again = replay_sim_s(run_dir)
+        assert again == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
+        slow = replay_sim_s(run_dir, netem="3g")
+        assert all(b > a for a, b in zip(again[1:], slow[1:]))
