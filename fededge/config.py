@@ -25,8 +25,9 @@ from fededge.data.datasets import DATASETS
 from fededge.data.partition import PARTITIONS
 from fededge.models.zoo import MODELS
 from fededge.netem.assign import check_netem_spec, check_speed_spec
+from fededge.topology import MIXINGS, TOPOLOGIES
 
-__all__ = ["ConfigError", "RunConfig", "STRATEGIES", "DEVICES"]
+__all__ = ["ConfigError", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
 
 #: Strategies selectable with ``strategy=...``; fededge.strategies.registry builds them.
 #: ``dga`` and ``diloco`` are fededge's (fededge.strategies); the others are Flower's own
@@ -43,8 +44,10 @@ STRATEGIES: tuple[str, ...] = (
     "krum",
     "dga",
     "diloco",
+    "gossip",
 )
 DGA_PIPELINE: tuple[str, ...] = ("auto", "on", "off")
+GOSSIP_ALGORITHMS: tuple[str, ...] = ("dpsgd", "choco")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PROGRESS: tuple[str, ...] = ("auto", "bar", "lines", "off")
 
@@ -68,8 +71,10 @@ class RunConfig:
         Server strategy, one of :data:`STRATEGIES`. ``fedavg`` is FedAvg weighted by
         examples (McMahan et al., 2017); ``dga`` is Delayed Gradient Averaging (Zhu et
         al., 2021; ``dga-*`` keys); ``diloco`` is FedAvg with an outer Nesterov-momentum
-        SGD step on the averaged update (the local SGD / DiLoCo line); the others are
-        Flower's classes.
+        SGD step on the averaged update (the local SGD / DiLoCo line); ``gossip`` is
+        decentralized training over a topology, with no global average (D-PSGD or
+        CHOCO-SGD; ``topology``, ``mixing``, ``gossip-*`` keys; docs/topology.md); the
+        others are Flower's classes.
     num_rounds : int
         Communication rounds.
     clients_per_round : int or float
@@ -183,6 +188,38 @@ class RunConfig:
         messages in order (a SuperLink deployment, the in-process runtime) and keeps one
         message per node in flight elsewhere (Ray simulation); ``on`` / ``off`` force it.
         See docs/algorithms.md.
+    topology : str
+        ``strategy="gossip"``: who hears whom, one of
+        :data:`fededge.topology.TOPOLOGIES` (``ring``, ``torus``, ``complete``, ``star``,
+        ``hypercube``, ``erdos-renyi``, ``k-regular``, ``exponential``,
+        ``one-peer-exponential``, ``file``). Node i of the graph is the i-th connected
+        node in increasing node-id order. A graph the node count cannot form (a
+        hypercube of 10) stops the run before training with the TopologyError.
+    topology_file : str
+        ``topology="file"``: a text file of ``u v`` edges (0-based, ``#`` comments).
+    topology_degree : int
+        ``topology="k-regular"``: k, each node's number of neighbours.
+    topology_p : float
+        ``topology="erdos-renyi"``: the edge probability; 0 keeps the family's default
+        ``2 ln(n) / n`` (twice the connectivity threshold).
+    mixing : str
+        ``metropolis`` (Metropolis-Hastings, local degrees only) or ``max-degree``
+        (uniform ``1 / (1 + d_max)``). They agree on regular graphs; on the complete
+        graph both are the exact average.
+    gossip_algorithm : str
+        ``dpsgd`` (Lian et al., 2017: local steps, then ``x_i <- sum_j W_ij x_j``; the
+        models travel whole) or ``choco`` (CHOCO-SGD, Koloskova et al., 2019: nodes send
+        ``Q(x_i - x̂_i)`` with the codec ``compressor`` names and mix through public
+        estimates). D-PSGD with a compressor is refused: use ``choco``.
+    gossip_gamma : float
+        CHOCO's consensus step size, in (0, 1]. With a lossless compressor 1 is D-PSGD.
+        Koloskova et al. (2019) tune it per compressor (their theory asks for a step that
+        shrinks with the compression quality delta and the spectral gap). The default
+        0.05 is for the harshest usual case, top-1%: averaging random vectors over a
+        16-node ring with top-1% (no training), gamma = 1, 0.5 and 0.2 diverged within
+        300 rounds and 0.05 converged. Raise it towards 1 for mild compressors (fp16,
+        int8, qsgd with many levels) and with ``compressor="none"``; lower it if the
+        consensus distance grows from round to round.
     progress : str
         ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
         ``lines`` or ``off``.
@@ -243,6 +280,13 @@ class RunConfig:
     dga_correction: bool = True
     dga_warmup_rounds: int = 0
     dga_pipeline: str = "auto"
+    topology: str = "ring"
+    topology_file: str = ""
+    topology_degree: int = 4
+    topology_p: float = 0.0
+    mixing: str = "metropolis"
+    gossip_algorithm: str = "dpsgd"
+    gossip_gamma: float = 0.05
     progress: str = "auto"
 
     def __post_init__(self) -> None:
@@ -325,6 +369,7 @@ class RunConfig:
                 "strategy='dga' yet (DGA's messages carry the global model and its replies a "
                 "rebased model, not the weights the compression mod expects); set them to 'none'"
             )
+        self._check_gossip()
         if not self.results_dir:
             raise ConfigError("run-config key 'results-dir' must not be empty")
         if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):
@@ -332,6 +377,55 @@ class RunConfig:
                 "run-config key 'run-name' may hold only letters, digits, '.', '_' and '-', "
                 f"got {self.run_name!r}"
             )
+
+    def _check_gossip(self) -> None:
+        _choice("topology", self.topology, TOPOLOGIES)
+        _choice("mixing", self.mixing, MIXINGS)
+        _choice("gossip-algorithm", self.gossip_algorithm, GOSSIP_ALGORITHMS)
+        _int_at_least("topology-degree", self.topology_degree, 1)
+        _in_range("topology-p", self.topology_p, 0.0, 1.0)
+        _in_range("gossip-gamma", self.gossip_gamma, 0.0, 1.0, lo_open=True)
+        if self.topology == "file" and not self.topology_file:
+            raise ConfigError("run-config key 'topology-file' must name a file of 'u v' edge lines "
+                              "when topology='file'")
+        if self.strategy != "gossip":
+            return
+        if self.clients_per_round != 1.0 or isinstance(self.clients_per_round, int):
+            raise ConfigError(
+                "run-config key 'clients-per-round' must be 1.0 with strategy='gossip': every "
+                f"connected node is a node of the graph and trains every round (got "
+                f"{self.clients_per_round!r}); use min-available-nodes to wait for N nodes")
+        if self.fraction_evaluate > 0:
+            raise ConfigError(
+                "run-config key 'fraction-evaluate' must be 0 with strategy='gossip': there is no "
+                "global model to send; the server evaluates every node's model and their average "
+                "on the test set each round")
+        if self.downlink_compressor != "none":
+            raise ConfigError(
+                "run-config key 'downlink-compressor' must be 'none' with strategy='gossip': the "
+                "relay forwards the nodes' own messages; compress them with gossip-algorithm="
+                "'choco' and 'compressor'")
+        if self.gossip_algorithm == "dpsgd" and self.compressor != "none":
+            raise ConfigError(
+                f"run-config key 'compressor' is {self.compressor!r} but gossip-algorithm='dpsgd' "
+                "sends whole models (compressing them without CHOCO's estimates drifts); use "
+                "gossip-algorithm='choco' for compressed gossip, or compressor='none'")
+        if self.gossip_algorithm == "choco":
+            if self.compressor in ("dgc", "powersgd"):
+                raise ConfigError(
+                    f"run-config key 'compressor': {self.compressor!r} keeps encoder state of its "
+                    "own and is not supported by gossip-algorithm='choco'; use a stateless codec "
+                    "(topk, qsgd, int8, fp16, ...)")
+            if self.error_feedback:
+                raise ConfigError(
+                    "run-config key 'error-feedback' must be false with gossip-algorithm='choco': "
+                    "CHOCO's public estimates already carry what the compressor dropped into the "
+                    "next message")
+            if self.topology == "one-peer-exponential":
+                raise ConfigError(
+                    "run-config key 'topology': 'one-peer-exponential' changes peers every round, "
+                    "but CHOCO's public estimates assume a static graph; use gossip-algorithm="
+                    "'dpsgd' with it, or a static topology such as 'exponential'")
 
     # ------------------------------------------------------------------ mapping I/O
     @classmethod
@@ -377,6 +471,17 @@ class RunConfig:
             dgc_clip_norm=self.dgc_clip_norm, min_numel=self.compress_min_numel,
             small_codec=self.compress_small_codec, seed=self.seed,
         )
+
+    def topology_params(self) -> dict[str, Any]:
+        """The ``topology-*`` keys the named family takes, as
+        :func:`fededge.topology.build_topology` keyword arguments."""
+        if self.topology == "k-regular":
+            return {"k": self.topology_degree}
+        if self.topology == "erdos-renyi" and self.topology_p > 0:
+            return {"p": self.topology_p}
+        if self.topology == "file":
+            return {"path": self.topology_file}
+        return {}
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (snake_case names), validated again."""

@@ -43,3 +43,20 @@ DGA_GLOBAL_ROUND = "dga-global-round"  # g: the round of the global model the cl
 DGA_CORRECTION = "dga-correction"  # bool: swap the own stale update for the average
 # ... and metrics the client replies with.
 DGA_STALENESS = "dga-staleness"  # rounds of own updates whose average had not arrived
+
+# Gossip (fededge.strategies.gossip): train config the server sends ...
+GOSSIP_INDEX = "gossip-index"  # int: this node's index in the topology
+GOSSIP_ALGORITHM = "gossip-algorithm"  # "dpsgd" | "choco"
+GOSSIP_GAMMA = "gossip-gamma"  # CHOCO's consensus step size
+GOSSIP_ROW_NODES = "gossip-row-nodes"  # list[int]: the nonzero entries of row i of W ...
+GOSSIP_ROW_WEIGHTS = "gossip-row-weights"  # list[float]: ... and their weights (node i included)
+GOSSIP_EVAL = "gossip-eval"  # bool: also reply with the trained model, for evaluation only
+# ... records in the train message: "gossip/<j>" (neighbour j's message of the previous
+# round) and, when the server resynchronises a CHOCO node, "gossip-hat/<j>" (x̂_j) ...
+GOSSIP_FROM = "gossip/"
+GOSSIP_HAT = "gossip-hat/"
+# ... and records in the reply: the node's gossip message, and its model for evaluation.
+GOSSIP_MESSAGE = "gossip"
+GOSSIP_EVAL_ARRAYS = "gossip-eval"
+STATE_GOSSIP = "fededge.gossip"  # the node's trained model, CHOCO estimates, own q
+STATE_GOSSIP_ROUND = "fededge.gossip-round"  # ConfigRecord: the last round it completed

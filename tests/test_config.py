@@ -82,9 +82,10 @@ def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
         "fedtrimmedavg": fs.FedTrimmedAvg, "krum": fs.Krum,
     }
     from fededge.strategies.dga import DGA
+    from fededge.strategies.gossip import Gossip
     from fededge.strategies.outer import FedAvgOuter
 
-    expected.update({"dga": DGA, "diloco": FedAvgOuter})
+    expected.update({"dga": DGA, "diloco": FedAvgOuter, "gossip": Gossip})
     assert set(expected) == set(STRATEGIES)
     for name, cls in expected.items():
         assert type(build_strategy(RunConfig(strategy=name))) is cls, name

@@ -40,7 +40,7 @@ Pure torch and numpy: no Flower.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,17 +48,21 @@ import torch
 
 from fededge.compress import decode_any
 from fededge.compress.codec import Codec
+from fededge.netem.clock import SimClock
 
 __all__ = [
     "ChocoConfig",
     "ChocoNode",
     "Compressor",
     "GossipError",
+    "GossipTimeline",
+    "GossipWork",
     "Weights",
     "choco_step",
     "codec_compressor",
     "compress_model",
     "consensus_distance",
+    "effective_row",
     "identity",
     "mean_model",
     "mix",
@@ -123,6 +127,26 @@ def mixing_row(w: np.ndarray, i: int) -> dict[int, float]:
     """Row i of W as ``{node: weight}`` for its nonzero entries (what node i needs)."""
     row = np.asarray(w)[i]
     return {int(j): float(row[j]) for j in np.flatnonzero(row)}
+
+
+def effective_row(row: Mapping[int, float], available: Iterable[int], *, own: int) -> dict[int, float]:
+    """Row ``own`` of W restricted to the nodes whose message arrived, in node order.
+
+    A missing neighbour's weight goes to the node's own model (the row still sums to 1).
+    Columns then no longer sum to 1 for that round, so a round with a failure moves the
+    average a little; the next full round is exact again. Node and relay call this same
+    function, so both form the same mixed model, bit for bit.
+    """
+    have = set(available) | {own}
+    out: dict[int, float] = {}
+    spare = 0.0
+    for j in sorted(row):
+        if j in have:
+            out[j] = float(row[j])
+        else:
+            spare += float(row[j])
+    out[own] = out.get(own, 0.0) + spare
+    return out
 
 
 def _check_w(w: np.ndarray, n: int) -> np.ndarray:
@@ -384,3 +408,93 @@ def push_sum_step(models: Sequence[Weights], weights: Sequence[float],
 def push_sum_estimates(models: Sequence[Weights], weights: Sequence[float]) -> list[Weights]:
     """Each node's de-biased model ``x_i / w_i`` (integer buffers as they are)."""
     return [{k: v / w if _floating(v) else v for k, v in m.items()} for m, w in zip(models, weights)]
+
+
+# ------------------------------------------------------------------ the simulated clock
+@dataclass(frozen=True)
+class GossipWork:
+    """What one node did in a gossip round, as measured (for :class:`GossipTimeline`).
+
+    Parameters
+    ----------
+    client : int
+        The node's place on the clock (its partition id: links are assigned by it).
+    compute_s : float
+        Measured local computation of the round.
+    bytes_up : int
+        Its gossip message (what each out-neighbour receives).
+    bytes_down : int
+        What it must receive before it can start, apart from its neighbours' messages:
+        the round's config, the initial model in round 1, a resynchronisation.
+    """
+
+    client: int
+    compute_s: float
+    bytes_up: int
+    bytes_down: int = 0
+
+
+class GossipTimeline:
+    """When each gossip round happens on the simulated clock, edge by edge.
+
+    Node c's round t starts when its round t-1 compute is done, its round-t extras
+    (``bytes_down``, sent when its previous compute ended) have arrived, and the round
+    t-1 messages of its in-neighbours have arrived. Its message then goes up its own
+    uplink, and the relay forwards it down each out-neighbour's downlink as soon as it
+    is in: an edge j -> i costs j's uplink then i's downlink, with both endpoints'
+    profiles. Messages arriving at one node queue on its downlink in the order they
+    reach the relay. There is no global barrier: a slow node delays only its
+    neighbours, and them only through its message.
+
+    The round's end, what ``round_sim_s`` reports, is when every node has what its next
+    round needs (its own compute done and its in-neighbours' messages in): the mixing of
+    round t is then complete everywhere.
+
+    Flower's lock-step loop (all replies in before any forwarding) is only how the
+    simulation executes; the clock models a relay that forwards each message on arrival,
+    the timing a peer-to-peer transport or a pipelined relay would give.
+
+    Built only from the clock's primitives (``send_down``, ``compute``, ``send_up``).
+    """
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self.free: dict[int, float] = {}  # node -> end of its last compute
+        self.ready: dict[int, float] = {}  # node -> its in-neighbours' last messages arrived
+        self.started: dict[tuple[int, int], float] = {}  # (round, node) -> compute start
+        self.waited: dict[tuple[int, int], float] = {}  # time idle between its computes
+        self.at_relay: dict[tuple[int, int], float] = {}  # (round, node) -> message at the relay
+        self.end: dict[int, float] = {0: 0.0}
+
+    def run_round(self, t: int, work: Sequence[GossipWork], edges: Iterable[tuple[int, int]]) -> float:
+        """Schedule round ``t`` and return its end.
+
+        ``edges`` are the round's deliveries ``(sender, receiver)`` (clients), one per
+        logical directed edge whose sender's message exists; each carries the sender's
+        ``bytes_up``.
+        """
+        size = {}
+        for w in work:
+            c = w.client
+            free = self.free.get(c, 0.0)
+            got = self.clock.send_down(c, w.bytes_down, free) if w.bytes_down else free
+            begin = max(free, got, self.ready.get(c, 0.0))
+            self.started[(t, c)] = begin
+            self.waited[(t, c)] = begin - free
+            self.free[c] = self.clock.compute(c, w.compute_s, begin)
+            self.at_relay[(t, c)] = self.clock.send_up(c, w.bytes_up, self.free[c])
+            size[c] = w.bytes_up
+        incoming: dict[int, list[int]] = {}
+        for s, r in edges:
+            if s not in size:
+                raise GossipError(f"round {t}: an edge from node {s}, which sent no message this round")
+            incoming.setdefault(r, []).append(s)
+        end = self.end.get(t - 1, 0.0)
+        for r in sorted(set(incoming) | set(size)):
+            arrived = [self.clock.send_down(r, size[s], self.at_relay[(t, s)])
+                       for s in sorted(incoming.get(r, []), key=lambda s: (self.at_relay[(t, s)], s))]
+            self.ready[r] = max([self.free.get(r, 0.0), *arrived])
+            end = max(end, self.ready[r])
+        self.end[t] = end
+        self.clock.now = max(self.clock.now, end)
+        return end

@@ -13,18 +13,23 @@ Flower parses the values as TOML, so strings are quoted): ``partition-id``,
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
 from torch import nn
 
 from fededge import keys
 from fededge.algorithms.dga import DGAClient, DGAConfig
+from fededge.algorithms.gossip import (
+    ChocoConfig, ChocoNode, GossipError, Weights, _apply, _choco_update, effective_row, mix_row,
+)
 from fededge.clients.device import resolve_device
-from fededge.clients.mods import compression_mod
+from fededge.clients.mods import bundle_record, compression_mod
+from fededge.compress.update import UpdateEncoder, decode_update
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
 from fededge.models.zoo import build_model
@@ -102,14 +107,30 @@ def _received_arrays(msg: Message) -> ArrayRecord:
     return msg.content[keys.ARRAYS]
 
 
-@app.train(mods=[compression_mod])
+def _is_gossip(msg: Message) -> bool:
+    return keys.CONFIG in msg.content and keys.GOSSIP_INDEX in msg.content[keys.CONFIG]
+
+
+def compression_unless_gossip(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """:func:`~fededge.clients.mods.compression_mod`, except on gossip messages: those carry
+    their own (CHOCO-compressed) payloads, built by the gossip path itself, and must reach
+    the neighbours as they are."""
+    if _is_gossip(msg):
+        return call_next(msg, context)
+    return compression_mod(msg, context, call_next)
+
+
+@app.train(mods=[compression_unless_gossip])
 def train(msg: Message, context: Context) -> Message:
     """Load the received weights, run K local SGD steps, reply with the new weights."""
     work = client_workload(context)
     cfg = work.cfg
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
-    dga = _dga_start(msg, context, conf, work)
-    if dga is None:
+    gossip = _gossip_start(msg, context, conf, work) if _is_gossip(msg) else None
+    dga = None if gossip is not None else _dga_start(msg, context, conf, work)
+    if gossip is not None:
+        work.model.load_state_dict(gossip.x)
+    elif dga is None:
         work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
     else:
         work.model.load_state_dict(dga.model)
@@ -138,6 +159,9 @@ def train(msg: Message, context: Context) -> Message:
     finally:
         torch.set_num_threads(threads)  # the process may be shared (in-process runtime)
 
+    if gossip is not None:
+        return _gossip_reply(msg, context, conf, work, gossip, result.mean_loss, compute_s, result.steps,
+                             sampler)
     context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
     if dga is None:
         arrays = ArrayRecord(work.model.state_dict())
@@ -174,6 +198,110 @@ def _dga_start(msg: Message, context: Context, conf: ConfigRecord, work: ClientW
     arrays = _received_arrays(msg)
     dga.sync(int(conf[keys.DGA_GLOBAL_ROUND]), arrays.to_torch_state_dict() if len(arrays) else None)
     return dga
+
+
+@dataclass
+class _GossipStep:
+    """A gossip node's round: who it is, the model it trains from, its CHOCO estimates."""
+
+    index: int
+    round: int
+    algorithm: str
+    x: Weights
+    hats: dict[int, Weights] = field(default_factory=dict)
+
+
+def _gossip_start(msg: Message, context: Context, conf: ConfigRecord, work: ClientWorkload) -> _GossipStep:
+    """Finish the previous round's gossip with the neighbours' messages this one brings.
+
+    The node's own trained model (and, for CHOCO, its estimates and its own last q) are
+    in ``context.state``; a node that holds none starts from the message's ``arrays``.
+    See :mod:`fededge.strategies.gossip` for the message layout.
+    """
+    i, t = int(conf[keys.GOSSIP_INDEX]), int(conf[keys.SERVER_ROUND])
+    algorithm = str(conf[keys.GOSSIP_ALGORITHM])
+    row = {int(j): float(w) for j, w in zip(conf.get(keys.GOSSIP_ROW_NODES, []),
+                                             conf.get(keys.GOSSIP_ROW_WEIGHTS, []))}
+    state = context.state[keys.STATE_GOSSIP].to_torch_state_dict() if keys.STATE_GOSSIP in context.state else {}
+    y = {k[2:]: v for k, v in state.items() if k.startswith("x/")}
+    if not y:
+        if keys.ARRAYS not in msg.content:
+            raise GossipError(f"gossip node {i} holds no model and round {t}'s message brings none; "
+                              f"the relay sends 'arrays' until a node has completed a round")
+        y = dict(_received_arrays(msg).to_torch_state_dict())
+    c = msg.content
+    received = {int(name[len(keys.GOSSIP_FROM):]): c[name] for name in c.keys()
+                if name.startswith(keys.GOSSIP_FROM)}
+    if algorithm == "dpsgd":
+        if t == 1:
+            return _GossipStep(i, t, algorithm, y)
+        w = effective_row(row, received, own=i)
+        models = {j: dict(received[j].to_torch_state_dict()) for j in w if j != i}
+        models[i] = y
+        return _GossipStep(i, t, algorithm, mix_row(models, w, own=i))
+    from fededge.strategies.gossip import decode_choco_message
+
+    limit = max(v.numel() for v in y.values())
+    resync = {int(name[len(keys.GOSSIP_HAT):]): dict(c[name].to_torch_state_dict()) for name in c.keys()
+              if name.startswith(keys.GOSSIP_HAT)}
+    if resync:  # the relay's estimates already hold every q up to the last round
+        hats = resync
+    elif any(k.startswith("hat/") for k in state):
+        node = ChocoNode.from_state_dict(ChocoConfig(gamma=1.0), i, {k: v for k, v in state.items()
+                                                                      if k.startswith("hat/")})
+        hats = node.hats
+        own_q = {k[2:]: v for k, v in state.items() if k.startswith("q/")}
+        if own_q:
+            hats[i] = _apply(hats[i], own_q)
+        for j, rec in received.items():
+            if j not in hats:
+                raise GossipError(f"gossip node {i} got a message from {j}, which it does not hear")
+            hats[j] = _apply(hats[j], decode_choco_message(rec, max_elements=limit))
+    else:  # round 1: every estimate starts at the common initial model
+        start = {k: v.clone() for k, v in y.items() if v.is_floating_point()}
+        hats = {j: {k: v.clone() for k, v in start.items()} for j in sorted({i, *row})}
+    x = y if t == 1 else _choco_update(y, hats, row, i, float(conf[keys.GOSSIP_GAMMA]))
+    return _GossipStep(i, t, algorithm, x, hats)
+
+
+def _gossip_reply(msg: Message, context: Context, conf: ConfigRecord, work: ClientWorkload,
+                  step: _GossipStep, loss: float, compute_s: float, steps: int,
+                  sampler: BatchSampler) -> Message:
+    """The node's round message (D-PSGD: its model; CHOCO: q = Q(y - x̂_i)); the state is
+    written only now, so a failed message leaves the node as it was."""
+    t0 = time.perf_counter()
+    y = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+    state = {f"x/{k}": v for k, v in y.items()}
+    content = RecordDict()
+    if step.algorithm == "dpsgd":
+        content[keys.GOSSIP_MESSAGE] = ArrayRecord(y)
+    else:
+        mine = step.hats[step.index]
+        delta = {k: y[k] - v for k, v in mine.items()}
+        if work.cfg.compressor == "none":
+            q = delta
+            content[keys.GOSSIP_MESSAGE] = ArrayRecord(q)
+        else:
+            payloads = UpdateEncoder(work.cfg.update_config(), stream=step.index).encode(delta, round=step.round - 1)
+            content[keys.GOSSIP_MESSAGE] = bundle_record(payloads)
+            # What the neighbours will add to their x̂_i, decoded exactly as they decode it.
+            q = decode_update(payloads, max_elements=max(v.numel() for v in delta.values()))
+            q = {k: v.to(dtype=delta[k].dtype) for k, v in q.items()}
+        content[keys.GOSSIP_EVAL_ARRAYS] = ArrayRecord(y)
+        state |= {f"hat/{j}/{k}": v for j, h in step.hats.items() for k, v in h.items()}
+        state |= {f"q/{k}": v for k, v in q.items()}
+    compute_s += time.perf_counter() - t0  # encoding is the node's work too
+    content[keys.METRICS] = MetricRecord({
+        keys.NUM_EXAMPLES: len(work.x),
+        keys.TRAIN_LOSS: loss,
+        keys.COMPUTE_S: compute_s,
+        keys.LOCAL_STEPS_DONE: steps,
+        keys.REPLY_PARTITION_ID: work.partition_id,
+        keys.REPLY_NUM_PARTITIONS: work.num_partitions,
+    })
+    context.state[keys.STATE_GOSSIP] = ArrayRecord(state)
+    context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
+    return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()

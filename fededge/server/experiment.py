@@ -31,11 +31,13 @@ from fededge.config import RunConfig
 from fededge.models.zoo import count_parameters
 from fededge.netem.assign import assign_links
 from fededge.algorithms.dga import DGAConfig, DGATimeline
+from fededge.algorithms.gossip import GossipTimeline, GossipWork
 from fededge.netem.clock import ClientRound, SimClock, synchronous_round
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.compressed import Compressed
 from fededge.strategies.dga import DGA
+from fededge.strategies.gossip import Gossip, GossipRoundInfo
 from fededge.strategies.registry import build_strategy
 from fededge.workload import dataset_for, model_for
 
@@ -90,15 +92,21 @@ class RoundClock:
 
     Rounds are synchronous (download, compute, upload; the slowest client decides),
     except with ``dga``: a DGA round overlaps the previous ones as far as its delay
-    allows (:class:`fededge.algorithms.dga.DGATimeline`).
+    allows (:class:`fededge.algorithms.dga.DGATimeline`); and with ``gossip``, where each
+    node waits only for its own compute and its in-neighbours' messages, edge by edge
+    (:class:`fededge.algorithms.gossip.GossipTimeline`).
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, dga: DGAConfig | None = None) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, dga: DGAConfig | None = None,
+                 gossip: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.dga = dga
+        self.gossip = gossip
         self.clock: SimClock | None = None
         self.timeline: DGATimeline | None = None
+        self.gossip_timeline: GossipTimeline | None = None
+        self._partition: dict[int, int] = {}  # gossip: topology index -> partition id
         self.last_wait_s: float | None = None  # DGA: mean time a client waited for its message
 
     def _build(self, num_partitions: int) -> SimClock:
@@ -111,6 +119,27 @@ class RoundClock:
                          "speed": link.speed} for i, link in enumerate(links)],
         }, indent=2) + "\n")
         return SimClock(links, seed=cfg.seed)
+
+    def gossip_round_duration(self, info: GossipRoundInfo, rnd: int) -> float:
+        """A gossip round on the clock: nodes by partition id, edges as relayed."""
+        for node in info.nodes:
+            if node.partition_id is not None:
+                self._partition[node.index] = node.partition_id
+        work = [GossipWork(self._partition[x.index], x.compute_s, x.bytes_up, x.bytes_down)
+                for x in info.nodes if x.index in self._partition]
+        if self.clock is None and work:
+            self.clock = self._build(max(max(self._partition.values()) + 1, len(self._partition)))
+            self.gossip_timeline = GossipTimeline(self.clock)
+        if self.gossip_timeline is None:
+            return 0.0
+        tl = self.gossip_timeline
+        before = tl.end.get(rnd - 1, max(tl.end.values()))
+        edges = [(self._partition[s], self._partition[r]) for s, r in info.edges
+                 if s in self._partition and r in self._partition]
+        end = tl.run_round(rnd, work, edges)
+        waits = [tl.waited[(rnd, w.client)] for w in work]
+        self.last_wait_s = sum(waits) / len(waits) if waits else None
+        return end - before
 
     def round_duration(self, traffic: RoundTraffic, rnd: int = 0) -> float:
         replied = [n for n in traffic.nodes.values() if n.replied and n.partition_id is not None]
@@ -196,7 +225,10 @@ def run_experiment(
     model = model_for(cfg, ds).to(device)
     initial = ArrayRecord(model.state_dict())
     strategy = strategy or build_strategy(cfg)
-    if (cfg.compressor != "none" or cfg.downlink_compressor != "none") and not isinstance(strategy, Compressed):
+    # Gossip compresses its own messages (CHOCO): the Compressed wrapper would look for
+    # uplink updates of a global model that gossip does not have.
+    if ((cfg.compressor != "none" or cfg.downlink_compressor != "none")
+            and not isinstance(strategy, (Compressed, Gossip))):
         strategy = Compressed(strategy, downlink=cfg.downlink_compressor)
     metered = MeteredGrid(grid)
     recorder = RunRecorder(
@@ -219,7 +251,36 @@ def run_experiment(
 
     final = {"arrays": initial}
     dga = strategy.config if isinstance(strategy, DGA) else None
-    round_clock = RoundClock(cfg, recorder.run_dir, dga=dga)
+    gossip = strategy if isinstance(strategy, Gossip) else None
+    round_clock = RoundClock(cfg, recorder.run_dir, dga=dga, gossip=gossip is not None)
+
+    def gossip_metrics(rnd: int, ginfo: GossipRoundInfo, avg_acc: float, avg_loss: float) -> dict[str, Any]:
+        """Every node's model on the test set, their spread, and the relay's accounting."""
+        assert gossip is not None
+        out: dict[str, Any] = {}
+        if rnd == 0:  # every node holds the initial model
+            out |= gossip.describe()
+            accs, losses = [avg_acc] * len(gossip.nodes), [avg_loss] * len(gossip.nodes)
+            progress.note(f"gossip: {out['topology_summary']}")
+        else:
+            accs, losses = [], []
+            for i in sorted(ginfo.models):
+                model.load_state_dict(ginfo.models[i])
+                nl, na = evaluate(model, x_test, y_test)
+                accs.append(na)
+                losses.append(nl)
+            out["spectral_gap"] = round(gossip.spectral_gap(), 6)
+        out |= {
+            "node_accuracy_mean": sum(accs) / len(accs) if accs else None,
+            "node_accuracy_min": min(accs, default=None),
+            "node_accuracy_max": max(accs, default=None),
+            "node_loss_mean": sum(losses) / len(losses) if losses else None,
+            "consensus_distance": ginfo.consensus_distance,
+            "bytes_p2p": ginfo.bytes_p2p,
+            "bytes_eval_up": ginfo.bytes_eval_up,
+            "gossip_failed": sorted(ginfo.failed),
+        }
+        return out
 
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
         final["arrays"] = arrays
@@ -229,10 +290,19 @@ def run_experiment(
         traffic = metered.take(str(rnd) if dga is not None else None)
         comp = strategy.take_stats() if isinstance(strategy, Compressed) else None
         info = strategy.take_round_info(rnd) if isinstance(strategy, DGA) else None
+        ginfo = gossip.take_round_info(rnd) if gossip is not None else None
         extra: dict[str, Any] = {}
         for reason in info.reasons if info else []:
             progress.note(f"round {rnd}: a client update was rejected and left out: {reason}")
-        round_sim_s = round_clock.round_duration(traffic, rnd)
+        if ginfo is not None:
+            round_sim_s = round_clock.gossip_round_duration(ginfo, rnd) if rnd else 0.0
+            extra |= gossip_metrics(rnd, ginfo, acc, loss)
+            for reason in ginfo.reasons:
+                progress.note(f"round {rnd}: a gossip message was rejected and left out: {reason}")
+            if rnd:
+                extra["wait_s"] = None if round_clock.last_wait_s is None else round(round_clock.last_wait_s, 6)
+        else:
+            round_sim_s = round_clock.round_duration(traffic, rnd)
         # What each client did, so that the run can be re-timed under another network
         # (fededge.server.replay) without training again.
         extra["clients"] = [
@@ -253,15 +323,19 @@ def run_experiment(
         for err in traffic.errors:
             progress.note(f"round {rnd}: a client update was rejected and left out: {err}")
             log.warning("round %d: a client update was rejected and left out: %s", rnd, err)
+        # Gossip: what the relay carried for gossip; the CHOCO nodes' models sent only so
+        # that the server can evaluate them are counted apart (bytes_eval_up).
         rec = recorder.record_round(
-            rnd, accuracy=acc, loss=loss, bytes_up=traffic.bytes_up,
+            rnd, accuracy=acc, loss=loss,
+            bytes_up=traffic.bytes_up - (ginfo.bytes_eval_up if ginfo else 0),
             bytes_down=traffic.bytes_down,
             # The round on the simulated clock: download, compute (scaled by the client's
             # speed) and upload on each client's link (RoundClock).
             round_sim_s=round_sim_s,
-            num_clients=traffic.train_replies - (comp.rejected if comp else 0) - (info.rejected if info else 0),
+            num_clients=(len(ginfo.nodes) if ginfo and rnd else
+                         traffic.train_replies - (comp.rejected if comp else 0) - (info.rejected if info else 0)),
             failures=traffic.failures,
-            rejected=(comp.rejected if comp else 0) + (info.rejected if info else 0),
+            rejected=(comp.rejected if comp else 0) + (info.rejected if info else 0) + (ginfo.rejected if ginfo else 0),
             compression_ratio=comp.ratio if comp else None,
             extra=extra,
         )

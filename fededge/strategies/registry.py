@@ -2,7 +2,7 @@
 
 fededge works with Flower rather than replacing it: every name but the fededge-specific
 ones (``dga``: delayed gradient averaging; ``diloco``: FedAvg with an outer Nesterov
-step) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
+step; ``gossip``: D-PSGD / CHOCO-SGD with the server as a relay) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import Strategy
 from fededge import keys
 from fededge.config import STRATEGIES, RunConfig
 from fededge.strategies.dga import DGA
+from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
 
 __all__ = ["build_strategy", "sampling_kwargs"]
@@ -78,4 +79,8 @@ def build_strategy(cfg: RunConfig) -> Strategy:
     if name == "diloco":
         return FedAvgOuter(**kw, lr=cfg.server_lr or 0.7, momentum=cfg.server_momentum,
                            nesterov=cfg.server_momentum > 0)
+    if name == "gossip":
+        return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
+                      mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma,
+                      seed=cfg.seed)
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

@@ -1,0 +1,377 @@
+"""Gossip (D-PSGD, CHOCO-SGD) over Flower's Grid: the server relays, it never averages.
+
+Flower has no client-to-client channel, so the ServerApp is a relay. The arithmetic is
+:mod:`fededge.algorithms.gossip` and the graph :mod:`fededge.topology` (both pure); this
+module only moves messages. docs/topology.md ("How gossip runs on Flower") has the design.
+
+**Nodes.** Every connected node takes part (``clients-per-round`` must be 1.0). Node i of
+the topology is the i-th node id in increasing order: deterministic for a set of node ids,
+known before round 1 (partition ids are only learnt from the replies). The set is fixed
+at the start; ``min-available-nodes`` waits for N of them.
+
+**A round t, in order.** The server sends node i one train message with
+
+- ``config``: the train config, ``server-round = t``, ``gossip-index = i``, the algorithm
+  and gamma, and the nonzero entries of row i of W(t-1) (``gossip-row-nodes`` /
+  ``gossip-row-weights``), the weights of the mixing it must finish;
+- ``gossip/<j>`` for each in-neighbour j whose round t-1 message arrived: D-PSGD, j's
+  trained model (an ArrayRecord); CHOCO, j's compressed difference q_j (one uint8 bundle
+  of fededge wire payloads, :func:`fededge.clients.mods.bundle_record`; raw float arrays
+  when ``compressor="none"``);
+- ``arrays`` in round 1 only (the seeded initial model every node starts from), and to a
+  node that has never completed a round;
+- ``gossip-hat/<j>`` (CHOCO only) to a node whose previous message failed: the public
+  estimates x̂_j of itself and its neighbours as the relay holds them, so that its
+  copies agree with everyone's again.
+
+The node first finishes round t-1's gossip (D-PSGD: ``x_i = sum_j W_ij y_j``; CHOCO: apply
+every q_j to x̂_j and step ``x_i += gamma sum_j W_ij (x̂_j - x̂_i)``), then runs its K local
+SGD steps, giving y_i, and replies with its round-t message (D-PSGD: y_i; CHOCO:
+``q_i = Q(y_i - x̂_i)``) and its metrics. That is train-then-mix per round, as Lian et al.
+(2017) and the pure code (:func:`~fededge.algorithms.gossip.mix`,
+:func:`~fededge.algorithms.gossip.choco_step`) write it; the mix of round t just happens
+at the start of message t+1, where the neighbours' messages arrive.
+
+**What the server keeps.** The round's messages, until it has relayed them. For
+metrics it forms each node's mixed model x_i itself, with the node's own arithmetic: for
+D-PSGD from the messages it relays (bit for bit what node i computes next); for CHOCO
+from the node's trained y_i, which the node sends in a separate ``gossip-eval`` record
+(evaluation traffic, counted apart as ``bytes_eval_up``), and the public estimates x̂_j,
+which the relay updates with every q_j it forwards. The average of the x_i is only
+evaluated, never sent.
+
+**Failures.** A node whose reply fails sends no message that round. D-PSGD: its
+neighbours mix without it, its weight moved to their own model
+(:func:`~fededge.algorithms.gossip.effective_row`). CHOCO: a missing q_j is a zero
+update, so every copy of x̂_j stays the same without renormalising; the failed node is
+resynchronised (``gossip-hat/*``). The failed node itself keeps its last trained model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+
+from fededge import keys
+from fededge._flwr_internals import get_all_nested_objects
+from fededge.algorithms.gossip import (
+    ChocoConfig,
+    Weights,
+    _choco_update,
+    consensus_distance,
+    effective_row,
+    mean_model,
+    mix_row,
+    mixing_row,
+)
+from fededge.clients.mods import BUNDLE
+from fededge.compress.bundle import unpack_bundle
+from fededge.compress.update import decode_update
+from fededge.topology import Topology, build_topology
+
+__all__ = ["Gossip", "GossipNode", "GossipRoundInfo", "record_size", "decode_choco_message"]
+
+log = logging.getLogger("fededge")
+
+ALGORITHMS = ("dpsgd", "choco")
+
+
+def record_size(record: Any) -> int:
+    """Bytes of a message or one record on Flower's wire (its unique serialised objects,
+    as :func:`fededge.server.metering.wire_size` counts a message)."""
+    return sum(len(o.deflate()) for o in get_all_nested_objects(record).values())
+
+
+def decode_choco_message(record: ArrayRecord, *, max_elements: int) -> Weights:
+    """A CHOCO message (a bundle of wire payloads, or raw float arrays) -> q, tensor by tensor."""
+    if list(record.keys()) == [BUNDLE]:
+        payloads = unpack_bundle(record[BUNDLE].numpy().tobytes())
+        return decode_update(payloads, max_elements=max_elements)
+    return dict(record.to_torch_state_dict())
+
+
+@dataclass
+class GossipNode:
+    """One node's part of a round, for the clock and the metrics."""
+
+    index: int
+    node_id: int
+    partition_id: int | None
+    compute_s: float
+    bytes_up: int  # its gossip message (what each out-neighbour receives)
+    bytes_down: int  # what the relay sent it this round apart from neighbours' messages
+    train_loss: float | None = None
+
+
+@dataclass
+class GossipRoundInfo:
+    """What a gossip round did, for metrics.jsonl and the simulated clock."""
+
+    algorithm: str
+    nodes: list[GossipNode] = field(default_factory=list)  # those that replied
+    edges: list[tuple[int, int]] = field(default_factory=list)  # (sender, receiver) indices
+    models: dict[int, Weights] = field(default_factory=dict)  # index -> mixed model x_i
+    consensus_distance: float = 0.0
+    bytes_p2p: int = 0  # each message once per logical out-edge
+    bytes_eval_up: int = 0  # the CHOCO nodes' models sent for evaluation only
+    rejected: int = 0
+    reasons: list[str] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # indices whose reply was an error
+
+
+class Gossip(FedAvg):
+    """Decentralized training (D-PSGD or CHOCO-SGD) with the server as a relay.
+
+    See the module docstring for the messages and the order of operations.
+
+    Parameters
+    ----------
+    topology : str
+        A name of :data:`fededge.topology.TOPOLOGIES`; built when the run starts, for the
+        number of connected nodes (a :class:`~fededge.topology.TopologyError` then stops
+        the run before any training).
+    topology_params : dict
+        The family's own parameters (``k``, ``p``, ``path``).
+    mixing : str
+        ``metropolis`` or ``max-degree``.
+    algorithm : str
+        ``dpsgd`` or ``choco``.
+    gamma : float
+        CHOCO's consensus step size (ignored by D-PSGD).
+    seed : int
+        Seeds the random graph families.
+    **fedavg
+        Flower's FedAvg arguments (record keys, ``min_available_nodes``).
+
+    Examples
+    --------
+    >>> s = Gossip(topology="ring", algorithm="choco", gamma=0.05)
+    """
+
+    def __init__(self, *, topology: str = "ring", topology_params: dict[str, Any] | None = None,
+                 mixing: str = "metropolis", algorithm: str = "dpsgd", gamma: float = 1.0,
+                 seed: int = 0, **fedavg: Any) -> None:
+        super().__init__(**fedavg)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        self.topology_name = topology
+        self.topology_params = dict(topology_params or {})
+        self.mixing_rule = mixing
+        self.algorithm = algorithm
+        self.choco = ChocoConfig(gamma=gamma)
+        self.seed = seed
+        self.topology: Topology | None = None
+        self.nodes: list[int] = []  # index -> node id
+        self._info: dict[int, GossipRoundInfo] = {}
+
+    def summary(self) -> None:
+        log.info("Gossip: %s on %s (%s mixing)", self.algorithm, self.topology_name, self.mixing_rule)
+
+    def take_round_info(self, rnd: int) -> GossipRoundInfo | None:
+        """The round's :class:`GossipRoundInfo` (once; the experiment records it)."""
+        return self._info.pop(rnd, None)
+
+    def spectral_gap(self) -> float:
+        assert self.topology is not None
+        return self.topology.spectral_gap(rule=self.mixing_rule)
+
+    def describe(self) -> dict[str, Any]:
+        """The topology for the first line of metrics.jsonl (after :meth:`start` built it)."""
+        assert self.topology is not None
+        return {"topology": self.topology.name, "topology_n": self.topology.n,
+                "topology_edges": len(self.topology.edges), "mixing": self.mixing_rule,
+                "gossip_algorithm": self.algorithm,
+                "gossip_gamma": self.choco.gamma if self.algorithm == "choco" else None,
+                "spectral_gap": round(self.spectral_gap(), 6),
+                "topology_summary": self.topology.summary(rule=self.mixing_rule)}
+
+    # ----------------------------------------------------------------- the run
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+        _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
+        self.nodes = sorted(int(n) for n in nodes)
+        n = len(self.nodes)
+        # Before any training: a graph these nodes cannot form stops the run here.
+        self.topology = build_topology(self.topology_name, n, seed=self.seed, **self.topology_params)
+        for t in range(self.topology.period):
+            self.topology.mixing(t, rule=self.mixing_rule)  # validated now, not in round t
+        log.info("Gossip: %s, %d nodes (node i = the i-th node id in increasing order); %s",
+                 self.algorithm, n, self.topology.summary(rule=self.mixing_rule))
+        self._train_config = ConfigRecord() if train_config is None else train_config
+        self._initial = initial_arrays
+        self._float_keys = [k for k, v in initial_arrays.to_torch_state_dict().items() if v.is_floating_point()]
+        self._max_elements = max((v.numel() for v in initial_arrays.to_torch_state_dict().values()), default=1)
+        self._last: dict[int, ArrayRecord] = {}  # index -> its message of the previous round
+        self._synced: set[int] = set()  # nodes that completed a round (hold a model)
+        self._resync: set[int] = set()  # CHOCO nodes whose estimates must be resent
+        init = {k: v.detach().clone() for k, v in initial_arrays.to_torch_state_dict().items()}
+        self._hats: list[Weights] = [{k: init[k].clone() for k in self._float_keys} for _ in range(n)]
+        self._result = Result(arrays=initial_arrays)
+        self._evaluate_fn = evaluate_fn
+        self._partition: dict[int, int] = {}
+        if evaluate_fn:
+            self._info[0] = GossipRoundInfo(algorithm=self.algorithm, models={})
+            res = evaluate_fn(0, initial_arrays)
+            if res is not None:
+                self._result.evaluate_metrics_serverapp[0] = res
+        for t in range(1, num_rounds + 1):
+            messages = [self._message(t, i) for i in range(n)]
+            down = {i: m[1] for i, m in enumerate(messages)}
+            replies = list(grid.send_and_receive([m[0] for m in messages], timeout=timeout))
+            self._finish_round(t, replies, down)
+            if self._evaluate_fn:
+                res = self._evaluate_fn(t, self._result.arrays)
+                if res is not None:
+                    self._result.evaluate_metrics_serverapp[t] = res
+        return self._result
+
+    # ----------------------------------------------------------------- messages
+    def _row(self, t: int, i: int) -> dict[int, float]:
+        assert self.topology is not None
+        return mixing_row(self.topology.mixing(t, rule=self.mixing_rule), i)
+
+    def _message(self, t: int, i: int) -> tuple[Message, int]:
+        """Round t's message to node i, and its bytes apart from the neighbours' messages."""
+        assert self.topology is not None
+        config = ConfigRecord(dict(self._train_config))
+        config[keys.SERVER_ROUND] = t
+        config[keys.GOSSIP_INDEX] = i
+        config[keys.GOSSIP_ALGORITHM] = self.algorithm
+        config[keys.GOSSIP_GAMMA] = self.choco.gamma
+        config[keys.GOSSIP_EVAL] = self.algorithm == "choco"
+        content = RecordDict({self.configrecord_key: config})
+        # The mixing of round t-1 (W of that round); in round 1 W(0)'s row only tells
+        # a CHOCO node whose estimates to keep.
+        row = self._row(max(t - 2, 0), i)
+        config[keys.GOSSIP_ROW_NODES] = list(row)
+        config[keys.GOSSIP_ROW_WEIGHTS] = list(row.values())
+        if t > 1:
+            for j in self.topology.in_neighbours(i, t - 2):
+                if j in self._last:
+                    content[f"{keys.GOSSIP_FROM}{j}"] = self._last[j]
+        if i not in self._synced:
+            content[self.arrayrecord_key] = self._initial
+        if self.algorithm == "choco" and i in self._resync:
+            for j in sorted({i, *self.topology.in_neighbours(i)}):
+                content[f"{keys.GOSSIP_HAT}{j}"] = ArrayRecord(
+                    {k: Array(v.numpy()) for k, v in self._hats[j].items()})
+        relayed = sum(record_size(content[name]) for name in content.keys()
+                      if name.startswith(keys.GOSSIP_FROM))
+        msg = Message(content, dst_node_id=self.nodes[i], message_type=MessageType.TRAIN, group_id=str(t))
+        return msg, record_size(msg) - relayed
+
+    # ----------------------------------------------------------------- replies
+    def _usable(self, reply: Message) -> str | None:
+        c = reply.content
+        if keys.GOSSIP_MESSAGE not in c.array_records:
+            return f"reply has no '{keys.GOSSIP_MESSAGE}' ArrayRecord (has {list(c.keys())})"
+        if self.algorithm == "choco" and keys.GOSSIP_EVAL_ARRAYS not in c.array_records:
+            return f"CHOCO reply has no '{keys.GOSSIP_EVAL_ARRAYS}' ArrayRecord"
+        if keys.METRICS not in c.metric_records:
+            return f"reply has no '{keys.METRICS}' MetricRecord"
+        return None
+
+    def _finish_round(self, t: int, replies: list[Message], down: dict[int, int]) -> None:
+        assert self.topology is not None
+        index = {node: i for i, node in enumerate(self.nodes)}
+        info = GossipRoundInfo(algorithm=self.algorithm)
+        sent: dict[int, ArrayRecord] = {}
+        trained: dict[int, Weights] = {}
+        for r in replies:
+            i = index.get(r.metadata.src_node_id)
+            if i is None:
+                continue
+            why = r.error.reason if r.has_error() else self._usable(r)
+            if why is None:
+                try:
+                    rec = r.content[keys.GOSSIP_MESSAGE]
+                    if self.algorithm == "choco":
+                        q = decode_choco_message(rec, max_elements=self._max_elements)
+                        if sorted(q) != sorted(self._float_keys):
+                            raise ValueError(f"its message has tensors {sorted(q)[:5]}, the model "
+                                             f"{sorted(self._float_keys)[:5]}")
+                        trained[i] = dict(r.content[keys.GOSSIP_EVAL_ARRAYS].to_torch_state_dict())
+                        info.bytes_eval_up += record_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
+                        self._hats[i] = {k: v + q[k] for k, v in self._hats[i].items()}
+                    else:
+                        trained[i] = dict(rec.to_torch_state_dict())
+                        if set(trained[i]) != set(self._initial.keys()):
+                            raise ValueError(f"its model has tensors {sorted(trained[i])[:5]}, not the "
+                                             f"model's")
+                except Exception as err:  # a malformed message must not poison the neighbours
+                    trained.pop(i, None)
+                    why = f"{type(err).__name__}: {err}"
+            if why is not None:
+                info.failed.append(i)
+                if not r.has_error():
+                    info.rejected += 1
+                    info.reasons.append(f"node {r.metadata.src_node_id} (gossip index {i}): {why}")
+                log.warning("gossip round %d: node %d (index %d) left out: %s", t, r.metadata.src_node_id, i, why)
+                continue
+            sent[i] = rec
+            metrics = r.content[keys.METRICS]
+            if keys.REPLY_PARTITION_ID in metrics:
+                self._partition[i] = int(metrics[keys.REPLY_PARTITION_ID])
+            reply_bytes = record_size(r) - (record_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
+                                          if self.algorithm == "choco" else 0)
+            info.nodes.append(GossipNode(
+                index=i, node_id=r.metadata.src_node_id, partition_id=self._partition.get(i),
+                compute_s=float(metrics.get(keys.COMPUTE_S, 0.0)), bytes_up=reply_bytes,
+                bytes_down=down.get(i, 0), train_loss=float(metrics.get(keys.TRAIN_LOSS, float("nan")))))
+        missing = sorted(set(range(len(self.nodes))) - set(sent) - set(info.failed))
+        info.failed.extend(missing)  # no reply within the timeout
+        for i in info.failed:
+            self._resync.add(i)
+        for i in sent:
+            self._synced.add(i)
+            self._resync.discard(i)
+        # Who receives each message (the relay sends it in round t+1): the p2p figure.
+        for j, rec in sent.items():
+            outs = self.topology.out_neighbours(j, t - 1)
+            info.bytes_p2p += record_size(rec) * len(outs)
+            info.edges.extend((j, k) for k in outs)
+        info.models = self._mixed_models(t, trained, set(sent))
+        if info.models:
+            models = [info.models[i] for i in sorted(info.models)]
+            info.consensus_distance = consensus_distance(models)
+            avg = mean_model(models)
+            self._result.arrays = ArrayRecord({k: avg[k] for k in self._initial.keys()})
+        self._last = sent
+        self._info[t] = info
+
+    def _mixed_models(self, t: int, trained: dict[int, Weights], delivered: set[int]) -> dict[int, Weights]:
+        """x_i after round t's gossip, for each node that replied: what node i computes at
+        the start of its next message, with the same function and the same inputs."""
+        assert self.topology is not None
+        out = {}
+        for i, y in trained.items():
+            row = self._row(t - 1, i)
+            if self.algorithm == "dpsgd":
+                avail = set(self.topology.in_neighbours(i, t - 1)) & delivered
+                w = effective_row(row, avail, own=i)
+                out[i] = mix_row({j: trained[j] for j in w}, w, own=i)
+            else:
+                hats = {j: self._hats[j] for j in row}
+                out[i] = _choco_update(y, hats, row, i, self.choco.gamma)
+        return out
+
+    # Flower's per-round hooks are not how gossip runs: start() drives it.
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        raise NotImplementedError("Gossip runs its own round loop: call start()")
