@@ -80,12 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="built-in profiles, or wan-324ms (defined here: 1 Gbit/s, 324 ms RTT)")
     ap.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS))
     ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--local-lr", type=float, default=None, help="client lr (default: the run config's, 0.05)")
+    ap.add_argument("--momentum", type=float, default=None, help="client momentum (default 0.9)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path, help="write accuracy against sim_s (PNG)")
     ap.add_argument("--quick", action="store_true", help="skip the ablation")
     args = ap.parse_args(argv)
 
     base = {"seed": args.seed, "target-accuracy": args.target}
+    if args.local_lr is not None:
+        base["local-lr"] = args.local_lr
+    if args.momentum is not None:
+        base["momentum"] = args.momentum
     runs: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-dga-") as tmp:
         out = Path(tmp)
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             r["sim"] = {p: replay_sim_s(r["dir"], netem=p, netem_file=str(extra)) for p in args.profiles}
 
     print(f"\n## DGA vs FedAvg: {args.clients} clients, digits CNN, {args.steps} local steps per "
-          f"client, target {args.target:.0%}\n")
+          f"client, target {args.target:.0%}, local lr {base.get('local-lr', 0.05)}, momentum "
+          f"{base.get('momentum', 0.9)}\n")
     for split in args.splits:
         for prof in args.profiles:
             print(f"\n### {split}, `{prof}`\n")
