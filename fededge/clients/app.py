@@ -287,9 +287,10 @@ def _gossip_reply(msg: Message, context: Context, conf: ConfigRecord, work: Clie
             # What the neighbours will add to their x̂_i, decoded exactly as they decode it.
             q = decode_update(payloads, max_elements=max(v.numel() for v in delta.values()))
             q = {k: v.to(dtype=delta[k].dtype) for k, v in q.items()}
-        content[keys.GOSSIP_EVAL_ARRAYS] = ArrayRecord(y)
         state |= {f"hat/{j}/{k}": v for j, h in step.hats.items() for k, v in h.items()}
         state |= {f"q/{k}": v for k, v in q.items()}
+    if bool(conf.get(keys.GOSSIP_EVAL, False)):  # for the server's evaluation only
+        content[keys.GOSSIP_EVAL_ARRAYS] = ArrayRecord(y)
     compute_s += time.perf_counter() - t0  # encoding is the node's work too
     content[keys.METRICS] = MetricRecord({
         keys.NUM_EXAMPLES: len(work.x),

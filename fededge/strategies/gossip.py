@@ -255,26 +255,29 @@ class Gossip(FedAvg):
         config[keys.GOSSIP_ALGORITHM] = self.algorithm
         config[keys.GOSSIP_GAMMA] = self.choco.gamma
         config[keys.GOSSIP_EVAL] = self.algorithm == "choco"
-        content = RecordDict({self.configrecord_key: config})
+        own = RecordDict({self.configrecord_key: config})
         # The mixing of round t-1 (W of that round); in round 1 W(0)'s row only tells
         # a CHOCO node whose estimates to keep.
         row = self._row(max(t - 2, 0), i)
         config[keys.GOSSIP_ROW_NODES] = list(row)
         config[keys.GOSSIP_ROW_WEIGHTS] = list(row.values())
+        if i not in self._synced:
+            own[self.arrayrecord_key] = self._initial
+        if self.algorithm == "choco" and i in self._resync:
+            for j in sorted({i, *self.topology.in_neighbours(i)}):
+                own[f"{keys.GOSSIP_HAT}{j}"] = ArrayRecord(
+                    {k: Array(v.numpy()) for k, v in self._hats[j].items()})
+        # What the node receives apart from its neighbours' messages (config, first
+        # model, resync), measured without them: a few bytes of framing per relayed
+        # record are left out of it, not double-counted.
+        own_bytes = record_size(own)
+        content = RecordDict({name: own[name] for name in own.keys()})
         if t > 1:
             for j in self.topology.in_neighbours(i, t - 2):
                 if j in self._last:
                     content[f"{keys.GOSSIP_FROM}{j}"] = self._last[j]
-        if i not in self._synced:
-            content[self.arrayrecord_key] = self._initial
-        if self.algorithm == "choco" and i in self._resync:
-            for j in sorted({i, *self.topology.in_neighbours(i)}):
-                content[f"{keys.GOSSIP_HAT}{j}"] = ArrayRecord(
-                    {k: Array(v.numpy()) for k, v in self._hats[j].items()})
-        relayed = sum(record_size(content[name]) for name in content.keys()
-                      if name.startswith(keys.GOSSIP_FROM))
         msg = Message(content, dst_node_id=self.nodes[i], message_type=MessageType.TRAIN, group_id=str(t))
-        return msg, record_size(msg) - relayed
+        return msg, own_bytes
 
     # ----------------------------------------------------------------- replies
     def _usable(self, reply: Message) -> str | None:
@@ -298,6 +301,7 @@ class Gossip(FedAvg):
             if i is None:
                 continue
             why = r.error.reason if r.has_error() else self._usable(r)
+            eval_bytes = 0
             if why is None:
                 try:
                     rec = r.content[keys.GOSSIP_MESSAGE]
@@ -307,7 +311,7 @@ class Gossip(FedAvg):
                             raise ValueError(f"its message has tensors {sorted(q)[:5]}, the model "
                                              f"{sorted(self._float_keys)[:5]}")
                         trained[i] = dict(r.content[keys.GOSSIP_EVAL_ARRAYS].to_torch_state_dict())
-                        info.bytes_eval_up += record_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
+                        eval_bytes = record_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
                         self._hats[i] = {k: v + q[k] for k, v in self._hats[i].items()}
                     else:
                         trained[i] = dict(rec.to_torch_state_dict())
@@ -328,8 +332,9 @@ class Gossip(FedAvg):
             metrics = r.content[keys.METRICS]
             if keys.REPLY_PARTITION_ID in metrics:
                 self._partition[i] = int(metrics[keys.REPLY_PARTITION_ID])
-            reply_bytes = record_size(r) - (record_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
-                                          if self.algorithm == "choco" else 0)
+            eval_bytes = eval_bytes if self.algorithm == "choco" else 0
+            info.bytes_eval_up += eval_bytes
+            reply_bytes = record_size(r) - eval_bytes
             info.nodes.append(GossipNode(
                 index=i, node_id=r.metadata.src_node_id, partition_id=self._partition.get(i),
                 compute_s=float(metrics.get(keys.COMPUTE_S, 0.0)), bytes_up=reply_bytes,
