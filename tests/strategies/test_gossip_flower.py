@@ -153,3 +153,15 @@ def test_a_failing_node_is_left_out_and_the_run_goes_on(tmp_path, algorithm, at_
     assert [len(r["gossip_failed"]) for r in lines[1:]] == [int(t == at_round) for t in (1, 2, 3, 4)]
     assert lines[at_round]["failures"] == 1
     assert all(r["loss"] == r["loss"] and r["consensus_distance"] < 10 for r in lines)  # finite, sane
+
+
+def test_one_peer_exponential_sends_one_message_per_node(tmp_path):
+    """The time-varying graph: each round every node hears one peer (2^(t mod 2) away for
+    n = 4), so the relay forwards one model per node and p2p is one copy per message."""
+    run = _lines(run_inprocess({**BASE, "topology": "one-peer-exponential",
+                                "results-dir": str(tmp_path)}, num_clients=4))
+    assert run[0]["topology"] == "one-peer-exponential"
+    for r in run[2:]:
+        assert r["num_clients"] == 4 and r["consensus_distance"] > 0
+        assert r["bytes_p2p"] == pytest.approx(r["bytes_up"], rel=0.01)
+        assert r["bytes_down"] == pytest.approx(r["bytes_p2p"], rel=0.01)
