@@ -36,6 +36,10 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
     network; arguments left as None keep the run's own."""
     config, lines = load_rounds(run_dir)
     cfg = config.get("config", config)
+    if cfg.get("strategy") == "gossip":
+        raise ValueError(f"{run_dir}: gossip runs cannot be replayed yet (their clock is per edge, "
+                         "fededge.algorithms.gossip.GossipTimeline, and their per-client upload "
+                         "includes evaluation copies); re-run with the other netem setting")
     missing = [r["round"] for r in lines if r["round"] >= 1 and "clients" not in r]
     if missing:
         raise ValueError(f"{run_dir}: rounds {missing[:5]} have no per-client record ('clients'); "

@@ -88,3 +88,14 @@ def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
         assert again == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
         slow = replay_sim_s(run_dir, netem="3g")
         assert all(b > a for a, b in zip(again[1:], slow[1:]))
+
+
+def test_replay_refuses_a_gossip_run(tmp_path):
+    import json
+
+    from fededge.server.replay import replay_sim_s
+
+    (tmp_path / "config.json").write_text(json.dumps({"config": {"strategy": "gossip"}}))
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="gossip runs cannot be replayed yet"):
+        replay_sim_s(tmp_path)
