@@ -10,6 +10,9 @@
   profiles and the network-emulation backends.
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
   round, simulated time and cumulative uplink bytes).
+- ``fededge certs --out DIR --hosts superlink,127.0.0.1 [--supernodes N] [--days D]
+  [--force]``: a CA, the SuperLink's TLS certificate and SuperNode authentication keys
+  (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -102,6 +105,27 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from fededge.deploy.certs import CertError, generate_certs
+
+    try:
+        bundle = generate_certs(args.out, hosts=args.hosts, supernodes=args.supernodes,
+                                days=args.days, force=args.force)
+    except CertError as err:
+        print(f"fededge certs: {err}", file=sys.stderr)
+        return 2
+    for path in bundle.files:
+        print(f"{path.stat().st_mode & 0o777:04o}  {path}")
+    print(f"server certificate SANs: {', '.join(bundle.hosts)}")
+    print(f"SuperLink: --ssl-ca-certfile {bundle.ca_cert} --ssl-certfile {bundle.server_cert} "
+          f"--ssl-keyfile {bundle.server_key}")
+    if bundle.supernode_keys:
+        priv, pub = bundle.supernode_keys[0]
+        print(f"SuperNode 0: flwr supernode register {pub} CONNECTION; flower-supernode "
+              f"--root-certificates {bundle.ca_cert} --auth-supernode-private-key {priv} ...")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fededge", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--labels", nargs="+", help="one legend label per run")
     plot.add_argument("--title")
     plot.set_defaults(func=_cmd_plot)
+
+    certs = sub.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode keys")
+    certs.add_argument("--out", required=True, help="directory to write into (made when missing)")
+    certs.add_argument("--hosts", required=True,
+                       help="comma-separated names and IPs the SuperLink is dialled by, e.g. superlink,127.0.0.1")
+    certs.add_argument("--supernodes", type=int, default=0,
+                       help="number of SuperNode authentication key pairs (EC P-256, OpenSSH format)")
+    certs.add_argument("--days", type=int, default=365, help="validity of the CA and server certificate")
+    certs.add_argument("--force", action="store_true", help="replace existing files (all of them)")
+    certs.set_defaults(func=_cmd_certs)
     return parser
 
 

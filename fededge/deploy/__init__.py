@@ -1,0 +1,7 @@
+"""Deployment helpers that know nothing of Flower: certificates and node keys
+(:mod:`fededge.deploy.certs`). The loopback deployment itself is
+:mod:`fededge.server.deploy`; docs/deployment.md ties them together."""
+
+from fededge.deploy.certs import CertBundle, CertError, generate_certs, parse_hosts
+
+__all__ = ["CertBundle", "CertError", "generate_certs", "parse_hosts"]

