@@ -85,13 +85,15 @@ class DGA(FedAvg):
         ``auto``, ``on`` or ``off`` (see the module docstring). ``on`` on a grid that
         may run two messages of one node at once is refused.
     poll_s : float
-        How often the pipelined loop pulls replies.
+        How often the pipelined loop pulls replies from a real SuperLink (each pull
+        costs the SuperLink CPU; SuperNodes themselves poll every 3 s). The in-process
+        grid runs messages when pulled, so it never waits.
     **fedavg
         Flower's FedAvg arguments (sampling, record keys, weighting).
     """
 
     def __init__(self, *, delay: int = 0, correction: bool = True, warmup_rounds: int = 0,
-                 pipeline: str = "auto", poll_s: float = 0.1, **fedavg: Any) -> None:
+                 pipeline: str = "auto", poll_s: float = 0.5, **fedavg: Any) -> None:
         super().__init__(**fedavg)
         if pipeline not in PIPELINE_MODES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {pipeline!r}")
