@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 __all__ = [
     "FlowerInternalsChanged",
@@ -38,6 +39,7 @@ __all__ = [
     "task_identity",
     "empty_run",
     "runs_messages_in_order",
+    "wire_size",
 ]
 
 
@@ -87,6 +89,25 @@ def message_objects(msg: Message) -> dict[str, bytes]:
     tens of bytes of the transport's own request framing.
     """
     return {oid: obj.deflate() for oid, obj in get_all_nested_objects(msg).items()}
+
+
+def wire_size(msg: Message | Any, cache: dict[str, int] | None = None) -> int:
+    """Bytes of ``msg`` (a Message, or one of its records) on Flower's wire: the sum of
+    its unique serialised objects.
+
+    ``cache`` maps object ids to sizes, so a model broadcast in ten messages is
+    serialised once for counting.
+    """
+    total = 0
+    for oid, obj in get_all_nested_objects(msg).items():
+        if cache is not None and oid in cache:
+            total += cache[oid]
+            continue
+        n = len(obj.deflate())
+        if cache is not None:
+            cache[oid] = n
+        total += n
+    return total
 
 
 def message_from_objects(root_id: str, objects: dict[str, bytes]) -> Message:

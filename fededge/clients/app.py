@@ -19,7 +19,6 @@ from functools import lru_cache
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.clientapp.typing import ClientAppCallable
 from torch import nn
 
 from fededge import keys
@@ -28,7 +27,7 @@ from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, _apply, _choco_update, effective_row, mix_row,
 )
 from fededge.clients.device import resolve_device
-from fededge.clients.mods import bundle_record, compression_mod
+from fededge.clients.mods import bundle_record, compression_mod, decode_update_record
 from fededge.compress.update import UpdateEncoder, decode_update
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
@@ -111,16 +110,7 @@ def _is_gossip(msg: Message) -> bool:
     return keys.CONFIG in msg.content and keys.GOSSIP_INDEX in msg.content[keys.CONFIG]
 
 
-def compression_unless_gossip(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """:func:`~fededge.clients.mods.compression_mod`, except on gossip messages: those carry
-    their own (CHOCO-compressed) payloads, built by the gossip path itself, and must reach
-    the neighbours as they are."""
-    if _is_gossip(msg):
-        return call_next(msg, context)
-    return compression_mod(msg, context, call_next)
-
-
-@app.train(mods=[compression_unless_gossip])
+@app.train(mods=[compression_mod])
 def train(msg: Message, context: Context) -> Message:
     """Load the received weights, run K local SGD steps, reply with the new weights."""
     work = client_workload(context)
@@ -193,8 +183,7 @@ def _dga_start(msg: Message, context: Context, conf: ConfigRecord, work: ClientW
         state = context.state[keys.STATE_DGA].to_torch_state_dict()
         dga = DGAClient.from_state_dict(config, state)
     else:
-        dga = DGAClient(config, {k: v.detach().clone() for k, v in work.model.state_dict().items()},
-                        global_round=-1)  # holds nothing yet: the first message must bring G(g)
+        dga = DGAClient(config, {}, global_round=-1)  # holds nothing yet: the first message must bring G(g)
     arrays = _received_arrays(msg)
     dga.sync(int(conf[keys.DGA_GLOBAL_ROUND]), arrays.to_torch_state_dict() if len(arrays) else None)
     return dga
@@ -239,7 +228,6 @@ def _gossip_start(msg: Message, context: Context, conf: ConfigRecord, work: Clie
         models = {j: dict(received[j].to_torch_state_dict()) for j in w if j != i}
         models[i] = y
         return _GossipStep(i, t, algorithm, mix_row(models, w, own=i))
-    from fededge.strategies.gossip import decode_choco_message
 
     limit = max(v.numel() for v in y.values())
     resync = {int(name[len(keys.GOSSIP_HAT):]): dict(c[name].to_torch_state_dict()) for name in c.keys()
@@ -256,7 +244,7 @@ def _gossip_start(msg: Message, context: Context, conf: ConfigRecord, work: Clie
         for j, rec in received.items():
             if j not in hats:
                 raise GossipError(f"gossip node {i} got a message from {j}, which it does not hear")
-            hats[j] = _apply(hats[j], decode_choco_message(rec, max_elements=limit))
+            hats[j] = _apply(hats[j], decode_update_record(rec, max_elements=limit))
     else:  # round 1: every estimate starts at the common initial model
         start = {k: v.clone() for k, v in y.items() if v.is_floating_point()}
         hats = {j: {k: v.clone() for k, v in start.items()} for j in sorted({i, *row})}

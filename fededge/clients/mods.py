@@ -13,16 +13,17 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fededge import keys
 from fededge.compress.bundle import pack_bundle, unpack_bundle
-from fededge.compress.update import UpdateEncoder
+from fededge.compress.update import UpdateEncoder, decode_update
 from fededge.config import RunConfig
 
-__all__ = ["bundle_record", "compression_mod", "decode_downlink", "BUNDLE", "COMPRESSED",
-           "COMPRESSED_DOWN", "UNCOMPRESSED"]
+__all__ = ["bundle_payloads", "bundle_record", "compression_mod", "decode_downlink",
+           "decode_update_record", "BUNDLE", "COMPRESSED", "COMPRESSED_DOWN", "UNCOMPRESSED"]
 
 COMPRESSED = "compressed"  # record holding one uint8 array: the bundle of wire payloads
 COMPRESSED_DOWN = "compressed-down"  # the same, for the model the server broadcasts
@@ -36,11 +37,24 @@ def bundle_record(payloads: dict[str, bytes]) -> ArrayRecord:
     return ArrayRecord({BUNDLE: Array(np.frombuffer(pack_bundle(payloads), dtype=np.uint8))})
 
 
+def bundle_payloads(record: ArrayRecord) -> dict[str, bytes]:
+    """The payloads :func:`bundle_record` packed."""
+    return unpack_bundle(record[BUNDLE].numpy().tobytes())
+
+
+def decode_update_record(record: ArrayRecord, *, max_elements: int) -> dict[str, torch.Tensor]:
+    """An update record (a :func:`bundle_record` of wire payloads, or raw float arrays)
+    -> its tensors."""
+    if list(record.keys()) == [BUNDLE]:
+        return decode_update(bundle_payloads(record), max_elements=max_elements)
+    return dict(record.to_torch_state_dict())
+
+
 def decode_downlink(content: RecordDict) -> RecordDict:
     """A message content whose model came compressed -> the same with ``arrays``."""
     from fededge.compress import decode_any
 
-    payloads = unpack_bundle(content[COMPRESSED_DOWN][BUNDLE].numpy().tobytes())
+    payloads = bundle_payloads(content[COMPRESSED_DOWN])
     arrays = {k: decode_any(p).numpy() for k, p in payloads.items()}
     if UNCOMPRESSED in content:
         arrays.update({k: v.numpy() for k, v in content[UNCOMPRESSED].to_torch_state_dict().items()})
@@ -60,7 +74,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     if not msg.metadata.message_type.startswith("train") or reply.has_error():
         return reply
     cfg = RunConfig.from_mapping(context.run_config)
-    if cfg.compressor == "none":
+    if cfg.compressor == "none" or keys.ARRAYS not in reply.content:
+        # No model weights in the reply (a gossip message, already encoded by its own
+        # path): nothing to take a delta of.
         return reply
     t0 = time.perf_counter()
     received = msg.content[keys.ARRAYS].to_torch_state_dict()

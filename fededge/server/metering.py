@@ -22,29 +22,11 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fededge import keys
-from fededge._flwr_internals import get_all_nested_objects
+from fededge._flwr_internals import wire_size
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
 
 log = logging.getLogger(__name__)
-
-
-def wire_size(msg: Message, cache: dict[str, int] | None = None) -> int:
-    """Bytes of ``msg`` on the wire: the sum of its unique serialised objects.
-
-    ``cache`` maps object ids to sizes, so a model broadcast in ten messages is
-    serialised once for counting.
-    """
-    total = 0
-    for oid, obj in get_all_nested_objects(msg).items():
-        if cache is not None and oid in cache:
-            total += cache[oid]
-            continue
-        n = len(obj.deflate())
-        if cache is not None:
-            cache[oid] = n
-        total += n
-    return total
 
 
 @dataclass

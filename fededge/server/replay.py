@@ -44,15 +44,16 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
     if missing:
         raise ValueError(f"{run_dir}: rounds {missing[:5]} have no per-client record ('clients'); "
                          "runs made before fededge recorded it cannot be replayed")
+    seed = int(cfg.get("seed", 0)) if seed is None else seed
     n = 1 + max((c["partition"] for r in lines for c in r.get("clients", [])), default=0)
     netem_json = Path(run_dir) / "netem.json"
     if netem_json.exists():  # the run's clock knew every partition, not only those that replied
         n = max(n, len(json.loads(netem_json.read_text())["clients"]))
     links = assign_links(cfg.get("netem", "") if netem is None else netem, n,
-                         seed=int(cfg.get("seed", 0) if seed is None else seed),
+                         seed=seed,
                          netem_file=cfg.get("netem-file", "") if netem_file is None else netem_file,
                          speed=cfg.get("compute-speed", "1.0") if compute_speed is None else compute_speed)
-    clock = SimClock(links, seed=int(cfg.get("seed", 0) if seed is None else seed))
+    clock = SimClock(links, seed=seed)
     timeline = None
     if cfg.get("strategy") == "dga":
         dga = DGAConfig(delay=int(cfg.get("dga-delay", 0)), correction=bool(cfg.get("dga-correction", True)),

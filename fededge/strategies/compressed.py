@@ -26,8 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.clients.mods import BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_record
-from fededge.compress.bundle import unpack_bundle
+from fededge.clients.mods import BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_payloads, bundle_record
 from fededge.compress import MalformedPayloadError, build_codec, decode_any
 from fededge.compress.update import decode_update
 
@@ -143,7 +142,7 @@ class Compressed(Strategy):
         largest = max((math.prod(v.shape) for v in sent.values()), default=1)
         if list(rec.keys()) != [BUNDLE]:
             raise MalformedPayloadError(f"compressed record must hold one array '{BUNDLE}', has {list(rec.keys())[:5]}")
-        payloads = unpack_bundle(rec[BUNDLE].numpy().tobytes())
+        payloads = bundle_payloads(rec)
         raw = content[UNCOMPRESSED].to_torch_state_dict() if UNCOMPRESSED in content else {}
         deltas = decode_update(payloads, max_elements=largest)
         full: dict[str, np.ndarray] = {}

@@ -43,7 +43,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
 
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order
@@ -104,10 +104,6 @@ class DGA(FedAvg):
         self.participants: list[int] = []
         self.pipelined = False
 
-    def summary(self) -> None:
-        log.info("DGA: delay %d, correction %s, warm-up %d rounds, pipeline %s",
-                 self.config.delay, self.config.correction, self.config.warmup_rounds, self.pipeline)
-
     def take_round_info(self, rnd: int) -> DGARoundInfo | None:
         """The round's :class:`DGARoundInfo` (once; the experiment records it)."""
         return self._info.pop(rnd, None)
@@ -156,8 +152,6 @@ class DGA(FedAvg):
         return self._result
 
     def _choose_participants(self, grid: Grid) -> list[int]:
-        from flwr.serverapp.strategy.strategy_utils import sample_nodes
-
         n_all = len(list(grid.get_node_ids()))
         size = max(int(n_all * self.fraction_train), self.min_train_nodes)
         if size >= n_all:
@@ -170,9 +164,7 @@ class DGA(FedAvg):
         """Round t's train messages, in this round's (seeded) order of participants."""
         g = last_arrived(self.config, t)
         new = t == 1 or g != last_arrived(self.config, t - 1)
-        if g not in self._arrays_of:
-            self._arrays_of[g] = ArrayRecord(self._server.global_model(g))
-        full, empty = self._arrays_of[g], ArrayRecord()
+        full, empty = self._arrays_of[g], ArrayRecord()  # G(g) as sent, kept since round g
         config = ConfigRecord(dict(train_config))
         config[keys.SERVER_ROUND] = t
         config[keys.DGA_GLOBAL_ROUND] = g

@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
-from fededge._flwr_internals import get_all_nested_objects
+from fededge._flwr_internals import wire_size
 from fededge.algorithms.gossip import (
     ChocoConfig,
     Weights,
@@ -70,30 +70,14 @@ from fededge.algorithms.gossip import (
     mix_row,
     mixing_row,
 )
-from fededge.clients.mods import BUNDLE
-from fededge.compress.bundle import unpack_bundle
-from fededge.compress.update import decode_update
+from fededge.clients.mods import decode_update_record
 from fededge.topology import Topology, build_topology
 
-__all__ = ["Gossip", "GossipNode", "GossipRoundInfo", "record_size", "decode_choco_message"]
+__all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
 
 log = logging.getLogger("fededge")
 
 ALGORITHMS = ("dpsgd", "choco")
-
-
-def record_size(record: Any) -> int:
-    """Bytes of a message or one record on Flower's wire (its unique serialised objects,
-    as :func:`fededge.server.metering.wire_size` counts a message)."""
-    return sum(len(o.deflate()) for o in get_all_nested_objects(record).values())
-
-
-def decode_choco_message(record: ArrayRecord, *, max_elements: int) -> Weights:
-    """A CHOCO message (a bundle of wire payloads, or raw float arrays) -> q, tensor by tensor."""
-    if list(record.keys()) == [BUNDLE]:
-        payloads = unpack_bundle(record[BUNDLE].numpy().tobytes())
-        return decode_update(payloads, max_elements=max_elements)
-    return dict(record.to_torch_state_dict())
 
 
 @dataclass
@@ -270,7 +254,7 @@ class Gossip(FedAvg):
         # What the node receives apart from its neighbours' messages (config, first
         # model, resync), measured without them: a few bytes of framing per relayed
         # record are left out of it, not double-counted.
-        own_bytes = record_size(own)
+        own_bytes = wire_size(own)
         content = RecordDict({name: own[name] for name in own.keys()})
         if t > 1:
             for j in self.topology.in_neighbours(i, t - 2):
@@ -306,12 +290,12 @@ class Gossip(FedAvg):
                 try:
                     rec = r.content[keys.GOSSIP_MESSAGE]
                     if self.algorithm == "choco":
-                        q = decode_choco_message(rec, max_elements=self._max_elements)
+                        q = decode_update_record(rec, max_elements=self._max_elements)
                         if sorted(q) != sorted(self._float_keys):
                             raise ValueError(f"its message has tensors {sorted(q)[:5]}, the model "
                                              f"{sorted(self._float_keys)[:5]}")
                         trained[i] = dict(r.content[keys.GOSSIP_EVAL_ARRAYS].to_torch_state_dict())
-                        eval_bytes = record_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
+                        eval_bytes = wire_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
                         self._hats[i] = {k: v + q[k] for k, v in self._hats[i].items()}
                     else:
                         trained[i] = dict(rec.to_torch_state_dict())
@@ -334,7 +318,7 @@ class Gossip(FedAvg):
                 self._partition[i] = int(metrics[keys.REPLY_PARTITION_ID])
             eval_bytes = eval_bytes if self.algorithm == "choco" else 0
             info.bytes_eval_up += eval_bytes
-            reply_bytes = record_size(r) - eval_bytes
+            reply_bytes = wire_size(r) - eval_bytes
             info.nodes.append(GossipNode(
                 index=i, node_id=r.metadata.src_node_id, partition_id=self._partition.get(i),
                 compute_s=float(metrics.get(keys.COMPUTE_S, 0.0)), bytes_up=reply_bytes,
@@ -349,7 +333,7 @@ class Gossip(FedAvg):
         # Who receives each message (the relay sends it in round t+1): the p2p figure.
         for j, rec in sent.items():
             outs = self.topology.out_neighbours(j, t - 1)
-            info.bytes_p2p += record_size(rec) * len(outs)
+            info.bytes_p2p += wire_size(rec) * len(outs)
             info.edges.extend((j, k) for k in outs)
         info.models = self._mixed_models(t, trained, set(sent))
         if info.models:

@@ -4,13 +4,10 @@ import json
 
 import pytest
 import torch
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 
-from fededge import keys
-from fededge.clients.app import train as fededge_train
 from fededge.config import ConfigError, RunConfig
 from fededge.server.inprocess import run_inprocess
+from .apps import failing_once
 from fededge.strategies.dga import DGA
 
 BASE = {"num-rounds": 5, "local-steps": 4, "progress": "off"}
@@ -83,24 +80,11 @@ def test_without_correction_all_clients_hold_the_stale_global_model(tmp_path):
     assert a[3]["accuracy"] != b[3]["accuracy"]  # from round 2 on, the correction matters
 
 
-def _failing_once(partition: int, at_round: int) -> ClientApp:
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        conf = msg.content[keys.CONFIG]
-        if int(context.node_config[keys.PARTITION_ID]) == partition and int(conf[keys.SERVER_ROUND]) == at_round:
-            raise RuntimeError(f"partition {partition} fails round {at_round}")
-        return fededge_train(msg, context)
-
-    return app
-
-
 @pytest.mark.parametrize("pipeline", ["on", "off"])
 def test_a_failed_client_is_left_out_and_rejoins(tmp_path, pipeline):
     run_dir = run_inprocess({**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 1,
                              "dga-pipeline": pipeline, "results-dir": str(tmp_path)},
-                            num_clients=3, client_app=_failing_once(1, 2))
+                            num_clients=3, client_app=failing_once(1, 2))
     lines = _lines(run_dir)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     clients = [r["num_clients"] for r in lines[1:]]

@@ -5,13 +5,10 @@ import json
 
 import pytest
 import torch
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 
-from fededge import keys
-from fededge.clients.app import train as fededge_train
 from fededge.config import ConfigError, RunConfig
 from fededge.server.inprocess import run_inprocess
+from .apps import failing_once
 from fededge.topology import TopologyError
 
 BASE = {"strategy": "gossip", "num-rounds": 3, "local-steps": 4, "progress": "off"}
@@ -127,26 +124,13 @@ def test_topology_keys_reach_the_graph(tmp_path):
     assert run[0]["topology_edges"] == 3 and run[1]["num_clients"] == 4
 
 
-def _failing_once(partition: int, at_round: int) -> ClientApp:
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        conf = msg.content[keys.CONFIG]
-        if int(context.node_config[keys.PARTITION_ID]) == partition and int(conf[keys.SERVER_ROUND]) == at_round:
-            raise RuntimeError(f"partition {partition} fails round {at_round}")
-        return fededge_train(msg, context)
-
-    return app
-
-
 @pytest.mark.parametrize("algorithm, at_round", [("dpsgd", 2), ("choco", 2), ("choco", 1)])
 def test_a_failing_node_is_left_out_and_the_run_goes_on(tmp_path, algorithm, at_round):
     """D-PSGD: its neighbours move its weight to their own model. CHOCO: its missing q is a
     zero update for everyone, and the node gets the relay's estimates back."""
     over = {**BASE, "num-rounds": 4, "gossip-algorithm": algorithm, "gossip-gamma": 0.5,
             "results-dir": str(tmp_path)}
-    run_dir = run_inprocess(over, num_clients=4, client_app=_failing_once(1, at_round))
+    run_dir = run_inprocess(over, num_clients=4, client_app=failing_once(1, at_round))
     lines = _lines(run_dir)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     assert [r["num_clients"] for r in lines[1:]] == [4 if t != at_round else 3 for t in (1, 2, 3, 4)]

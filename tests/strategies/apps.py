@@ -1,0 +1,21 @@
+"""ClientApps the strategy tests share."""
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fededge import keys
+from fededge.clients.app import train as fededge_train
+
+
+def failing_once(partition: int, at_round: int) -> ClientApp:
+    """fededge's ClientApp, except that ``partition`` raises in round ``at_round``."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        conf = msg.content[keys.CONFIG]
+        if int(context.node_config[keys.PARTITION_ID]) == partition and int(conf[keys.SERVER_ROUND]) == at_round:
+            raise RuntimeError(f"partition {partition} fails round {at_round}")
+        return fededge_train(msg, context)
+
+    return app
