@@ -45,7 +45,13 @@ STRATEGIES: tuple[str, ...] = (
     "dga",
     "diloco",
     "gossip",
+    "fedasync",
+    "fedbuff",
+    "ssp",
+    "backup",
 )
+STALENESS: tuple[str, ...] = ("constant", "polynomial", "hinge")
+ASYNC_ORDER: tuple[str, ...] = ("auto", "clock", "arrival")
 DGA_PIPELINE: tuple[str, ...] = ("auto", "on", "off")
 GOSSIP_ALGORITHMS: tuple[str, ...] = ("dpsgd", "choco")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -220,6 +226,40 @@ class RunConfig:
         300 rounds and 0.05 converged. Raise it towards 1 for mild compressors (fp16,
         int8, qsgd with many levels) and with ``compressor="none"``; lower it if the
         consensus distance grows from round to round.
+    async_alpha : float
+        ``strategy="fedasync"``: the mixing weight ``alpha`` in (0, 1]; an update ``tau``
+        versions stale is mixed in with ``alpha * s(tau)`` (Xie et al., 2019, use 0.6).
+    buffer_size : int
+        ``strategy="fedbuff"``: K, the updates per aggregation (Nguyen et al., 2022, use
+        10). K equal to the number of clients, with no staleness, is FedAvg.
+    staleness : str
+        How FedAsync and FedBuff weight a stale update: ``constant`` (1), ``polynomial``
+        (``(1 + tau) ** -a``) or ``hinge`` (1 up to ``b``, then ``1 / (a (tau - b) + 1)``).
+    staleness_a, staleness_b : float
+        The staleness function's ``a`` and ``b`` (FedAsync: polynomial a = 0.5; hinge
+        a = 10, b = 4).
+    ssp_bound : int
+        ``strategy="ssp"``: s, how many rounds a client may run ahead of the slowest
+        active one. 0 is bulk-synchronous.
+    async_concurrency : int
+        fedasync / fedbuff / ssp: how many clients train at once (0: every participant).
+    async_order : str
+        ``auto``, ``clock`` (use arrivals in simulated-time order: simulation) or
+        ``arrival`` (in real arrival order: a SuperLink deployment). ``auto`` picks
+        ``arrival`` on a SuperLink.
+    backup_workers : int or float
+        ``strategy="backup"``: e, of the ``clients-per-round`` sampled each round, the
+        replies not waited for: the first ``m = sampled - e`` are aggregated. A count, or
+        a fraction of the sampled clients (0.1). 0 is FedAvg.
+    dropout : float
+        Fraction of the clients (partition ids, seeded) that never answer, in [0, 1):
+        they reply at once that they dropped out and the simulated clock charges the
+        server ``round-timeout`` for them, as a real silent node would cost. For testing
+        what stragglers and dropouts do to a strategy.
+    sim_step_s : float
+        Seconds per local step on the simulated clock (divided by the client's speed
+        factor); 0 uses each client's measured compute time. Set it to make ``sim_s``,
+        and the order of asynchronous arrivals, exactly reproducible for a seed.
     progress : str
         ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
         ``lines`` or ``off``.
@@ -287,6 +327,17 @@ class RunConfig:
     mixing: str = "metropolis"
     gossip_algorithm: str = "dpsgd"
     gossip_gamma: float = 0.05
+    async_alpha: float = 0.6
+    buffer_size: int = 10
+    staleness: str = "polynomial"
+    staleness_a: float = 0.5
+    staleness_b: float = 4.0
+    ssp_bound: int = 2
+    async_concurrency: int = 0
+    async_order: str = "auto"
+    backup_workers: Union[int, float] = 0
+    dropout: float = 0.0
+    sim_step_s: float = 0.0
     progress: str = "auto"
 
     def __post_init__(self) -> None:
@@ -370,6 +421,7 @@ class RunConfig:
                 "rebased model, not the weights the compression mod expects); set them to 'none'"
             )
         self._check_gossip()
+        self._check_async()
         if not self.results_dir:
             raise ConfigError("run-config key 'results-dir' must not be empty")
         if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):
@@ -426,6 +478,31 @@ class RunConfig:
                     "run-config key 'topology': 'one-peer-exponential' changes peers every round, "
                     "but CHOCO's public estimates assume a static graph; use gossip-algorithm="
                     "'dpsgd' with it, or a static topology such as 'exponential'")
+
+    def _check_async(self) -> None:
+        _in_range("async-alpha", self.async_alpha, 0.0, 1.0, lo_open=True)
+        _int_at_least("buffer-size", self.buffer_size, 1)
+        _choice("staleness", self.staleness, STALENESS)
+        if self.staleness_a < 0 or self.staleness_b < 0:
+            raise ConfigError(f"run-config keys 'staleness-a' and 'staleness-b' must be >= 0, got "
+                              f"{self.staleness_a} and {self.staleness_b}")
+        _int_at_least("ssp-bound", self.ssp_bound, 0)
+        _int_at_least("async-concurrency", self.async_concurrency, 0)
+        _choice("async-order", self.async_order, ASYNC_ORDER)
+        e = self.backup_workers
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or e < 0 or (isinstance(e, float) and e >= 1):
+            raise ConfigError(
+                "run-config key 'backup-workers' must be an int >= 0 (a count) or a float in "
+                f"[0, 1) (a fraction of the sampled clients), got {e!r}")
+        _in_range("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if self.sim_step_s < 0:
+            raise ConfigError(f"run-config key 'sim-step-s' must be >= 0 (0: measured compute), got {self.sim_step_s}")
+        if self.strategy in ("fedasync", "fedbuff", "ssp", "backup") and (
+                self.compressor != "none" or self.downlink_compressor != "none"):
+            raise ConfigError(
+                f"run-config keys 'compressor' / 'downlink-compressor' are not supported with "
+                f"strategy={self.strategy!r} yet (its replies are used one by one, against the "
+                "model version each client trained on); set them to 'none'")
 
     # ------------------------------------------------------------------ mapping I/O
     @classmethod
@@ -500,7 +577,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         return value
     if isinstance(value, bool):
         raise ConfigError(f"run-config key '{key}' must be a {type(default).__name__}, got {value!r}")
-    if key == "clients-per-round":
+    if key in ("clients-per-round", "backup-workers"):
         return value  # int or float: __post_init__ says which is which
     if isinstance(default, float):
         if not isinstance(value, (int, float)):

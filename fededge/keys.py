@@ -19,6 +19,10 @@ LOCAL_STEPS_DONE = "local-steps-done"
 # it its link profile (node ids are random; partition ids are what users assign).
 REPLY_PARTITION_ID = "partition-id"
 REPLY_NUM_PARTITIONS = "num-partitions"
+# A client the run config's ``dropout`` fraction takes out replies with this metric (1)
+# and nothing else, at once; the server's grid turns the reply into an error (no answer)
+# and the simulated clock charges the round-timeout (fededge.server.metering).
+DROPPED_OUT = "dropped-out"
 
 # Keys of the ConfigRecord the server sends with each train message.
 SERVER_ROUND = "server-round"

@@ -85,7 +85,10 @@ def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
     from fededge.strategies.gossip import Gossip
     from fededge.strategies.outer import FedAvgOuter
 
-    expected.update({"dga": DGA, "diloco": FedAvgOuter, "gossip": Gossip})
+    from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+
+    expected.update({"dga": DGA, "diloco": FedAvgOuter, "gossip": Gossip, "fedasync": AsyncFL,
+                     "fedbuff": AsyncFL, "ssp": AsyncFL, "backup": BackupWorkers})
     assert set(expected) == set(STRATEGIES)
     for name, cls in expected.items():
         assert type(build_strategy(RunConfig(strategy=name))) is cls, name

@@ -31,6 +31,7 @@ from fededge.clients.mods import bundle_record, compression_mod, decode_update_r
 from fededge.compress.update import UpdateEncoder, decode_update
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
+from fededge.netem.assign import dropped_partitions
 from fededge.models.zoo import build_model
 from fededge.workload import client_data, dataset_for
 
@@ -115,6 +116,8 @@ def train(msg: Message, context: Context) -> Message:
     """Load the received weights, run K local SGD steps, reply with the new weights."""
     work = client_workload(context)
     cfg = work.cfg
+    if work.partition_id in dropped_partitions(work.num_partitions, cfg.dropout, seed=cfg.seed):
+        return _dropped_reply(msg, work)
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
     gossip = _gossip_start(msg, context, conf, work) if _is_gossip(msg) else None
     dga = None if gossip is not None else _dga_start(msg, context, conf, work)
@@ -171,6 +174,15 @@ def train(msg: Message, context: Context) -> Message:
         metrics[keys.DGA_STALENESS] = staleness
     content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
     return Message(content=content, reply_to=msg)
+
+
+def _dropped_reply(msg: Message, work: ClientWorkload) -> Message:
+    """A client the ``dropout`` fraction takes out: it does no work and stands for a node
+    that never answers. The reply only says so (and who it is); the server's grid turns
+    it into a missing reply and the simulated clock charges the round-timeout."""
+    return Message(content=RecordDict({keys.METRICS: MetricRecord({
+        keys.DROPPED_OUT: 1, keys.REPLY_PARTITION_ID: work.partition_id,
+        keys.REPLY_NUM_PARTITIONS: work.num_partitions})}), reply_to=msg)
 
 
 def _dga_start(msg: Message, context: Context, conf: ConfigRecord, work: ClientWorkload) -> DGAClient | None:
@@ -301,6 +313,8 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     reports how well the global model fits each client's own (possibly skewed) data.
     """
     work = client_workload(context)
+    if work.partition_id in dropped_partitions(work.num_partitions, work.cfg.dropout, seed=work.cfg.seed):
+        return _dropped_reply(msg, work)
     work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
     loss, acc = evaluate(work.model, work.x, work.y)
     metrics = MetricRecord({keys.NUM_EXAMPLES: len(work.x), "eval-loss": loss, "eval-acc": acc})

@@ -37,7 +37,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["assign_links", "check_netem_spec", "check_speed_spec"]
+__all__ = ["assign_links", "check_netem_spec", "check_speed_spec", "dropped_partitions"]
 
 _MIX_ITEM = re.compile(r"^([a-z0-9][a-z0-9._-]*):([0-9.]+(?:e-?[0-9]+)?)$")
 
@@ -142,3 +142,18 @@ def assign_links(
         speeds = [float(speed)] * num_clients
     return [ClientLink(profile=p, speed=s * (p.compute_speed if p is not None else 1.0))
             for p, s in zip(links, speeds)]
+
+
+def dropped_partitions(num_clients: int, fraction: float, *, seed: int = 0) -> frozenset[int]:
+    """The partition ids that never answer under ``dropout = fraction`` (seeded).
+
+    ``round(fraction * num_clients)`` of them, drawn by a seeded permutation: the same
+    set on the server and on every client, whatever the runtime.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {fraction}")
+    if num_clients < 1 or fraction == 0:
+        return frozenset()
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x6470]))  # "dp"
+    k = int(round(fraction * num_clients))
+    return frozenset(int(i) for i in rng.permutation(num_clients)[:k])

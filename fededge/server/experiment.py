@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from fededge.netem.clock import ClientRound, SimClock, synchronous_round
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.compressed import Compressed
+from fededge.strategies.asyncfl import AsyncFL, AsyncRoundInfo, BackupWorkers
 from fededge.strategies.dga import DGA
 from fededge.strategies.gossip import Gossip, GossipRoundInfo
 from fededge.strategies.registry import build_strategy
@@ -109,6 +111,22 @@ class RoundClock:
         self._partition: dict[int, int] = {}  # gossip: topology index -> partition id
         self.last_wait_s: float | None = None  # DGA: mean time a client waited for its message
 
+    def build(self, num_partitions: int) -> SimClock:
+        """The run's clock for ``num_partitions`` clients (built once; later calls return it).
+
+        The asynchronous strategies call this themselves (``attach_clock``): they order
+        replies on the clock as they come.
+        """
+        if self.clock is None:
+            self.clock = self._build(num_partitions)
+        return self.clock
+
+    def compute_s(self, measured_s: float, steps: int | None = None) -> float:
+        """What a client's compute takes on the clock: measured, or ``sim-step-s`` per step."""
+        if self.cfg.sim_step_s > 0:
+            return (steps if steps is not None else self.cfg.local_steps) * self.cfg.sim_step_s
+        return measured_s
+
     def _build(self, num_partitions: int) -> SimClock:
         cfg = self.cfg
         links = assign_links(cfg.netem, num_partitions, seed=cfg.seed, netem_file=cfg.netem_file,
@@ -125,7 +143,7 @@ class RoundClock:
         for node in info.nodes:
             if node.partition_id is not None:
                 self._partition[node.index] = node.partition_id
-        work = [GossipWork(self._partition[x.index], x.compute_s, x.bytes_up, x.bytes_down)
+        work = [GossipWork(self._partition[x.index], self.compute_s(x.compute_s), x.bytes_up, x.bytes_down)
                 for x in info.nodes if x.index in self._partition]
         if self.clock is None and work:
             self.clock = self._build(max(max(self._partition.values()) + 1, len(self._partition)))
@@ -143,7 +161,8 @@ class RoundClock:
 
     def round_duration(self, traffic: RoundTraffic, rnd: int = 0) -> float:
         replied = [n for n in traffic.nodes.values() if n.replied and n.partition_id is not None]
-        rounds = [ClientRound(x.partition_id, x.bytes_down, x.compute_s, x.bytes_up) for x in replied]
+        rounds = [ClientRound(x.partition_id, x.bytes_down, self.compute_s(x.compute_s), x.bytes_up)
+                  for x in replied]
         if self.clock is None and replied:
             n = max((x.num_partitions or 0) for x in replied)
             self.clock = self._build(max(n, 1 + max(x.partition_id for x in replied)))
@@ -154,7 +173,9 @@ class RoundClock:
         if self.clock is None:
             return 0.0
         if self.timeline is None:
-            return synchronous_round(self.clock, rounds).duration if replied else 0.0
+            duration = synchronous_round(self.clock, rounds).duration if replied else 0.0
+            # A node that never answered held the round until the server's timeout.
+            return max(duration, self.cfg.round_timeout) if traffic.dropped else duration
         before = self.timeline.ready[rnd - 1]
         end = self.timeline.run_round(rnd, rounds)
         waits = [self.timeline.blocked[(rnd, c.client)] for c in rounds]
@@ -253,6 +274,29 @@ def run_experiment(
     dga = strategy.config if isinstance(strategy, DGA) else None
     gossip = strategy if isinstance(strategy, Gossip) else None
     round_clock = RoundClock(cfg, recorder.run_dir, dga=dga, gossip=gossip is not None)
+    asyn = strategy if isinstance(strategy, (AsyncFL, BackupWorkers)) else None
+    if asyn is not None:
+        asyn.attach_clock(round_clock.build, sim_step_s=cfg.sim_step_s)
+    tally = {"staleness": Counter(), "contributions": Counter(), "dropped": Counter(), "late": Counter(),
+             "sim_s": 0.0}
+
+    def async_metrics(ainfo: AsyncRoundInfo) -> dict[str, Any]:
+        """A version's staleness, who made it and who dropped; the run's tallies."""
+        tally["staleness"].update(ainfo.staleness)
+        tally["contributions"].update(ainfo.contributors)
+        tally["dropped"].update(ainfo.dropped)
+        tally["late"].update(ainfo.late)
+        st = ainfo.staleness
+        return {
+            "staleness": sum(st) / len(st) if st else None,
+            "staleness_max": max(st, default=None),
+            "staleness_hist": {str(k): v for k, v in sorted(Counter(st).items())},
+            "contributors": sorted(ainfo.contributors),
+            "late": sorted(ainfo.late),
+            "dropped": sorted(ainfo.dropped),
+            "ssp_ahead": ainfo.ahead,
+            "async_order": ainfo.order,
+        }
 
     def gossip_metrics(rnd: int, ginfo: GossipRoundInfo, avg_acc: float, avg_loss: float) -> dict[str, Any]:
         """Every node's model on the test set, their spread, and the relay's accounting."""
@@ -286,8 +330,13 @@ def run_experiment(
         final["arrays"] = arrays
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, x_test, y_test)
-        # DGA keeps rounds in flight: take this round's messages only (its group id).
-        traffic = metered.take(str(rnd) if dga is not None else None)
+        ainfo = asyn.take_round_info(rnd) if asyn is not None and rnd else None
+        if asyn is not None:  # the messages this version used (others are still in flight)
+            traffic = RoundTraffic()
+            for group in ainfo.groups if ainfo else []:
+                traffic.merge(metered.take(group))
+        else:  # DGA keeps rounds in flight: take this round's messages only (its group id).
+            traffic = metered.take(str(rnd) if dga is not None else None)
         comp = strategy.take_stats() if isinstance(strategy, Compressed) else None
         info = strategy.take_round_info(rnd) if isinstance(strategy, DGA) else None
         ginfo = gossip.take_round_info(rnd) if gossip is not None else None
@@ -301,8 +350,17 @@ def run_experiment(
                 progress.note(f"round {rnd}: a gossip message was rejected and left out: {reason}")
             if rnd:
                 extra["wait_s"] = None if round_clock.last_wait_s is None else round(round_clock.last_wait_s, 6)
+        elif asyn is not None:
+            round_sim_s = (ainfo.sim_s - tally["sim_s"]) if ainfo else 0.0
+            tally["sim_s"] = ainfo.sim_s if ainfo else tally["sim_s"]
+            if ainfo:
+                extra |= async_metrics(ainfo)
+                for reason in ainfo.reasons:
+                    progress.note(f"round {rnd}: a client update was rejected and left out: {reason}")
         else:
             round_sim_s = round_clock.round_duration(traffic, rnd)
+            if traffic.dropped:
+                extra["dropped"] = sorted(metered.partition_of.get(n, n) for n in traffic.dropped)
         # What each client did, so that the run can be re-timed under another network
         # (fededge.server.replay) without training again.
         extra["clients"] = [
@@ -332,15 +390,22 @@ def run_experiment(
             # The round on the simulated clock: download, compute (scaled by the client's
             # speed) and upload on each client's link (RoundClock).
             round_sim_s=round_sim_s,
-            num_clients=(len(ginfo.nodes) if ginfo and rnd else
+            num_clients=(len(ginfo.nodes) if ginfo and rnd else len(ainfo.contributors) if ainfo else
+                         0 if asyn is not None else
                          traffic.train_replies - (comp.rejected if comp else 0) - (info.rejected if info else 0)),
             failures=traffic.failures,
-            rejected=(comp.rejected if comp else 0) + (info.rejected if info else 0) + (ginfo.rejected if ginfo else 0),
+            rejected=((comp.rejected if comp else 0) + (info.rejected if info else 0)
+                      + (ginfo.rejected if ginfo else 0) + (ainfo.rejected if ainfo else 0)),
             compression_ratio=comp.ratio if comp else None,
             extra=extra,
         )
         progress.update(rec)
-        if rnd >= 1 and rec.num_clients == 0:
+        dropped_out = bool(traffic.dropped or (ainfo and ainfo.dropped))
+        if rnd >= 1 and rec.num_clients == 0 and dropped_out and not traffic.errors:
+            # Dropouts (no answer) are not errors: the model stays as it was and the run
+            # goes on; a run whose clients all fail (errors, rejected updates) stops.
+            progress.note(f"round {rnd}: no update: every selected client dropped out; the model is unchanged")
+        elif rnd >= 1 and rec.num_clients == 0:
             first = (traffic.errors or (comp.reasons if comp else []) or ["no reply arrived within round-timeout"])[0]
             raise RoundFailedError(
                 f"round {rnd}: no client update could be used ({traffic.failures} of "
@@ -368,7 +433,15 @@ def run_experiment(
     progress.close()
     if cfg.save_model:
         torch.save(final["arrays"].to_torch_state_dict(), recorder.run_dir / "model.pt")
-    summary = recorder.close()
+    run_extra: dict[str, Any] = {}
+    if asyn is not None:  # who contributed how often: the bias toward fast clients
+        run_extra = {
+            "staleness_hist": {str(k): v for k, v in sorted(tally["staleness"].items())},
+            "contributions": {str(k): v for k, v in sorted(tally["contributions"].items())},
+            "dropped_messages": {str(k): v for k, v in sorted(tally["dropped"].items())},
+            "late_replies": {str(k): v for k, v in sorted(tally["late"].items())},
+        }
+    summary = recorder.close(extra=run_extra)
     progress.note(
         f"final accuracy {summary['final_accuracy']:.4f}; target {cfg.target_accuracy} "
         f"reached at round {summary['rounds_to_target']} (sim {summary['sim_s_to_target']} s); "

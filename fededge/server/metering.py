@@ -13,16 +13,18 @@ nodes counts ten times, because each node's link carries it once.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from flwr.app import Message
+from flwr.app import Error, Message
 from flwr.serverapp import Grid
 
 from fededge import keys
 from fededge._flwr_internals import wire_size
+from fededge.strategies._replies import dropout_reason
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
 
@@ -54,6 +56,9 @@ class RoundTraffic:
     compute_s: list[float] = field(default_factory=list)  # per train reply
     errors: list[str] = field(default_factory=list)
     nodes: dict[int, NodeTraffic] = field(default_factory=dict)  # train traffic per node
+    # Nodes whose message got no answer: a simulated dropout, or no reply at all within
+    # the timeout of send_and_receive (Flower's own round loop). Not in ``failures``.
+    dropped: list[int] = field(default_factory=list)
 
     def merge(self, other: "RoundTraffic") -> None:
         """Add ``other``'s traffic to this one."""
@@ -61,6 +66,7 @@ class RoundTraffic:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.compute_s.extend(other.compute_s)
         self.errors.extend(other.errors)
+        self.dropped.extend(other.dropped)
         for nid, n in other.nodes.items():
             mine = self.nodes.setdefault(nid, NodeTraffic())
             mine.bytes_down += n.bytes_down
@@ -83,6 +89,7 @@ class MeteredGrid(Grid):
         self.inner = inner
         self._lock = threading.Lock()
         self._traffic: dict[str, RoundTraffic] = {}
+        self.partition_of: dict[int, int] = {}  # node id -> partition id, from its replies
 
     # -- accounting ----------------------------------------------------------------
     def take(self, group_id: str | None = None) -> RoundTraffic:
@@ -112,7 +119,9 @@ class MeteredGrid(Grid):
                     node = t.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
                     node.bytes_down += n
 
-    def _count_up(self, replies: list[Message]) -> None:
+    def _count_up(self, replies: list[Message]) -> list[Message]:
+        """Count the replies; return them with simulated dropouts turned into errors."""
+        out = []
         for r in replies:
             n = wire_size(r)
             with self._lock:
@@ -122,10 +131,20 @@ class MeteredGrid(Grid):
                 if r.has_error():
                     t.failures += 1
                     t.errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
+                    out.append(r)
                     continue
+                metrics = r.content[keys.METRICS] if keys.METRICS in r.content else {}
+                if keys.REPLY_PARTITION_ID in metrics:
+                    self.partition_of[r.metadata.src_node_id] = int(metrics[keys.REPLY_PARTITION_ID])
+                if keys.DROPPED_OUT in metrics:
+                    t.dropped.append(r.metadata.src_node_id)
+                    out.append(Message(error=Error(0, dropout_reason(
+                        int(metrics.get(keys.REPLY_PARTITION_ID, -1)),
+                        int(metrics.get(keys.REPLY_NUM_PARTITIONS, 0)))), metadata=copy.copy(r.metadata)))
+                    continue
+                out.append(r)
                 if r.metadata.message_type.startswith("train"):
                     t.train_replies += 1
-                    metrics = r.content[keys.METRICS] if keys.METRICS in r.content else {}
                     node = t.nodes.setdefault(r.metadata.src_node_id, NodeTraffic())
                     node.bytes_up += n
                     node.replied = True
@@ -136,6 +155,7 @@ class MeteredGrid(Grid):
                         node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
                     if keys.REPLY_NUM_PARTITIONS in metrics:
                         node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
+        return out
 
     # -- Grid ----------------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001 - flwr's Run
@@ -160,13 +180,15 @@ class MeteredGrid(Grid):
         return self.inner.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = list(self.inner.pull_messages(message_ids))
-        self._count_up(replies)
-        return replies
+        return self._count_up(list(self.inner.pull_messages(message_ids)))
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
         self._count_down(messages)
-        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
-        self._count_up(replies)
+        replies = self._count_up(list(self.inner.send_and_receive(messages, timeout=timeout)))
+        answered = {r.metadata.src_node_id for r in replies}
+        with self._lock:  # no reply at all within the timeout: the node dropped out
+            for m in messages:
+                if m.metadata.dst_node_id not in answered:
+                    self._group(m).dropped.append(m.metadata.dst_node_id)
         return replies

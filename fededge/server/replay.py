@@ -36,6 +36,10 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
     network; arguments left as None keep the run's own."""
     config, lines = load_rounds(run_dir)
     cfg = config.get("config", config)
+    if cfg.get("strategy") in ("fedasync", "fedbuff", "ssp", "backup"):
+        raise ValueError(f"{run_dir}: {cfg['strategy']} runs cannot be replayed under another network: "
+                         "which update arrives first, and so what is aggregated, depends on the "
+                         "network; run it again with the other netem")
     if cfg.get("strategy") == "gossip":
         raise ValueError(f"{run_dir}: gossip runs cannot be replayed yet (their clock is per edge, "
                          "fededge.algorithms.gossip.GossipTimeline, and their per-client upload "

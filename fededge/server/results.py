@@ -198,9 +198,10 @@ class RunRecorder:
             "sim_s": last.sim_s if last else 0.0,
         }
 
-    def close(self, *, status: str = "completed", error: str | None = None) -> dict[str, Any]:
-        """Write summary.json and close metrics.jsonl. Safe to call twice."""
-        summ = self.summary() | {"status": status}
+    def close(self, *, status: str = "completed", error: str | None = None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write summary.json (with ``extra`` figures) and close metrics.jsonl. Safe to call twice."""
+        summ = self.summary() | dict(extra or {}) | {"status": status}
         if error:
             summ["error"] = error
         if not self._metrics.closed:

@@ -43,11 +43,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order
 from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
+from fededge.strategies._replies import fixed_participants, usable_reply
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
 
@@ -144,21 +145,13 @@ class DGA(FedAvg):
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 self._result.evaluate_metrics_serverapp[0] = res
-        self.participants = self._choose_participants(grid)
+        self.participants = fixed_participants(grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
+                                               min_available=self.min_available_nodes)
         if self.pipelined:
             self._run_pipelined(grid, num_rounds, timeout, train_config)
         else:
             self._run_lockstep(grid, num_rounds, timeout, train_config, evaluate_config)
         return self._result
-
-    def _choose_participants(self, grid: Grid) -> list[int]:
-        n_all = len(list(grid.get_node_ids()))
-        size = max(int(n_all * self.fraction_train), self.min_train_nodes)
-        if size >= n_all:
-            _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
-            return list(nodes)
-        nodes, _ = sample_nodes(grid, self.min_available_nodes, size)
-        return sorted(nodes)
 
     def _messages(self, t: int, train_config: ConfigRecord) -> list[Message]:
         """Round t's train messages, in this round's (seeded) order of participants."""
@@ -220,28 +213,14 @@ class DGA(FedAvg):
             done, current_since = t, time.monotonic()
 
     # ----------------------------------------------------------------- aggregation
-    def _usable(self, reply: Message) -> str | None:
-        """Why a train reply cannot be averaged, or None."""
-        c = reply.content
-        if self.arrayrecord_key not in c.array_records:
-            return f"reply has no '{self.arrayrecord_key}' ArrayRecord (has {list(c.keys())})"
-        if set(c[self.arrayrecord_key].keys()) != self._keys:
-            return (f"reply's arrays {sorted(c[self.arrayrecord_key].keys())} are not the model's "
-                    f"{sorted(self._keys)}")
-        metrics = next(iter(c.metric_records.values()), None)
-        if metrics is None or self.weighted_by_key not in metrics:
-            return f"reply has no '{self.weighted_by_key}' metric to weight it by"
-        if not float(metrics[self.weighted_by_key]) > 0:
-            return f"reply's '{self.weighted_by_key}' is {metrics[self.weighted_by_key]}, not > 0"
-        return None
-
     def _finish_round(self, t: int, replies: list[Message]) -> None:
         info = DGARoundInfo(delay=self.config.delay_at(t), global_round=last_arrived(self.config, t),
                             pipelined=self.pipelined)
         valid = []
         for r in replies:
             node = r.metadata.src_node_id
-            why = r.error.reason if r.has_error() else self._usable(r)
+            why = r.error.reason if r.has_error() else usable_reply(
+                r, arrays_key=self.arrayrecord_key, model_keys=self._keys, weight_key=self.weighted_by_key)
             if why is None:
                 valid.append(r)
                 continue

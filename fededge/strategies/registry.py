@@ -2,7 +2,8 @@
 
 fededge works with Flower rather than replacing it: every name but the fededge-specific
 ones (``dga``: delayed gradient averaging; ``diloco``: FedAvg with an outer Nesterov
-step; ``gossip``: D-PSGD / CHOCO-SGD with the server as a relay) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
+step; ``gossip``: D-PSGD / CHOCO-SGD with the server as a relay; ``fedasync``, ``fedbuff``,
+``ssp``: asynchronous aggregation; ``backup``: synchronous rounds with backup workers) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
 from fededge.config import STRATEGIES, RunConfig
+from fededge.algorithms.asyncfl import AsyncConfig, StalenessFunction
+from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
 from fededge.strategies.dga import DGA
 from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
@@ -83,4 +86,12 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
                       mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma,
                       seed=cfg.seed)
+    if name in ("fedasync", "fedbuff", "ssp"):
+        config = AsyncConfig(
+            mode=name, alpha=cfg.async_alpha, buffer_size=cfg.buffer_size, server_lr=cfg.server_lr or 1.0,
+            staleness=StalenessFunction(cfg.staleness, a=cfg.staleness_a, b=cfg.staleness_b),
+            ssp_bound=cfg.ssp_bound, concurrency=cfg.async_concurrency)
+        return AsyncFL(**kw, config=config, order=cfg.async_order, seed=cfg.seed)
+    if name == "backup":
+        return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order)
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

@@ -1,0 +1,185 @@
+"""FedAsync, FedBuff, SSP and backup workers through Flower (strategy + ClientApp),
+in-process; dropouts and silent nodes for every strategy and for FedAvg."""
+
+import json
+import time
+
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from fededge import _flwr_internals as fi
+from fededge.config import ConfigError, RunConfig
+from fededge.server.experiment import run_experiment
+from fededge.server.inprocess import SUPERLINK_NODE_ID, InProcessGrid, run_inprocess
+from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+from fededge.strategies.registry import build_strategy
+
+BASE = {"num-rounds": 4, "local-steps": 3, "progress": "off", "partition": "iid"}
+ASYNC = ["fedasync", "fedbuff", "ssp", "backup"]
+
+
+def _lines(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _models(a, b):
+    return torch.load(a / "model.pt"), torch.load(b / "model.pt")
+
+
+def test_backup_workers_with_no_backups_is_fedavg_bit_for_bit(tmp_path):
+    fedavg = run_inprocess({**BASE, "results-dir": str(tmp_path / "a")}, num_clients=4)
+    backup = run_inprocess({**BASE, "strategy": "backup", "backup-workers": 0,
+                            "results-dir": str(tmp_path / "b")}, num_clients=4)
+    ma, mb = _models(fedavg, backup)
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert [r["accuracy"] for r in _lines(fedavg)] == [r["accuracy"] for r in _lines(backup)]
+    assert all(r["late"] == [] and r["num_clients"] == 4 for r in _lines(backup)[1:])
+
+
+def test_fedbuff_with_a_buffer_of_n_and_no_staleness_is_fedavg(tmp_path):
+    """Identical clients on an ideal network arrive together: every buffer holds one fresh
+    update per client, and FedBuff's step is FedAvg's mean (to float rounding)."""
+    over = {**BASE, "sim-step-s": 0.01}
+    fedavg = run_inprocess({**over, "results-dir": str(tmp_path / "a")}, num_clients=4)
+    buff = run_inprocess({**over, "strategy": "fedbuff", "buffer-size": 4, "staleness": "polynomial",
+                          "results-dir": str(tmp_path / "b")}, num_clients=4)
+    ma, mb = _models(fedavg, buff)
+    for k in ma:
+        assert torch.allclose(ma[k].double(), mb[k].double(), rtol=0, atol=1e-5), k
+    lines = _lines(buff)[1:]
+    assert all(r["staleness_hist"] == {"0": 4} and r["num_clients"] == 4 for r in lines)
+    assert [r["sim_s"] for r in lines] == pytest.approx([0.03, 0.06, 0.09, 0.12])
+    assert [r["sim_s"] for r in _lines(fedavg)[1:]] == pytest.approx([0.03, 0.06, 0.09, 0.12])
+
+
+def test_async_arrivals_follow_the_simulated_clock_and_fast_clients_contribute_more(tmp_path):
+    over = {**BASE, "num-rounds": 24, "strategy": "fedasync", "netem": "wifi:0.5,3g:0.5",
+            "compute-speed": "lognormal:1.0", "sim-step-s": 0.05, "results-dir": str(tmp_path)}
+    run = run_inprocess(over, num_clients=4)
+    lines = _lines(run)[1:]
+    sims = [r["sim_s"] for r in lines]
+    assert sims == sorted(sims) and len(set(sims)) > 1
+    contrib = [_summary(run)["contributions"].get(str(p), 0) for p in range(4)]
+    assert sum(contrib) == 24 and max(contrib) >= 2 * min(contrib) + 1
+    assert max(int(k) for k in _summary(run)["staleness_hist"]) >= 1
+    # The seed (with sim-step-s) makes the run deterministic, arrival order included.
+    again = run_inprocess({**over, "results-dir": str(tmp_path / "again")}, num_clients=4)
+    assert [(r["sim_s"], r["contributors"], r["accuracy"]) for r in _lines(again)[1:]] == \
+           [(r["sim_s"], r["contributors"], r["accuracy"]) for r in lines]
+
+
+def test_backup_workers_drop_the_slowest_and_record_it(tmp_path):
+    over = {**BASE, "strategy": "backup", "backup-workers": 0.25, "netem": "wifi:0.5,3g:0.5",
+            "compute-speed": "lognormal:1.0", "sim-step-s": 0.05, "results-dir": str(tmp_path)}
+    run = run_inprocess(over, num_clients=4)
+    for r in _lines(run)[1:]:
+        assert r["num_clients"] == 3 and len(r["late"]) == 1 and set(r["late"]).isdisjoint(r["contributors"])
+    assert sum(_summary(run)["late_replies"].values()) == 4
+    fedavg = run_inprocess({**over, "strategy": "fedavg", "results-dir": str(tmp_path / "f")}, num_clients=4)
+    assert _lines(run)[-1]["sim_s"] < _lines(fedavg)[-1]["sim_s"]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", *ASYNC])
+def test_a_run_completes_with_30_percent_of_clients_never_answering(tmp_path, strategy):
+    over = {**BASE, "strategy": strategy, "dropout": 0.3, "round-timeout": 20.0, "sim-step-s": 0.05,
+            "num-rounds": 6, "buffer-size": 3, "backup-workers": 1, "results-dir": str(tmp_path)}
+    run = run_inprocess(over, num_clients=10)
+    assert _summary(run)["status"] == "completed"
+    lines = _lines(run)[1:]
+    assert len(lines) == 6 and all(r["num_clients"] >= 1 for r in lines)
+    dropped = {p for r in lines for p in r.get("dropped") or []}
+    if strategy in ("fedavg", "backup"):
+        # Synchronous rounds meet the three dropouts every round: they wait for the timeout
+        # (backup workers with e = 1 cannot cover three).
+        assert len(dropped) == 3 and all(r["round_sim_s"] >= 20.0 for r in lines)
+        assert all(r["num_clients"] == 7 for r in lines)
+    else:
+        # Asynchronous ones never wait: six versions are made long before any timeout.
+        assert lines[-1]["sim_s"] < 20.0
+        assert not set(_summary(run)["contributions"]) & dropped
+
+
+class SilentGrid:
+    """A grid on which some nodes never answer (their messages vanish), as dead
+    SuperNodes would; ``send_and_receive`` waits out its timeout like Flower's."""
+
+    def __init__(self, inner, silent):
+        self.inner, self.silent, self._n = inner, set(silent), 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def push_messages(self, messages):
+        messages, ids = list(messages), []
+        live = [m for m in messages if m.metadata.dst_node_id not in self.silent]
+        live_ids = iter(self.inner.push_messages(live))
+        for m in messages:
+            if m.metadata.dst_node_id in self.silent:
+                self._n += 1
+                ids.append(f"silent-{self._n}")
+            else:
+                ids.append(next(live_ids))
+        return ids
+
+    def pull_messages(self, message_ids):
+        return self.inner.pull_messages([i for i in message_ids if not i.startswith("silent-")])
+
+    def send_and_receive(self, messages, *, timeout=None):
+        ids = list(self.push_messages(messages))
+        got, t0 = {}, time.monotonic()
+        while len(got) < len(ids) and time.monotonic() - t0 < (timeout or 3600):
+            for r in self.pull_messages([i for i in ids if i not in got]):
+                got[r.metadata.reply_to_message_id] = r
+            time.sleep(0.05)
+        return [got[i] for i in ids if i in got]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedasync", "ssp", "backup"])
+def test_silent_nodes_cost_the_round_timeout_in_real_time_and_nothing_more(tmp_path, strategy):
+    rounds = 3 if strategy in ("fedavg", "backup") else 8  # async: the write-off (sim 1 s) is used
+    cfg = RunConfig.from_mapping({**BASE, "strategy": strategy, "round-timeout": 1.0, "num-rounds": rounds,
+                                  "results-dir": str(tmp_path), "backup-workers": 1, "ssp-bound": 1,
+                                  "sim-step-s": 0.2})
+    from fededge.clients.app import app
+    inner = InProcessGrid(app, num_nodes=4, run_config=cfg.to_mapping(), seed=cfg.seed)
+    dead = sorted(inner.get_node_ids())[:1]
+    grid = SilentGrid(inner, dead)
+    grid.runs_messages_in_order = True
+    t0 = time.monotonic()
+    with fi.task_identity(run_id=1, node_id=SUPERLINK_NODE_ID, task_id=1):
+        res = run_experiment(grid, cfg, runtime="inprocess")
+    took = time.monotonic() - t0
+    assert res.summary["status"] == "completed"
+    lines = _lines(res.run_dir)[1:]
+    assert len(lines) == rounds and all(r["num_clients"] >= 1 for r in lines)
+    assert any(r.get("dropped") for r in lines)
+    assert took < 30  # at most one 1 s timeout per round, plus training
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"strategy": "fedasync", "async-alpha": 1.5}, r"'async-alpha' must be in \(0.0, 1.0\]"),
+    ({"strategy": "fedbuff", "buffer-size": 0}, "'buffer-size' must be >= 1"),
+    ({"staleness": "exponential"}, "'staleness' must be one of constant, polynomial, hinge"),
+    ({"strategy": "ssp", "ssp-bound": -1}, "'ssp-bound' must be >= 0"),
+    ({"backup-workers": 1.5}, "'backup-workers' must be an int >= 0"),
+    ({"dropout": 1.0}, r"'dropout' must be in \[0.0, 1.0\)"),
+    ({"async-order": "fifo"}, "'async-order' must be one of auto, clock, arrival"),
+    ({"strategy": "fedbuff", "compressor": "topk"}, "not supported with strategy='fedbuff'"),
+    ({"sim-step-s": -1.0}, "'sim-step-s' must be >= 0"),
+])
+def test_bad_async_settings_are_named(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_mapping(bad)
+
+
+def test_the_registry_builds_the_async_strategies():
+    for name in ("fedasync", "fedbuff", "ssp"):
+        s = build_strategy(RunConfig.from_mapping({"strategy": name, "buffer-size": 5, "ssp-bound": 3}))
+        assert isinstance(s, AsyncFL) and s.config.mode == name and s.config.buffer_size == 5
+    b = build_strategy(RunConfig.from_mapping({"strategy": "backup", "backup-workers": 0.2}))
+    assert isinstance(b, BackupWorkers) and b.backups_for(10) == 2 and b.backups_for(1) == 0
