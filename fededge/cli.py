@@ -10,6 +10,10 @@
   profiles and the network-emulation backends.
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
   round, simulated time and cumulative uplink bytes).
+- ``fededge testbed up --clients N --profiles wifi:0.5,4g:0.5 [--shaping proxy|kernel|none]``,
+  ``fededge testbed run --run-config ...``, ``fededge testbed status``, ``fededge testbed
+  down``: a SuperLink and N SuperNodes, each in its own network namespace, on this
+  machine (root; docs/deployment.md).
 - ``fededge certs --out DIR --hosts superlink,127.0.0.1 [--supernodes N] [--days D]
   [--force]``: a CA, the SuperLink's TLS certificate and SuperNode authentication keys
   (docs/deployment.md).
@@ -152,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     from fededge.netem.cli import register as register_netem
 
     register_netem(sub)
+
+    from fededge.deploy.testbed import register_cli as register_testbed
+
+    register_testbed(sub)
 
     plot = sub.add_parser("plot", help="compare runs in one PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -27,6 +27,10 @@ Runtime dependency installation is disabled (it needs the network and would inst
 CUDA torch) and telemetry is off. Each process logs to ``WORKDIR/logs/NAME.log``; error
 messages and :meth:`DeploymentRun.describe` quote their tails.
 
+The module-level helpers (:func:`flower_env`, :func:`superlink_command`,
+:func:`supernode_command`, :func:`wait_listening`, :func:`submit_run`, ...) are shared
+with the namespace testbed, :mod:`fededge.deploy.testbed`.
+
 Example
 -------
 >>> with LocalDeployment(".", num_supernodes=2, profile="4g", workdir="/tmp/dep") as dep:  # doctest: +SKIP
@@ -50,7 +54,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TextIO
+from typing import IO, TYPE_CHECKING, Any, Callable, TextIO
 
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
@@ -59,7 +63,11 @@ from fededge.server.launch import FlwrRun, format_run_config, stop_processes_of
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DeploymentError", "DeploymentRun", "LocalDeployment"]
+__all__ = [
+    "DeploymentError", "DeploymentRun", "LocalDeployment",
+    "flower_bin", "flower_env", "list_runs", "submit_run", "superlink_command", "supernode_command",
+    "wait_listening", "write_insecure_connection",
+]
 
 HOST = "127.0.0.1"
 CONNECTION = "fededge-local"
@@ -96,9 +104,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bin(name: str) -> str:
+def flower_bin(name: str) -> str:
+    """The path of a Flower (or fededge) executable: this interpreter's, else PATH's."""
     exe = Path(sys.executable).with_name(name)
     return str(exe) if exe.exists() else (shutil.which(name) or name)
+
 
 
 def _tail(path: Path, chars: int) -> str:
@@ -117,6 +127,215 @@ def _parse_runs(text: str) -> list[dict[str, Any]]:
     except (json.JSONDecodeError, AttributeError):
         return []
     return [r for r in runs if isinstance(r, dict)]
+
+
+# --------------------------------------------------------------------------- shared helpers
+# Used by LocalDeployment and by the namespace testbed (fededge.deploy.testbed): the
+# environment of every process, the connection file, waiting for a port, and one
+# `flwr run` with its real status.
+
+
+def flower_env(home: str | os.PathLike[str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with a private ``FLWR_HOME`` and Flower's traps disarmed.
+
+    Runtime dependency installation off (it needs the network and would install a CUDA
+    torch), telemetry off, unbuffered output, and this interpreter's ``bin`` first on
+    ``PATH`` (Flower starts ``flwr-serverapp`` / ``flwr-clientapp`` from ``PATH``).
+    ``extra`` is applied last.
+    """
+    env = dict(os.environ)
+    env.update({
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+        # Flower starts flwr-serverapp / flwr-clientapp from PATH: this interpreter's first.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    })
+    env.update(extra or {})
+    return env
+
+
+def superlink_command(*, host: str, port: int, home: str | os.PathLike[str]) -> list[str]:
+    """``flower-superlink --insecure`` on ``host:port``, its database under ``home``.
+
+    The ``--database`` path puts ``home`` (the marker that
+    :func:`~fededge.server.launch.stop_processes_of` looks for) on the command line.
+    """
+    return [flower_bin("flower-superlink"), "--insecure", "--host", host, "--port", str(port),
+            "--database", str(Path(home) / "state.db"), "--disable-runtime-dependency-installation"]
+
+
+def supernode_command(*, superlink: str, partition_id: int, num_partitions: int,
+                      home: str | os.PathLike[str], node_config: Mapping[str, Any] | None = None,
+                      runtime_host: str = HOST, runtime_port: int) -> list[str]:
+    """``flower-supernode --insecure`` dialling ``superlink`` (``HOST:PORT``) for one partition.
+
+    ``--node-config`` carries ``partition-id``, ``num-partitions``, the extra
+    ``node_config`` keys and ``deploy-home=HOME`` (the marker on its command line);
+    ``runtime_host:runtime_port`` is its runtime API for its ClientApp processes.
+    """
+    config = {"partition-id": partition_id, "num-partitions": num_partitions, **(node_config or {}),
+              MARKER_KEY: str(home)}
+    return [flower_bin("flower-supernode"), "--insecure", "--superlink", superlink,
+            "--node-config", format_run_config(config), "--host", runtime_host, "--port", str(runtime_port)]
+
+
+def write_insecure_connection(home: str | os.PathLike[str], connection: str, address: str) -> Path:
+    """``FLWR_HOME/config.toml`` with one insecure connection, the default."""
+    path = Path(home) / "config.toml"
+    path.write_text(
+        f'[superlink]\ndefault = "{connection}"\n\n'
+        f'[superlink.{connection}]\naddress = "{address}"\ninsecure = true\n')
+    return path
+
+
+def wait_listening(host: str, port: int, proc: subprocess.Popen[Any], *, timeout_s: float,
+                   what: str, log: Callable[[], str]) -> None:
+    """Return once ``host:port`` accepts TCP connections; raise if ``proc`` exits first.
+
+    ``what`` names the process in the error (``"the SuperLink"``); ``log`` gives the tail
+    of its log for the message.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise DeploymentError(f"{what} exited with code {proc.returncode} before "
+                                      f"listening\n{log()}") from None
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"{what} did not listen on {host}:{port} "
+                                      f"within {timeout_s} s\n{log()}") from None
+            time.sleep(0.2)
+
+
+def _flwr_cli(args: Sequence[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str],
+              timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([flower_bin("flwr"), *args], check=False, env=dict(env), capture_output=True,
+                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def list_runs(connection: str, *, env: Mapping[str, str], cwd: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """``flwr ls CONNECTION --format json``: every run the SuperLink knows."""
+    ls = _flwr_cli(["ls", connection, "--format", "json"], env=env, cwd=cwd)
+    runs = _parse_runs(ls.stdout)
+    if not runs and not ls.stdout.strip().startswith("{"):
+        raise DeploymentError(f"flwr ls gave no JSON (rc {ls.returncode}): "
+                              f"{ls.stdout[-1000:]} {ls.stderr[-1000:]}")
+    return runs
+
+
+def _run_info(connection: str, run_id: int | None, *, env: Mapping[str, str],
+              cwd: str | os.PathLike[str]) -> dict[str, Any] | None:
+    # `flwr run --stream` may return a moment before the SuperLink marks the run finished.
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            runs = list_runs(connection, env=env, cwd=cwd)
+        except (DeploymentError, subprocess.TimeoutExpired):
+            runs = []
+        if run_id is not None:
+            runs = [r for r in runs if str(r.get("run-id")) == str(run_id)]
+        last = max(runs, key=lambda r: str(r.get("pending-at", "")), default=None)
+        if (last is not None and str(last.get("status", "")).startswith("finished")) \
+                or time.monotonic() > deadline:
+            return last
+        time.sleep(1)
+
+
+def _stream(cmd: list[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str], log_path: Path,
+            timeout_s: float, echo: TextIO | None, dead: Callable[[], list[str]],
+            on_start: Callable[[subprocess.Popen[str] | None], None] | None) -> tuple[int, str]:
+    lines: list[str] = []
+    log = open(log_path, "w")  # noqa: SIM115 - closed below once the reader is done with it
+    proc = subprocess.Popen(cmd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, bufsize=1, cwd=cwd)
+    if on_start is not None:
+        on_start(proc)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            log.write(line)
+            log.flush()
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    rc: int | None = None
+    try:
+        while rc is None:
+            try:
+                rc = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                gone = dead()
+                if gone:
+                    lines.append(f"\n[fededge] {'; '.join(gone)}: run abandoned\n")
+                    rc = 125
+                elif time.monotonic() > deadline:
+                    lines.append(f"\n[fededge] flwr run timed out after {timeout_s} s\n")
+                    rc = 124
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+        if not reader.is_alive():
+            log.close()
+        if on_start is not None:
+            on_start(None)
+    return rc, "".join(lines)
+
+
+def submit_run(
+    app_dir: str | os.PathLike[str],
+    connection: str,
+    run_config: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str],
+    log_path: str | os.PathLike[str],
+    timeout_s: float = 600,
+    echo: TextIO | None = None,
+    dead: Callable[[], list[str]] = lambda: [],
+    on_start: Callable[[subprocess.Popen[str] | None], None] | None = None,
+) -> FlwrRun:
+    """``flwr run APP_DIR CONNECTION --stream --run-config ...`` and the run's real status.
+
+    Returns when ``flwr run`` exits, after ``timeout_s`` (return code 124; the run is then
+    stopped on the SuperLink with ``flwr stop``), or as soon as ``dead()`` names a dead
+    process of the deployment (return code 125). ``status`` is Flower's
+    (``finished:completed`` when the run succeeded), read with ``flwr ls``: ``flwr run``
+    exits 0 even when the run failed. ``on_start`` is called with the ``flwr run``
+    process when it starts and with None when it is gone. ``leftover_pids`` is empty.
+    """
+    cfg = dict(run_config or {})
+    cmd = [flower_bin("flwr"), "run", str(app_dir), connection, "--stream"]
+    if cfg:
+        cmd += ["--run-config", format_run_config(cfg)]
+    t0 = time.perf_counter()
+    rc, out = _stream(cmd, env=env, cwd=cwd, log_path=Path(log_path), timeout_s=timeout_s, echo=echo,
+                      dead=dead, on_start=on_start)
+    wall = time.perf_counter() - t0
+    m = _RUN_ID.search(out)
+    run_id = int(m.group(1)) if m else None
+    if rc == 124 and run_id is not None:
+        stop = _flwr_cli(["stop", str(run_id), connection], env=env, cwd=cwd)
+        out += f"\n[fededge] flwr stop {run_id}: rc {stop.returncode} {stop.stdout[-300:]}"
+    info = _run_info(connection, run_id, env=env, cwd=cwd)
+    if info is None:
+        out += "\n[fededge] flwr ls did not list the run"
+    status = (str(info.get("status", "")) or None) if info else None
+    if run_id is None and info:
+        run_id = int(info["run-id"])
+    return FlwrRun(rc, out, status, run_id, wall, [], info or {})
 
 
 class LocalDeployment:
@@ -207,17 +426,7 @@ class LocalDeployment:
     # ----------------------------------------------------------------- environment
     @property
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update({
-            "FLWR_HOME": str(self.home),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "PYTHONUNBUFFERED": "1",
-            # Flower starts flwr-serverapp / flwr-clientapp from PATH: this interpreter's first.
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        })
-        env.update(self._extra_env)
-        return env
+        return flower_env(self.home, self._extra_env)
 
     @property
     def superlink_address(self) -> str:
@@ -271,27 +480,11 @@ class LocalDeployment:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.superlink_port = _free_port()
-        (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{self.connection}"\n\n'
-            f'[superlink.{self.connection}]\naddress = "{self.superlink_address}"\ninsecure = true\n')
+        write_insecure_connection(self.home, self.connection, self.superlink_address)
         # `--database` under FLWR_HOME puts the marker on the SuperLink's command line.
-        link = self._spawn("superlink", [
-            _bin("flower-superlink"), "--insecure", "--host", HOST, "--port", str(self.superlink_port),
-            "--database", str(self.home / "state.db"), "--disable-runtime-dependency-installation"])
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            try:
-                socket.create_connection((HOST, self.superlink_port), timeout=1).close()
-                break
-            except OSError:
-                if link.poll() is not None:
-                    raise DeploymentError(f"the SuperLink exited with code {link.returncode} before "
-                                          f"listening\n{self.log_tail('superlink')}") from None
-                if time.monotonic() > deadline:
-                    raise DeploymentError(f"the SuperLink did not listen on {self.superlink_address} "
-                                          f"within {self.start_timeout_s} s\n{self.log_tail('superlink')}"
-                                          ) from None
-                time.sleep(0.2)
+        link = self._spawn("superlink", superlink_command(host=HOST, port=self.superlink_port, home=self.home))
+        wait_listening(HOST, self.superlink_port, link, timeout_s=self.start_timeout_s, what="the SuperLink",
+                       log=lambda: self.log_tail("superlink"))
         for i in range(self.num_supernodes):
             target = self.superlink_port
             if self.profiles is not None:
@@ -300,12 +493,9 @@ class LocalDeployment:
                     profile=self.profiles[i], seed=self.proxy_seed + i))
                 self.proxies.append(proxy)
                 target = proxy.address[1]
-            node_config = {"partition-id": i, "num-partitions": self.num_supernodes, **self.node_config,
-                           MARKER_KEY: str(self.home)}
-            self._spawn(f"supernode-{i}", [
-                _bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{target}",
-                "--node-config", format_run_config(node_config),
-                "--host", HOST, "--port", str(_free_port())])
+            self._spawn(f"supernode-{i}", supernode_command(
+                superlink=f"{HOST}:{target}", partition_id=i, num_partitions=self.num_supernodes,
+                home=self.home, node_config=self.node_config, runtime_port=_free_port()))
         time.sleep(0.5)  # a SuperNode that cannot start (port taken, bad flag) exits at once
         self._check_alive()
 
@@ -320,17 +510,11 @@ class LocalDeployment:
 
     # ----------------------------------------------------------------- run
     def _flwr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([_bin("flwr"), *args], check=False, env=self.env, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=self.workdir)
+        return _flwr_cli(args, env=self.env, cwd=self.workdir, timeout_s=timeout_s)
 
     def list_runs(self) -> list[dict[str, Any]]:
         """``flwr ls CONNECTION --format json``: every run the SuperLink knows."""
-        ls = self._flwr("ls", self.connection, "--format", "json")
-        runs = _parse_runs(ls.stdout)
-        if not runs and not ls.stdout.strip().startswith("{"):
-            raise DeploymentError(f"flwr ls gave no JSON (rc {ls.returncode}): "
-                                  f"{ls.stdout[-1000:]} {ls.stderr[-1000:]}")
-        return runs
+        return list_runs(self.connection, env=self.env, cwd=self.workdir)
 
     def run(self, run_config: Mapping[str, Any] | None = None, *, timeout_s: float = 600,
             echo: TextIO | None = None) -> DeploymentRun:
@@ -348,84 +532,18 @@ class LocalDeployment:
         cfg = dict(run_config or {})
         cfg.setdefault("min-available-nodes", self.num_supernodes)
         self._runs += 1
-        name = f"flwr-run-{self._runs}"
-        cmd = [_bin("flwr"), "run", str(self.app_dir), self.connection, "--stream"]
-        if cfg:
-            cmd += ["--run-config", format_run_config(cfg)]
-        t0 = time.perf_counter()
-        rc, out = self._stream(name, cmd, timeout_s, echo)
-        wall = time.perf_counter() - t0
-        m = _RUN_ID.search(out)
-        run_id = int(m.group(1)) if m else None
-        if rc == 124 and run_id is not None:
-            stop = self._flwr("stop", str(run_id), self.connection)
-            out += f"\n[fededge] flwr stop {run_id}: rc {stop.returncode} {stop.stdout[-300:]}"
-        info = self._run_info(run_id)
-        if info is None:
-            out += "\n[fededge] flwr ls did not list the run"
-        status = (str(info.get("status", "")) or None) if info else None
-        if run_id is None and info:
-            run_id = int(info["run-id"])
-        return DeploymentRun(rc, out, status, run_id, wall, [], info or {},
+
+        def track(proc: subprocess.Popen[str] | None) -> None:
+            if proc is None:
+                del self._procs["flwr-run"]
+            else:
+                self._procs["flwr-run"] = proc  # type: ignore[assignment]
+
+        r = submit_run(self.app_dir, self.connection, cfg, env=self.env, cwd=self.workdir,
+                       log_path=self.log_path(f"flwr-run-{self._runs}"), timeout_s=timeout_s, echo=echo,
+                       dead=self._dead, on_start=track)
+        return DeploymentRun(r.returncode, r.output, r.status, r.run_id, r.wall_s, [], r.info,
                              log_tails=self.log_tails(), proxy_stats=self.proxy_stats())
-
-    def _run_info(self, run_id: int | None) -> dict[str, Any] | None:
-        # `flwr run --stream` may return a moment before the SuperLink marks the run finished.
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                runs = self.list_runs()
-            except (DeploymentError, subprocess.TimeoutExpired):
-                runs = []
-            if run_id is not None:
-                runs = [r for r in runs if str(r.get("run-id")) == str(run_id)]
-            last = max(runs, key=lambda r: str(r.get("pending-at", "")), default=None)
-            if (last is not None and str(last.get("status", "")).startswith("finished")) \
-                    or time.monotonic() > deadline:
-                return last
-            time.sleep(1)
-
-    def _stream(self, name: str, cmd: list[str], timeout_s: float, echo: TextIO | None) -> tuple[int, str]:
-        lines: list[str] = []
-        log = open(self.log_path(name), "w")  # noqa: SIM115 - open until stop()
-        self._logs.append(log)
-        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, bufsize=1, cwd=self.workdir)
-        self._procs["flwr-run"] = proc  # type: ignore[assignment]
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                log.write(line)
-                log.flush()
-                if echo is not None:
-                    echo.write(line)
-                    echo.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        deadline = time.monotonic() + timeout_s
-        rc: int | None = None
-        try:
-            while rc is None:
-                try:
-                    rc = proc.wait(timeout=0.5)
-                except subprocess.TimeoutExpired:
-                    dead = self._dead()
-                    if dead:
-                        lines.append(f"\n[fededge] {'; '.join(dead)}: run abandoned\n")
-                        rc = 125
-                    elif time.monotonic() > deadline:
-                        lines.append(f"\n[fededge] flwr run timed out after {timeout_s} s\n")
-                        rc = 124
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            reader.join(timeout=10)
-            del self._procs["flwr-run"]
-        return rc, "".join(lines)
 
     # ----------------------------------------------------------------- stop
     def stop(self) -> list[int]:
