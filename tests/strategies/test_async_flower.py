@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-from flwr.app import Context, RecordDict
 
 from fededge import _flwr_internals as fi
 from fededge.config import ConfigError, RunConfig
