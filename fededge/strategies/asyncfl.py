@@ -31,8 +31,10 @@ buffer). ``num-rounds`` counts versions.
 
 **Dropouts.** A message with no usable reply within ``round-timeout`` (a simulated
 dropout, an error, or no reply at all) is written off at ``departure + round-timeout``
-on the clock; the client is asked again with the current model then, and SSP stops
-waiting for it until it answers again. Nothing stalls.
+on the clock (an unusable update: at its arrival); the client is asked again with the
+current model then, and SSP stops waiting for it until it answers again. Nothing
+stalls. If more than three messages per participant in a row are written off, nobody
+is answering and the run stops with an error that says so.
 
 :class:`BackupWorkers` is synchronous: each round samples ``m + e`` clients like FedAvg
 and aggregates the first ``m`` replies (by simulated arrival, or real arrival on a
@@ -264,6 +266,7 @@ class AsyncFL(_Loop):
         queued_versions: dict[int, int] = {}  # dispatch seq -> version, for events not yet used
         pending = AsyncRoundInfo(version=1, sim_s=0.0, order=order)
         now = 0.0
+        streak = {"n": 0}  # messages written off since an update was last used
 
         def dispatch() -> None:
             starts = sched.startable()
@@ -296,6 +299,12 @@ class AsyncFL(_Loop):
             why = "no reply within round-timeout" if reply is None else self._why_unusable(reply)
             if why is not None:
                 sched.write_off(ev.client)
+                streak["n"] += 1
+                if streak["n"] > 3 * len(self.participants):
+                    raise RuntimeError(
+                        f"{self.config.mode}: {streak['n']} messages in a row got no usable reply "
+                        f"(last: node {ev.client}: {why}); no client is answering. Check the "
+                        "SuperNodes' logs, the dropout fraction and round-timeout")
                 pending.dropped.append(self.timing.name(ev.client))
                 if reply is not None and not reply.has_error():
                     pending.rejected += 1
@@ -305,6 +314,7 @@ class AsyncFL(_Loop):
                                 ev.time, why)
                 return
             sched.finish(ev.client)
+            streak["n"] = 0
             pending.contributors.append(self.timing.name(ev.client))
             pending.staleness.append(server.version - d.version)
             new = server.receive(reply.content[self.arrayrecord_key].to_torch_state_dict(),
@@ -331,8 +341,11 @@ class AsyncFL(_Loop):
                     continue  # written off already: its late reply is not used
                 d, _, size = inflight.pop(mid)
                 self.timing.learn(reply)
-                if is_dropout(reply):
-                    t = d.at + timeout  # the server learns only when its timeout expires
+                if reply.has_error():
+                    # A dropout: the server learns only when its timeout expires. An
+                    # error is retried no sooner either, or a client that always fails
+                    # would be asked again and again at the same simulated instant.
+                    t = d.at + timeout
                 else:
                     t = self.timing.arrival(d.client, d.at, size, reply)
                 queued_versions[d.seq] = d.version

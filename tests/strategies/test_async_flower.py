@@ -182,3 +182,24 @@ def test_the_registry_builds_the_async_strategies():
         assert isinstance(s, AsyncFL) and s.config.mode == name and s.config.buffer_size == 5
     b = build_strategy(RunConfig.from_mapping({"strategy": "backup", "backup-workers": 0.2}))
     assert isinstance(b, BackupWorkers) and b.backups_for(10) == 2 and b.backups_for(1) == 0
+
+
+def test_an_async_run_where_nobody_answers_stops_with_a_clear_error(tmp_path):
+    """dropout 0.6 of 2 clients rounds to both: FedAsync must not spin forever."""
+    with pytest.raises(RuntimeError, match="messages in a row got no usable reply"):
+        run_inprocess({**BASE, "strategy": "fedasync", "dropout": 0.8, "round-timeout": 5.0,
+                       "results-dir": str(tmp_path)}, num_clients=2)
+
+
+@pytest.mark.parametrize("strategy", ["fedasync", "backup"])
+def test_a_failing_client_is_written_off_and_the_others_go_on(tmp_path, strategy):
+    from .apps import failing_once
+
+    run = run_inprocess({**BASE, "strategy": strategy, "backup-workers": 1, "num-rounds": 6,
+                         "round-timeout": 2.0, "sim-step-s": 0.5, "results-dir": str(tmp_path)},
+                        num_clients=3, client_app=failing_once(partition=1, at_round=1))
+    lines = _lines(run)[1:]
+    assert _summary(run)["status"] == "completed" and len(lines) == 6
+    # Its first message failed before the server learnt its partition id: the node id names it.
+    assert sum(len(r.get("dropped") or []) for r in lines) == 1
+    assert _summary(run)["contributions"].get("1", 0) >= 1  # it rejoined
