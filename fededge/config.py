@@ -226,6 +226,14 @@ class RunConfig:
         300 rounds and 0.05 converged. Raise it towards 1 for mild compressors (fp16,
         int8, qsgd with many levels) and with ``compressor="none"``; lower it if the
         consensus distance grows from round to round.
+    choco_scale : float
+        CHOCO-SGD: what each node scales the difference it compresses by, in [0, 1].
+        0 (default) is automatic: ``1 / (1 + omega)`` per tensor for the unbiased codecs
+        (qsgd, randk, terngrad: their variance factor omega, see
+        ``UpdateConfig.variance_factor``), which makes ``Q`` a contraction as CHOCO's
+        analysis needs (Koloskova et al., 2019), and 1 for the others. The codecs are
+        positively homogeneous, so scaling before encoding is scaling what every node adds
+        to its estimate.
     async_alpha : float
         ``strategy="fedasync"``: the mixing weight ``alpha`` in (0, 1]; an update ``tau``
         versions stale is mixed in with ``alpha * s(tau)`` (Xie et al., 2019, use 0.6).
@@ -327,6 +335,7 @@ class RunConfig:
     mixing: str = "metropolis"
     gossip_algorithm: str = "dpsgd"
     gossip_gamma: float = 0.05
+    choco_scale: float = 0.0
     async_alpha: float = 0.6
     buffer_size: int = 10
     staleness: str = "polynomial"
@@ -437,6 +446,7 @@ class RunConfig:
         _int_at_least("topology-degree", self.topology_degree, 1)
         _in_range("topology-p", self.topology_p, 0.0, 1.0)
         _in_range("gossip-gamma", self.gossip_gamma, 0.0, 1.0, lo_open=True)
+        _in_range("choco-scale", self.choco_scale, 0.0, 1.0)
         if self.topology == "file" and not self.topology_file:
             raise ConfigError("run-config key 'topology-file' must name a file of 'u v' edge lines "
                               "when topology='file'")

@@ -277,7 +277,7 @@ def _gossip_reply(msg: Message, context: Context, conf: ConfigRecord, work: Clie
         content[keys.GOSSIP_MESSAGE] = ArrayRecord(y)
     else:
         mine = step.hats[step.index]
-        delta = {k: y[k] - v for k, v in mine.items()}
+        delta = {k: (y[k] - v) * _choco_scale(work.cfg, v.numel()) for k, v in mine.items()}
         if work.cfg.compressor == "none":
             q = delta
             content[keys.GOSSIP_MESSAGE] = ArrayRecord(q)
@@ -303,6 +303,14 @@ def _gossip_reply(msg: Message, context: Context, conf: ConfigRecord, work: Clie
     context.state[keys.STATE_GOSSIP] = ArrayRecord(state)
     context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
     return Message(content=content, reply_to=msg)
+
+
+def _choco_scale(cfg: RunConfig, numel: int) -> float:
+    """What a CHOCO node scales a tensor's difference by before compressing it
+    (``choco-scale``; 0: ``1 / (1 + omega)`` of the tensor's codec)."""
+    if cfg.choco_scale > 0:
+        return cfg.choco_scale
+    return 1.0 / (1.0 + cfg.update_config().variance_factor(numel))
 
 
 @app.evaluate()

@@ -13,6 +13,7 @@ Pure: no Flower.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,35 @@ class UpdateConfig:
         if self.dgc_clip_norm < 0:
             raise ValueError(f"dgc clip norm must be >= 0 (0 = no clipping), got {self.dgc_clip_norm}")
         self.build_codec()  # validates the codec's own knobs now, not at the first round
+
+    def variance_factor(self, numel: int) -> float:
+        """omega of the codec a tensor of ``numel`` elements goes with:
+        ``E||Q(x) - x||^2 <= omega ||x||^2`` for the unbiased codecs, 0 for the others
+        (biased codecs are contractions instead; the small-tensor codecs are exact or
+        casts).
+
+        - qsgd, s levels, buckets of d elements: ``min(d / s^2, sqrt(d) / s)`` (Alistarh
+          et al., 2017, Lemma 3.1);
+        - randk, k of d kept and scaled by d / k: ``d / k - 1``;
+        - terngrad, one scale per tensor: ``sqrt(d) - 1`` (the variance is
+          ``sum |x_i| (max|x| - |x_i|) <= ||x||_1 ||x||_inf <= sqrt(d) ||x||^2``).
+
+        CHOCO-SGD needs a contraction; ``Q / (1 + omega)`` is one (Koloskova et al., 2019).
+        """
+        if numel < 1 or numel < self.min_numel:
+            return 0.0
+        c = self.compressor
+        if c == "qsgd":
+            d = min(self.qsgd_bucket or numel, numel)
+            s = self.qsgd_levels
+            return min(d / s**2, math.sqrt(d) / s)
+        if c == "randk":
+            from fededge.compress.codecs import keep_count
+
+            return numel / keep_count(self.topk_ratio, numel) - 1.0
+        if c == "terngrad":
+            return math.sqrt(numel) - 1.0
+        return 0.0
 
     def build_codec(self) -> Codec | None:
         """The stateless codec of ``compressor`` (None for none / dgc / powersgd)."""

@@ -249,3 +249,56 @@ def test_push_sum_reaches_the_average_on_an_unbalanced_directed_graph():
     assert not torch.allclose(biased[0]["w"], want["w"], atol=1e-3), "the weights are what de-bias it"
     with pytest.raises(GossipError, match="2 push-sum weights for 7 models"):
         push_sum_step(xs, [1.0, 1.0], p)
+
+
+def test_qsgd_is_positively_homogeneous_so_choco_may_scale_before_encoding():
+    """choco-scale multiplies the difference before it is encoded; every node decodes
+    the payload as is. That equals scaling the decoded q only if Q(c x) = c Q(x) for the
+    same random draws: true of QSGD (levels depend on |x_i| / ||x||)."""
+    from fededge.algorithms.gossip import codec_compressor
+
+    x = torch.randn(2048, generator=torch.Generator().manual_seed(1))
+    codec = build_codec("qsgd", levels=2, bucket=512)
+    for c in (0.5, 1 / 12.3):
+        a = codec_compressor(codec, generator=torch.Generator().manual_seed(7))(x * c)
+        b = codec_compressor(codec, generator=torch.Generator().manual_seed(7))(x) * c
+        _close({"q": a}, {"q": b}, rtol=1e-6, atol=1e-7)
+
+
+def test_the_variance_factors_bound_the_codecs_error():
+    """E||Q(x) - x||^2 <= omega ||x||^2, measured over draws, for each unbiased codec."""
+    from fededge.algorithms.gossip import codec_compressor
+    from fededge.compress.update import UpdateConfig
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
+    for cfg in (UpdateConfig(compressor="qsgd", qsgd_levels=2), UpdateConfig(compressor="qsgd", qsgd_levels=16),
+                UpdateConfig(compressor="randk", topk_ratio=0.1), UpdateConfig(compressor="terngrad")):
+        omega = cfg.variance_factor(x.numel())
+        q = codec_compressor(cfg.build_codec(), generator=torch.Generator().manual_seed(3))
+        err = sum(float(((q(x) - x) ** 2).sum()) for _ in range(20)) / 20 / float((x ** 2).sum())
+        assert 0 < err <= omega * 1.05, (cfg.compressor, err, omega)
+    assert UpdateConfig(compressor="topk").variance_factor(4096) == 0.0
+    assert UpdateConfig(compressor="qsgd").variance_factor(100) == 0.0  # under min_numel: raw
+
+
+def test_choco_with_unbiased_qsgd_needs_the_scale():
+    """QSGD with 2 levels (omega ~ 11) makes CHOCO's estimates diverge; Q / (1 + omega)
+    (choco-scale's automatic value) is a contraction and averaging converges."""
+    from fededge.algorithms.gossip import codec_compressor
+    from fededge.compress.update import UpdateConfig
+
+    n, dim = 16, 1024
+    w = build_topology("ring", n).mixing()
+    cfg = UpdateConfig(compressor="qsgd", qsgd_levels=2)
+    scale = 1 / (1 + cfg.variance_factor(dim))
+    g = torch.Generator().manual_seed(4)
+    start = [{"w": torch.randn(dim, generator=g, dtype=torch.float64)} for _ in range(n)]
+    q = codec_compressor(cfg.build_codec(), generator=torch.Generator().manual_seed(5))
+    results = {}
+    for name, compressor in (("raw", q), ("scaled", lambda x: q(x * scale))):
+        xs, hats = start, [{"w": torch.zeros(dim, dtype=torch.float64)} for _ in range(n)]
+        for _ in range(300):
+            xs, hats = choco_step(xs, hats, w, gamma=0.05, compressor=compressor)
+        results[name] = consensus_distance(xs) / consensus_distance(start)
+    assert results["scaled"] < 0.1
+    assert not results["raw"] < 1.0  # grows (or NaN): the unscaled estimate error explodes
