@@ -61,9 +61,16 @@ CONFIGS = {
 _CHOCO = {"strategy": "gossip", "topology": "ring", "gossip-algorithm": "choco"}
 for _g in (0.05,):
     CONFIGS[f"choco ring qsgd-2 g{_g}"] = {**_CHOCO, "compressor": "qsgd", "qsgd-levels": 2,
-                                           "gossip-gamma": _g}
+                                           "gossip-gamma": _g, "choco-scale": 1.0}
 for _g in (0.05, 0.1):
     CONFIGS[f"choco ring top-1% g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.01,
+                                           "gossip-gamma": _g}
+# QSGD scaled by 1 / (1 + omega) (choco-scale's automatic value): a contraction.
+for _g in (0.05, 0.2, 0.5):
+    CONFIGS[f"choco ring qsgd-2 scaled g{_g}"] = {**_CHOCO, "compressor": "qsgd", "qsgd-levels": 2,
+                                                  "gossip-gamma": _g}
+for _g in (0.2, 0.4):
+    CONFIGS[f"choco ring top-5% g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.05,
                                            "gossip-gamma": _g}
 
 
