@@ -1,6 +1,7 @@
 """Gossip over topologies: D-PSGD on ring, torus, exponential and complete graphs, and
-CHOCO-SGD on the ring (QSGD with 2 levels at gamma 0.05, top-1% at gamma 0.05 and 0.1),
-against FedAvg, for a fixed budget of rounds.
+CHOCO-SGD on the ring (QSGD with 2 levels unscaled at gamma 0.05 and scaled by
+1/(1 + omega) at 0.05-0.8, top-1% at gamma 0.05 and 0.1, top-5% at 0.2-0.8), against
+FedAvg, for a fixed budget of rounds (``--only`` picks configs).
 
 Every run is the default task (digits, the small CNN, batch 32, lr 0.05, momentum 0.9,
 Dirichlet 0.5 split) in the in-process Flower runtime with ``--clients`` nodes, ``--rounds``
@@ -16,8 +17,9 @@ CHOCO's gamma: Koloskova et al. (2019) need gamma to shrink with the compressor'
 delta (Q is a delta-contraction: E||Q(x) - x||² <= (1 - delta)||x||²). Top-1% has
 delta = 0.01, so it gets small gammas (0.05, 0.1); QSGD with s = 2 levels per 512-element
 bucket is unbiased with variance factor omega = min(b/s², sqrt(b)/s) ~ 11, i.e. delta ~
-1/(1 + omega) ~ 0.08 only once rescaled by 1/(1 + omega). The fededge codec is not
-rescaled, and CHOCO's estimate update x̂ += Q(x - x̂) does not involve gamma: with
+1/(1 + omega) ~ 0.08 only once rescaled by 1/(1 + omega), which ``choco-scale``'s
+automatic value now does (the "scaled" rows). Unscaled (``choco-scale=1``, the first
+QSGD row), CHOCO's estimate update x̂ += Q(x - x̂) does not involve gamma: with
 omega > 1 its error grows, whatever gamma. At gamma 0.05 it went to NaN in round 16 of 20
 (16 nodes, wifi), so no larger gamma is run; the benchmark keeps the rounds before a
 failure and says so. s = 2 costs
@@ -66,10 +68,10 @@ for _g in (0.05, 0.1):
     CONFIGS[f"choco ring top-1% g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.01,
                                            "gossip-gamma": _g}
 # QSGD scaled by 1 / (1 + omega) (choco-scale's automatic value): a contraction.
-for _g in (0.05, 0.2, 0.5):
+for _g in (0.05, 0.2, 0.5, 0.8):
     CONFIGS[f"choco ring qsgd-2 scaled g{_g}"] = {**_CHOCO, "compressor": "qsgd", "qsgd-levels": 2,
                                                   "gossip-gamma": _g}
-for _g in (0.2, 0.4):
+for _g in (0.2, 0.4, 0.6, 0.8):
     CONFIGS[f"choco ring top-5% g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.05,
                                            "gossip-gamma": _g}
 
