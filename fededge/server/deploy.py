@@ -6,6 +6,10 @@
 With a ``profile`` each SuperNode dials its own userspace netem proxy
 (:mod:`fededge.netem.proxy`, in a thread of this process), which shapes the bytes and
 forwards them to the SuperLink; without one, SuperNodes dial the SuperLink directly.
+With ``secure=True`` everything runs with TLS and SuperNode authentication instead of
+``--insecure``: fresh certificates and node keys (:mod:`fededge.deploy.certs`) in
+``WORKDIR/certs``, each node's public key registered before it starts
+(docs/deployment.md, section 2).
 :meth:`LocalDeployment.run` then submits the app with ``flwr run APP_DIR CONNECTION
 --stream`` and reads the run's real status with ``flwr ls --format json`` (``flwr run``
 exits 0 even when the run failed). Several runs may go through one deployment.
@@ -63,10 +67,12 @@ from fededge.server.launch import FlwrRun, format_run_config, stop_processes_of
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from fededge.deploy.certs import CertBundle
+
 __all__ = [
     "DeploymentError", "DeploymentRun", "LocalDeployment",
     "flower_bin", "flower_env", "list_runs", "submit_run", "superlink_command", "supernode_command",
-    "wait_listening", "write_insecure_connection",
+    "wait_listening", "write_connection", "write_insecure_connection",
 ]
 
 HOST = "127.0.0.1"
@@ -156,38 +162,79 @@ def flower_env(home: str | os.PathLike[str], extra: Mapping[str, str] | None = N
     return env
 
 
-def superlink_command(*, host: str, port: int, home: str | os.PathLike[str]) -> list[str]:
-    """``flower-superlink --insecure`` on ``host:port``, its database under ``home``.
+def superlink_command(*, host: str, port: int, home: str | os.PathLike[str],
+                      certs: CertBundle | None = None, supernode_auth: bool = False) -> list[str]:
+    """``flower-superlink`` on ``host:port``, its database under ``home``.
 
-    The ``--database`` path puts ``home`` (the marker that
-    :func:`~fededge.server.launch.stop_processes_of` looks for) on the command line.
+    Without ``certs`` it is ``--insecure``. With a :class:`~fededge.deploy.certs.CertBundle`
+    it speaks TLS (``--ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile
+    server.key``); ``supernode_auth`` adds ``--enable-supernode-auth`` (Flower refuses it
+    without TLS, and so does this function). The ``--database`` path puts ``home`` (the
+    marker that :func:`~fededge.server.launch.stop_processes_of` looks for) on the
+    command line.
     """
-    return [flower_bin("flower-superlink"), "--insecure", "--host", host, "--port", str(port),
+    if certs is None:
+        if supernode_auth:
+            raise ValueError("supernode_auth needs TLS: give certs (Flower refuses "
+                             "--enable-supernode-auth with --insecure)")
+        security = ["--insecure"]
+    else:
+        security = ["--ssl-ca-certfile", str(certs.ca_cert), "--ssl-certfile", str(certs.server_cert),
+                    "--ssl-keyfile", str(certs.server_key)]
+        if supernode_auth:
+            security.append("--enable-supernode-auth")
+    return [flower_bin("flower-superlink"), *security, "--host", host, "--port", str(port),
             "--database", str(Path(home) / "state.db"), "--disable-runtime-dependency-installation"]
 
 
 def supernode_command(*, superlink: str, partition_id: int, num_partitions: int,
                       home: str | os.PathLike[str], node_config: Mapping[str, Any] | None = None,
-                      runtime_host: str = HOST, runtime_port: int) -> list[str]:
-    """``flower-supernode --insecure`` dialling ``superlink`` (``HOST:PORT``) for one partition.
+                      runtime_host: str = HOST, runtime_port: int,
+                      root_certificates: str | os.PathLike[str] | None = None,
+                      auth_key: str | os.PathLike[str] | None = None) -> list[str]:
+    """``flower-supernode`` dialling ``superlink`` (``HOST:PORT``) for one partition.
 
     ``--node-config`` carries ``partition-id``, ``num-partitions``, the extra
     ``node_config`` keys and ``deploy-home=HOME`` (the marker on its command line);
     ``runtime_host:runtime_port`` is its runtime API for its ClientApp processes.
+    Without ``root_certificates`` it is ``--insecure``; with it, it checks the
+    SuperLink's certificate against that CA. ``auth_key`` (the node's private key,
+    OpenSSH format; needs TLS) is passed as ``--auth-supernode-private-key``.
     """
+    if root_certificates is None:
+        if auth_key is not None:
+            raise ValueError("auth_key needs TLS: give root_certificates (Flower refuses "
+                             "SuperNode authentication with --insecure)")
+        security = ["--insecure"]
+    else:
+        security = ["--root-certificates", str(root_certificates)]
+        if auth_key is not None:
+            security += ["--auth-supernode-private-key", str(auth_key)]
     config = {"partition-id": partition_id, "num-partitions": num_partitions, **(node_config or {}),
               MARKER_KEY: str(home)}
-    return [flower_bin("flower-supernode"), "--insecure", "--superlink", superlink,
+    return [flower_bin("flower-supernode"), *security, "--superlink", superlink,
             "--node-config", format_run_config(config), "--host", runtime_host, "--port", str(runtime_port)]
+
+
+def write_connection(home: str | os.PathLike[str], connection: str, address: str, *,
+                     root_certificates: str | os.PathLike[str] | None = None) -> Path:
+    """``FLWR_HOME/config.toml`` with one connection, the default.
+
+    With ``root_certificates`` (the CA's certificate) ``flwr`` speaks TLS and checks the
+    SuperLink's certificate; without, the connection is ``insecure = true``.
+    """
+    path = Path(home) / "config.toml"
+    security = ("insecure = true" if root_certificates is None
+                else f"root-certificates = {json.dumps(str(root_certificates))}")
+    path.write_text(
+        f'[superlink]\ndefault = "{connection}"\n\n'
+        f'[superlink.{connection}]\naddress = "{address}"\n{security}\n')
+    return path
 
 
 def write_insecure_connection(home: str | os.PathLike[str], connection: str, address: str) -> Path:
     """``FLWR_HOME/config.toml`` with one insecure connection, the default."""
-    path = Path(home) / "config.toml"
-    path.write_text(
-        f'[superlink]\ndefault = "{connection}"\n\n'
-        f'[superlink.{connection}]\naddress = "{address}"\ninsecure = true\n')
-    return path
+    return write_connection(home, connection, address)
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen[Any], *, timeout_s: float,
@@ -363,10 +410,28 @@ class LocalDeployment:
         Seed of proxy ``i``'s jitter and loss draws is ``proxy_seed + i``.
     start_timeout_s : float
         How long the SuperLink may take to listen.
+    secure : bool
+        False (default): everything ``--insecure``. True: TLS and SuperNode
+        authentication, as a real deployment (docs/deployment.md, section 2). On
+        :meth:`start`, :func:`fededge.deploy.certs.generate_certs` writes a fresh CA, a
+        server certificate for 127.0.0.1 and localhost, and one EC key pair per SuperNode
+        into ``WORKDIR/certs`` (replacing any there; :attr:`certs`, valid one day); the
+        SuperLink runs with ``--ssl-*`` and ``--enable-supernode-auth``; the connection
+        in ``FLWR_HOME/config.toml`` carries ``root-certificates`` instead of
+        ``insecure``; every public key is registered with ``flwr supernode register``
+        (:attr:`node_ids`) before SuperNode ``i`` starts with ``--root-certificates`` and
+        its private key. Through a ``profile`` the proxies forward the encrypted bytes.
+        Costs about 1.5 s per SuperNode at start (one ``flwr`` call each).
 
     The processes run with ``WORKDIR`` as working directory: give ``results-dir`` as an
     absolute path. :meth:`run` adds ``min-available-nodes=N`` to the run config unless it
     is given, so that round 1 waits for every SuperNode.
+
+    Example
+    -------
+    >>> with LocalDeployment(".", num_supernodes=2, secure=True) as dep:  # doctest: +SKIP
+    ...     print(dep.certs.ca_cert, dep.node_ids)
+    ...     assert dep.run({"num-rounds": 1, "results-dir": "/tmp/r"}).ok
     """
 
     def __init__(
@@ -380,7 +445,10 @@ class LocalDeployment:
         node_config: Mapping[str, Any] | None = None,
         proxy_seed: int = 0,
         start_timeout_s: float = 60.0,
+        secure: bool = False,
     ) -> None:
+        if not isinstance(secure, bool):
+            raise TypeError(f"secure must be True or False, got {secure!r}")
         if not (isinstance(num_supernodes, int) and num_supernodes >= 1):
             raise ValueError(f"num_supernodes must be an integer >= 1, got {num_supernodes!r}")
         self.app_dir = Path(app_dir).resolve()
@@ -399,6 +467,9 @@ class LocalDeployment:
         self.home = self.workdir / "flwr-home"
         self.log_dir = self.workdir / "logs"
         self.connection = CONNECTION
+        self.secure = secure
+        self.certs: CertBundle | None = None  # secure: the files generate_certs wrote
+        self.node_ids: list[int] = []  # secure: node id of each SuperNode's registered key
         self.superlink_port: int | None = None
         self.proxies: list[ProxyHandle] = []
         self._extra_env = dict(env or {})
@@ -480,11 +551,22 @@ class LocalDeployment:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.superlink_port = _free_port()
-        write_insecure_connection(self.home, self.connection, self.superlink_address)
+        if self.secure:
+            from fededge.deploy.certs import generate_certs
+
+            # Fresh every start: the keys must match this SuperLink's registrations.
+            self.certs = generate_certs(self.workdir / "certs", hosts=f"{HOST},localhost",
+                                        supernodes=self.num_supernodes, days=1, force=True)
+        ca = None if self.certs is None else self.certs.ca_cert
+        write_connection(self.home, self.connection, self.superlink_address, root_certificates=ca)
         # `--database` under FLWR_HOME puts the marker on the SuperLink's command line.
-        link = self._spawn("superlink", superlink_command(host=HOST, port=self.superlink_port, home=self.home))
+        link = self._spawn("superlink", superlink_command(host=HOST, port=self.superlink_port, home=self.home,
+                                                          certs=self.certs, supernode_auth=self.secure))
         wait_listening(HOST, self.superlink_port, link, timeout_s=self.start_timeout_s, what="the SuperLink",
                        log=lambda: self.log_tail("superlink"))
+        if self.certs is not None:
+            # A SuperNode whose key is not registered is refused (exit code 305): register first.
+            self.node_ids = [self.register_supernode(pub) for _, pub in self.certs.supernode_keys]
         for i in range(self.num_supernodes):
             target = self.superlink_port
             if self.profiles is not None:
@@ -495,7 +577,9 @@ class LocalDeployment:
                 target = proxy.address[1]
             self._spawn(f"supernode-{i}", supernode_command(
                 superlink=f"{HOST}:{target}", partition_id=i, num_partitions=self.num_supernodes,
-                home=self.home, node_config=self.node_config, runtime_port=_free_port()))
+                home=self.home, node_config=self.node_config, runtime_port=_free_port(),
+                root_certificates=ca,
+                auth_key=None if self.certs is None else self.certs.supernode_keys[i][0]))
         time.sleep(0.5)  # a SuperNode that cannot start (port taken, bad flag) exits at once
         self._check_alive()
 
@@ -515,6 +599,30 @@ class LocalDeployment:
     def list_runs(self) -> list[dict[str, Any]]:
         """``flwr ls CONNECTION --format json``: every run the SuperLink knows."""
         return list_runs(self.connection, env=self.env, cwd=self.workdir)
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """``flwr supernode list CONNECTION --format json``: the SuperLink's nodes."""
+        out = self._flwr("supernode", "list", self.connection, "--format", "json")
+        try:
+            nodes = json.loads(out.stdout).get("nodes", [])
+        except (json.JSONDecodeError, AttributeError):
+            raise DeploymentError(f"flwr supernode list gave no JSON (rc {out.returncode}): "
+                                  f"{out.stdout[-1000:]} {out.stderr[-1000:]}") from None
+        return [n for n in nodes if isinstance(n, dict)]
+
+    def register_supernode(self, public_key: str | os.PathLike[str]) -> int:
+        """``flwr supernode register PUBLIC_KEY CONNECTION``; the node id it was given.
+
+        Only meaningful for a ``secure`` deployment (its SuperLink checks node keys);
+        :meth:`start` registers the deployment's own SuperNodes.
+        """
+        out = self._flwr("supernode", "register", str(public_key), self.connection, "--format", "json")
+        try:
+            return int(json.loads(out.stdout)["node-id"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise DeploymentError(f"flwr supernode register {public_key} failed (rc {out.returncode}): "
+                                  f"{out.stdout[-1000:]} {out.stderr[-1000:]}\n"
+                                  f"{self.log_tail('superlink')}") from None
 
     def run(self, run_config: Mapping[str, Any] | None = None, *, timeout_s: float = 600,
             echo: TextIO | None = None) -> DeploymentRun:

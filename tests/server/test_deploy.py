@@ -9,9 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from fededge.deploy.certs import generate_certs
 from fededge.netem.profiles import Direction, LinkProfile
-from fededge.server.deploy import LocalDeployment
+from fededge.server.deploy import (
+    LocalDeployment,
+    superlink_command,
+    supernode_command,
+    write_connection,
+    write_insecure_connection,
+)
 from fededge.server.launch import processes_of
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +53,43 @@ def test_arguments_are_validated_before_anything_starts(tmp_path):
     with pytest.raises(RuntimeError, match="needs a started deployment"):
         dep.run({})
     assert dep.stop() == [] and dep.stop() == []  # idempotent, also when never started
+    with pytest.raises(TypeError, match="secure must be True or False"):
+        LocalDeployment(ROOT, num_supernodes=1, secure="yes", workdir=tmp_path)  # type: ignore[arg-type]
+
+
+def test_secure_command_lines_and_connection_file(tmp_path):
+    """secure=True's pieces: TLS flags instead of --insecure, node auth only with TLS,
+    and a connection that trusts the CA instead of being insecure."""
+    certs = generate_certs(tmp_path / "certs", hosts="127.0.0.1", supernodes=1, days=1)
+    (key, _), = certs.supernode_keys
+
+    def flag(cmd: list[str], name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    link = superlink_command(host="127.0.0.1", port=9092, home=tmp_path, certs=certs, supernode_auth=True)
+    assert "--insecure" not in link and "--enable-supernode-auth" in link
+    assert (flag(link, "--ssl-ca-certfile"), flag(link, "--ssl-certfile"), flag(link, "--ssl-keyfile")) == \
+        (str(certs.ca_cert), str(certs.server_cert), str(certs.server_key))
+    tls_only = superlink_command(host="127.0.0.1", port=9092, home=tmp_path, certs=certs)
+    assert "--enable-supernode-auth" not in tls_only and "--insecure" not in tls_only
+    assert "--insecure" in superlink_command(host="127.0.0.1", port=9092, home=tmp_path)
+    with pytest.raises(ValueError, match="supernode_auth needs TLS"):
+        superlink_command(host="127.0.0.1", port=9092, home=tmp_path, supernode_auth=True)
+
+    common = {"superlink": "127.0.0.1:9092", "partition_id": 0, "num_partitions": 1, "home": tmp_path,
+              "runtime_port": 9094}
+    node = supernode_command(**common, root_certificates=certs.ca_cert, auth_key=key)
+    assert "--insecure" not in node
+    assert (flag(node, "--root-certificates"), flag(node, "--auth-supernode-private-key")) == (str(certs.ca_cert), str(key))
+    assert "--insecure" in supernode_command(**common)
+    with pytest.raises(ValueError, match="auth_key needs TLS"):
+        supernode_command(**common, auth_key=key)
+
+    conf = tomllib.loads(write_connection(tmp_path, "c", "127.0.0.1:9092", root_certificates=certs.ca_cert).read_text())
+    assert conf["superlink"] == {"default": "c", "c": {"address": "127.0.0.1:9092",
+                                                       "root-certificates": str(certs.ca_cert)}}
+    conf = tomllib.loads(write_insecure_connection(tmp_path, "c", "127.0.0.1:9092").read_text())
+    assert conf["superlink"]["c"] == {"address": "127.0.0.1:9092", "insecure": True}
 
 
 # ------------------------------------------------------------------ a real SuperLink

@@ -1,0 +1,345 @@
+#!/usr/bin/env python
+"""What fededge costs per message on a real deployment, over a plain Flower app.
+
+Two apps, one after the other, each on its own :class:`fededge.server.deploy.LocalDeployment`
+with the same shape (a SuperLink and ``--supernodes`` SuperNodes on 127.0.0.1, no proxy),
+the same number of rounds and the same model size on the wire:
+
+``flower``
+    A minimal Flower app the script writes to a temporary directory (its own
+    ``pyproject.toml`` with a ``[tool.flwr.app]`` section): a ServerApp running Flower's
+    own ``FedAvg`` (``fraction_train=1``, no federated evaluation) from arrays of the
+    same shapes as fededge's model (seeded random float32, so that no two chunks are
+    identical and deduplicated), and a ClientApp whose ``train`` returns the arrays it
+    received, unchanged, with ``num-examples``. No torch anywhere. Its ``evaluate_fn``
+    only writes a timestamp per round, which gives the round times.
+``fededge``
+    fededge's own app (this repository) with ``strategy=fedavg``, ``local-steps``
+    (default 1) so that training is negligible, no federated evaluation: what is left
+    is fededge's per-message work (torch and fededge imports in every ``flwr-clientapp``
+    process, data loading and partitioning, model build, metering, results) and the
+    server's (evaluation on the test set, ``metrics.jsonl``).
+
+Per app: the steady-state wall seconds per round, ``(wall at R - wall at 1) / (R - 1)``
+(round 1 carries the ServerApp's start-up and the SuperNodes' first 3-second poll), the
+same per message (a round's wall / its ``N`` train messages: the SuperNodes run
+concurrently on the machine's cores, so this is an amortised figure, not one message's
+latency), and the CPU seconds per message of each kind of process, sampled from
+``/proc`` (``flwr-clientapp``: one fresh process per message). The difference of the two
+rows is fededge's overhead.
+
+Then the cost of a ``flwr-clientapp`` process's start alone: the wall and CPU seconds of
+``python -c "import ..."`` for the modules such a process imports (median of
+``--import-repeats``), so that a reader can split the per-message CPU into interpreter,
+Flower, torch and fededge.
+
+Examples
+--------
+::
+
+    python benchmarks/bench_deploy_overhead.py                       # 4 SuperNodes, 8 rounds
+    python benchmarks/bench_deploy_overhead.py --supernodes 2 --rounds 4 --json overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dga_deploy import CpuMeter, fmt, steady_per_round
+
+from fededge.server.deploy import LocalDeployment
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAIN_PACKAGE = "plainflwrapp"
+
+# The minimal Flower app. {shapes} is filled in by write_plain_app.
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=77"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{package}"
+version = "1.0.0"
+description = "A minimal Flower app: FedAvg over a ClientApp that echoes the arrays"
+dependencies = ["flwr>=1.41", "numpy"]
+
+[tool.setuptools.packages.find]
+include = ["{package}*"]
+
+[tool.flwr.app]
+publisher = "fededge-bench"
+
+[tool.flwr.app.components]
+serverapp = "{package}.server:app"
+clientapp = "{package}.client:app"
+
+[tool.flwr.app.config]
+num-rounds = 3
+min-available-nodes = 1
+times-file = ""
+"""
+
+SERVER = '''\
+"""Flower's FedAvg, no evaluation; evaluate_fn only records when each round ended."""
+
+import json
+import time
+
+import numpy as np
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+SHAPES = {shapes!r}
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    t0 = time.perf_counter()
+    cfg = context.run_config
+    nodes = int(cfg["min-available-nodes"])
+    rng = np.random.default_rng(0)
+    arrays = ArrayRecord([rng.standard_normal(s).astype(np.float32) for s in SHAPES])
+    times = []
+
+    def evaluate_fn(server_round, _arrays):
+        times.append({{"round": server_round, "wall_s": time.perf_counter() - t0}})
+        with open(str(cfg["times-file"]), "w") as f:
+            json.dump(times, f)
+        return None
+
+    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=nodes,
+                      min_evaluate_nodes=0, min_available_nodes=nodes)
+    strategy.start(grid=grid, initial_arrays=arrays, num_rounds=int(cfg["num-rounds"]),
+                   evaluate_fn=evaluate_fn)
+'''
+
+CLIENT = '''\
+"""Returns the received arrays unchanged, with num-examples."""
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return Message(content=RecordDict({{"arrays": msg.content["arrays"],
+                                        "metrics": MetricRecord({{"num-examples": 1}})}}), reply_to=msg)
+'''
+
+
+def model_shapes(run_config: dict[str, Any]) -> tuple[list[list[int]], int]:
+    """Shapes of fededge's initial model for ``run_config``, and its bytes as float32."""
+    from fededge.config import RunConfig
+    from fededge.workload import dataset_for, model_for
+
+    cfg = RunConfig.from_mapping(run_config)
+    model = model_for(cfg, dataset_for(cfg))
+    shapes = [list(t.shape) for t in model.state_dict().values()]
+    return shapes, sum(4 * t.numel() for t in model.state_dict().values())
+
+
+def write_plain_app(app_dir: Path, shapes: list[list[int]]) -> Path:
+    pkg = app_dir / PLAIN_PACKAGE
+    pkg.mkdir(parents=True)
+    (app_dir / "pyproject.toml").write_text(PYPROJECT.format(package=PLAIN_PACKAGE))
+    (pkg / "__init__.py").write_text("")
+    (pkg / "server.py").write_text(SERVER.format(shapes=shapes))
+    (pkg / "client.py").write_text(CLIENT.format())
+    return app_dir
+
+
+def import_cost(statement: str, repeats: int) -> dict[str, float]:
+    """Median wall and CPU seconds of ``python -c STATEMENT`` in a fresh interpreter."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", statement], check=True, stdin=subprocess.DEVNULL)
+        walls.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
+IMPORTS = [
+    ("python -c pass", "pass"),
+    ("import flwr-clientapp's entry point (flwr, numpy, grpc, ...)", "import flwr.supernode.cli"),
+    ("import torch", "import torch"),
+    ("import fededge's ClientApp (flwr + torch + fededge)", "import flwr.supernode.cli, fededge.clients.app"),
+    ("the same + build one node's data (partition 0 of N) and model",
+     ("import flwr.supernode.cli, fededge.clients.app, torch\n"
+      "from fededge.config import RunConfig\n"
+      "from fededge.workload import client_data, dataset_for, model_for\n"
+      "cfg = RunConfig.from_mapping({})\n"
+      "client_data(cfg, 0, {n}, torch.device('cpu'))\n"
+      "model_for(cfg, dataset_for(cfg))")),
+]
+
+
+def run_app(label: str, app_dir: Path, cfg: dict[str, Any], *, supernodes: int, workdir: Path,
+            timeout_s: float, times_of: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with LocalDeployment(app_dir, num_supernodes=supernodes, workdir=workdir) as dep:
+        print(f"[bench] {label}: deployment up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        meter = CpuMeter(str(dep.home))
+        cpu0 = meter.snapshot()
+        run = dep.run(cfg, timeout_s=timeout_s, echo=sys.stderr)
+        cpu = CpuMeter.delta(cpu0, meter.snapshot())
+        meter.stop()
+    row: dict[str, Any] = {"ok": run.ok, "status": run.status, "run_wall_s": run.wall_s, "cpu_s": cpu}
+    if not run.ok:
+        print(f"[bench] {label} FAILED\n{run.describe()}", file=sys.stderr, flush=True)
+    try:
+        walls = times_of()
+        row.update(rounds=len(walls) - 1, walls=walls, steady_s=steady_per_round(walls))
+    except (OSError, ValueError, KeyError) as err:
+        row["error"] = f"{type(err).__name__}: {err}"
+    return row
+
+
+def fededge_walls(results: Path) -> list[float]:
+    (metrics,) = list(results.glob("*/metrics.jsonl"))
+    lines = sorted((json.loads(x) for x in metrics.read_text().splitlines() if x.strip()), key=lambda r: r["round"])
+    return [float(r["wall_s"]) for r in lines]
+
+
+def plain_walls(times_file: Path) -> list[float]:
+    return [float(r["wall_s"]) for r in sorted(json.loads(times_file.read_text()), key=lambda r: r["round"])]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--supernodes", type=int, default=4, help="SuperNodes (default 4)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of both runs (default 8)")
+    p.add_argument("--local-steps", type=int, default=1, help="fededge's local steps K (default 1)")
+    p.add_argument("--import-repeats", type=int, default=3,
+                   help="repeats of each import measurement (default 3; 0 skips them)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per flwr run (default 900)")
+    p.add_argument("--workdir", default=None, help="keep logs, apps and results here (default: a temporary directory)")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers to PATH")
+    args = p.parse_args(argv)
+    for name in ("supernodes", "rounds", "local_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.rounds < 2:
+        p.error("--rounds must be >= 2: the steady state leaves round 1 out")
+    if args.import_repeats < 0:
+        p.error(f"--import-repeats must be >= 0, got {args.import_repeats}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import flwr
+    import torch
+
+    started = dt.datetime.now().astimezone()
+    load_before = os.getloadavg()
+    n = args.supernodes
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-deploy-overhead-", ignore_cleanup_errors=True) as tmp:
+        work = Path(args.workdir or tmp).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        fed_cfg = {"strategy": "fedavg", "num-rounds": args.rounds, "local-steps": args.local_steps,
+                   "fraction-evaluate": 0.0, "results-dir": str(work / "results"), "run-name": "overhead",
+                   "progress": "off", "save-model": False}
+        shapes, model_bytes = model_shapes(fed_cfg)
+        plain_dir = write_plain_app(work / "plain-app", shapes)
+        times_file = work / "plain-times.json"
+        rows["flower"] = run_app(
+            "flower", plain_dir, {"num-rounds": args.rounds, "times-file": str(times_file)}, supernodes=n,
+            workdir=work / "dep-flower", timeout_s=args.timeout, times_of=lambda: plain_walls(times_file))
+        rows["fededge"] = run_app(
+            "fededge", ROOT, fed_cfg, supernodes=n, workdir=work / "dep-fededge", timeout_s=args.timeout,
+            times_of=lambda: fededge_walls(work / "results"))
+    imports = {label: import_cost(stmt.replace("{n}", str(n)), args.import_repeats) for label, stmt in IMPORTS} \
+        if args.import_repeats else {}
+    load_after = os.getloadavg()
+
+    kinds = ("clientapp", "serverapp", "superlink", "supernode", "superexec")
+    for r in rows.values():
+        r["messages"] = n * r.get("rounds", args.rounds)
+        r["per_msg_s"] = r["steady_s"] / n if r.get("steady_s") is not None else None
+        r["cpu_per_msg"] = {k: r["cpu_s"].get(k, 0.0) / r["messages"] for k in kinds}
+        r["cpu_per_msg"]["all"] = sum(r["cpu_s"].values()) / r["messages"]
+    a, b = rows["flower"], rows["fededge"]
+    ok = all(r.get("ok") and "error" not in r for r in rows.values())
+
+    command = " ".join(shlex.quote(x) for x in [Path(sys.executable).name, *sys.argv])
+    print()
+    print(f"{n} SuperNodes on one LocalDeployment each (127.0.0.1, no proxy), {args.rounds} rounds, "
+          f"FedAvg with every node every round, no federated evaluation; model {len(shapes)} arrays, "
+          f"{model_bytes / 1e3:.1f} kB float32 each way per message; fededge K={args.local_steps}")
+    print()
+    print("| app | total wall s | wall s/round, steady | wall s/message, steady | clientapp CPU s/msg "
+          "| serverapp | superlink | supernode | superexec | all CPU s/msg |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in rows.items():
+        note = "" if r.get("ok") and "error" not in r else f" (FAILED: {r.get('status')} {r.get('error', '')})"
+        c = r["cpu_per_msg"]
+        print(f"| {label}{note} | {fmt(r.get('run_wall_s'), '.1f')} | {fmt(r.get('steady_s'), '.2f')} "
+              f"| {fmt(r.get('per_msg_s'), '.2f')} | " + " | ".join(f"{c[k]:.2f}" for k in kinds)
+              + f" | {c['all']:.2f} |")
+    if ok:
+        d = {k: b["cpu_per_msg"][k] - a["cpu_per_msg"][k] for k in (*kinds, "all")}
+        print(f"| fededge − flower | {b['run_wall_s'] - a['run_wall_s']:+.1f} | {b['steady_s'] - a['steady_s']:+.2f} "
+              f"| {b['per_msg_s'] - a['per_msg_s']:+.2f} | "
+              + " | ".join(f"{d[k]:+.2f}" for k in kinds) + f" | {d['all']:+.2f} |")
+        print(f"| fededge / flower | {b['run_wall_s'] / a['run_wall_s']:.2f}× | {b['steady_s'] / a['steady_s']:.2f}× "
+              f"| {b['per_msg_s'] / a['per_msg_s']:.2f}× | "
+              + " | ".join(f"{b['cpu_per_msg'][k] / a['cpu_per_msg'][k]:.2f}×" if a["cpu_per_msg"][k] > 0 else "–"
+                           for k in kinds)
+              + f" | {b['cpu_per_msg']['all'] / a['cpu_per_msg']['all']:.2f}× |")
+    print()
+    print("wall s/round, steady: (wall at R - wall at 1)/(R - 1), from metrics.jsonl (fededge) or the "
+          "plain app's evaluate_fn timestamps; wall s/message: that / N messages per round. CPU s/msg: "
+          "CPU seconds (user + system) of each kind of process over the whole run (start-up included) "
+          "/ (N x R) messages, sampled from /proc every 0.5 s.")
+    if imports:
+        print()
+        print(f"A flwr-clientapp process's start, alone: `python -c \"import ...\"` in a fresh interpreter, "
+              f"median of {args.import_repeats}:")
+        print()
+        print("| what | wall s | CPU s |")
+        print("|---|---:|---:|")
+        for label, m in imports.items():
+            print(f"| {label} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} |")
+    print()
+    print(f"command: {command}")
+    print(f"date: {started.isoformat(timespec='seconds')}")
+    print(f"torch {torch.__version__}, flwr {flwr.__version__}, python {platform.python_version()}, "
+          f"{platform.platform()}")
+    print(f"os.cpu_count() = {os.cpu_count()}, usable cores {len(os.sched_getaffinity(0))}, "
+          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": command, "date": started.isoformat(timespec="seconds"), "args": vars(args),
+            "model_shapes": shapes, "model_bytes": model_bytes, "runs": rows, "imports": imports,
+            "loadavg_before": load_before, "loadavg_after": load_after,
+        }, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
