@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from fededge.strategies._replies import (
     dropout_partition, fixed_participants, is_dropout, usable_reply,
 )
 
-__all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncRoundInfo", "BackupWorkers", "ReplyTiming"]
+__all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncRoundInfo", "BackupWorkers", "Puller", "ReplyTiming"]
 
 log = logging.getLogger("fededge")
 
@@ -144,19 +145,81 @@ class ReplyTiming:
         return self.clock.send_up(pid, wire_size(reply), done)
 
 
-def _order(requested: str, grid: Grid) -> str:
-    if requested not in ASYNC_ORDERS:
-        raise ValueError(f"async-order must be one of {', '.join(ASYNC_ORDERS)}, got {requested!r}")
-    if requested != "auto":
-        return requested
+def _on_superlink(grid: Grid) -> bool:
     inner = grid
     while hasattr(inner, "inner"):
         inner = inner.inner
     try:
         from flwr.superlink.grid.http_grid import HttpGrid
     except ImportError:  # pragma: no cover - a changed Flower
-        return "clock"
-    return "arrival" if isinstance(inner, HttpGrid) else "clock"
+        return False
+    return isinstance(inner, HttpGrid)
+
+
+def _order(requested: str, grid: Grid) -> str:
+    if requested not in ASYNC_ORDERS:
+        raise ValueError(f"async-order must be one of {', '.join(ASYNC_ORDERS)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return "arrival" if _on_superlink(grid) else "clock"
+
+
+class Puller:
+    """Pulls replies without one slow upload holding up the others.
+
+    On a SuperLink, Flower's ``HttpGrid.pull_messages`` returns a reply as soon as its
+    message is registered and then waits (retrying, up to two hours) until all of its
+    objects have been uploaded: a client on a slow uplink would hold every other
+    reply pulled in the same call, and the whole loop, until its upload is done. That
+    is head-of-line blocking, the opposite of asynchrony (seen in the deployment test:
+    a fast node's reply waited behind a 20 s upload). So on a SuperLink each message is
+    pulled on its own, in a daemon thread (one per message still out, so that a
+    ServerApp never waits at exit for an upload nobody needs), and :meth:`poll`
+    returns whatever has fully arrived. Other grids (in-process, Ray) deliver a reply
+    whole and are pulled directly.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.threaded = _on_superlink(grid)
+        self._lock = threading.Lock()
+        self._running: set[str] = set()
+        self._done: dict[str, list[Message]] = {}
+        self._errors: list[BaseException] = []
+
+    def _pull(self, mid: str) -> None:
+        try:
+            got = list(self.grid.pull_messages([mid]))
+        except BaseException as err:  # noqa: BLE001 - re-raised in poll()
+            with self._lock:
+                self._errors.append(err)
+                self._running.discard(mid)
+            return
+        with self._lock:
+            self._running.discard(mid)
+            self._done[mid] = got
+
+    def poll(self, message_ids: Iterable[str]) -> list[Message]:
+        ids = list(message_ids)
+        if not self.threaded:
+            return list(self.grid.pull_messages(ids)) if ids else []
+        out: list[Message] = []
+        with self._lock:
+            if self._errors:
+                raise self._errors[0]
+            for mid in ids:
+                if mid in self._done:
+                    out.extend(self._done.pop(mid))  # [] while no reply: asked again
+                elif mid not in self._running:
+                    self._running.add(mid)
+                    threading.Thread(target=self._pull, args=(mid,), daemon=True,
+                                     name=f"fededge-pull-{mid[:8]}").start()
+        return out
+
+    def forget(self, message_id: str) -> None:
+        """Stop waiting for a message (written off); a pull in progress ends alone."""
+        with self._lock:
+            self._done.pop(message_id, None)
 
 
 class _Loop(FedAvg):
@@ -332,9 +395,10 @@ class AsyncFL(_Loop):
             server.keep({x.version for x in sched.running.values()} | set(queued_versions.values()))
             self._evaluate(v, self._result.arrays, evaluate_fn)
 
+        puller = Puller(grid)
         dispatch()
         while server.version < num_rounds:
-            pulled = list(grid.pull_messages(list(inflight))) if inflight else []
+            pulled = puller.poll(list(inflight)) if inflight else []
             for reply in pulled:
                 mid = reply.metadata.reply_to_message_id
                 if mid not in inflight:
@@ -354,6 +418,7 @@ class AsyncFL(_Loop):
             for mid, (d, t0, _) in list(inflight.items()):
                 if clock_now - t0 >= timeout:
                     del inflight[mid]
+                    puller.forget(mid)
                     queued_versions[d.seq] = d.version
                     queue.push(Event(d.at + timeout, d.seq, d.client, dropped=True))
             # Clock order: an arrival at T is safe once no message still out left before T.
@@ -491,10 +556,11 @@ class BackupWorkers(_Loop):
         clock), or the first ``m`` usable ones in real time (arrival order)."""
         got: dict[str, Message] = {}
         t0 = time.monotonic()
+        puller = Puller(grid)
         while True:
             left = [mid for mid in ids if mid not in got]
             if left:
-                for r in grid.pull_messages(left):
+                for r in puller.poll(left):
                     got[r.metadata.reply_to_message_id] = r
             usable = sum(1 for r in got.values() if not r.has_error())
             if len(got) == len(ids) or (order == "arrival" and usable >= m_needed):
