@@ -560,8 +560,13 @@ def _netem_msg_class():
             (name, "netem_options") if name == "TCA_OPTIONS" else (name, fmt)
             for name, fmt in ((x[0], x[1]) for x in tcmsg.nla_map)
         )
+        # pyroute2 compiles a class's nla_map on first use and marks the class compiled;
+        # a subclass made after tcmsg was used (any earlier tc request in the process)
+        # would inherit that mark and tcmsg's tables, and never compile its own map.
+        _nlmsg_base__compiled_nla = False
 
         class netem_options(nla):
+            _nlmsg_base__compiled_nla = False  # as above: compile this map, not nla's
             fields = (
                 ("delay", "I"), ("limit", "I"), ("loss", "I"),
                 ("gap", "I"), ("duplicate", "I"), ("jitter", "I"),
@@ -577,6 +582,7 @@ def _netem_msg_class():
             )
 
             class netem_loss(nla):
+                _nlmsg_base__compiled_nla = False
                 nla_flags = 0x8000  # NLA_F_NESTED
                 nla_map = (
                     ("NETEM_LOSS_UNSPEC", "none"),

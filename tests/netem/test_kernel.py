@@ -551,3 +551,24 @@ def test_netem_delay_adds_100ms_rtt_or_fails_cleanly(ns_pair):
     finally:
         k.clear("va", netns=a)
     assert rtt == pytest.approx(0.100, abs=0.005)
+
+
+def test_netem_message_is_right_after_other_tc_messages_were_encoded():
+    """pyroute2 marks tcmsg compiled on first use; the netem subclass made afterwards must
+    still compile its own attribute map (it inherited tcmsg's before: no gemodel, in CI
+    after the testbed tests had sent tc requests)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from pyroute2.netlink.rtnl.tcmsg import tcmsg\n"
+        "m = tcmsg(); m['attrs'] = [('TCA_KIND', 'tbf')]; m.encode()\n"
+        "from fededge.netem import kernel as k\n"
+        "from fededge.netem.profiles import Direction\n"
+        "p = k.netem_params(Direction(delay_s=0.05, loss=0.01, loss_burst=4))\n"
+        "msg = k.encode_netem(7, 0x10000, 0xFFFFFFFF, p); msg.encode()\n"
+        "back = k._netem_msg_class()(msg.data); back.decode()\n"
+        "print(back.get_attr('TCA_OPTIONS').get_attr('TCA_NETEM_LOSS').get_attr('NETEM_LOSS_GE')['p'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip()) > 0
