@@ -46,6 +46,7 @@ from bench_dga_deploy import CpuMeter, fmt, steady_per_round
 
 from fededge.cli import parse_run_config
 from fededge.deploy import testbed as tb
+from fededge.server.launch import parent_pid, proc_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLLED = ("strategy", "num-rounds", "local-steps", "dga-delay", "netem", "seed", "results-dir", "run-name",
@@ -64,7 +65,7 @@ def _subreaper(on: bool) -> bool:
 def _reap_zombies() -> int:
     me, n = os.getpid(), 0
     for name in os.listdir("/proc"):
-        if name.isdigit() and tb._ppid(int(name)) == me and tb._proc_state(int(name)) == "Z":
+        if name.isdigit() and parent_pid(int(name)) == me and proc_state(int(name)) == "Z":
             try:
                 os.waitpid(int(name), os.WNOHANG)
                 n += 1

@@ -92,7 +92,7 @@ from fededge.server.deploy import (
     MARKER_KEY, DeploymentError, flower_bin, flower_env, submit_run, superlink_command, supernode_command,
     wait_listening, write_insecure_connection,
 )
-from fededge.server.launch import FlwrRun
+from fededge.server.launch import FlwrRun, alive, parent_pid, proc_state, processes_of, start_time
 
 __all__ = [
     "CONNECTION", "DEFAULT_SUBNET", "SHAPINGS", "STATE_FILE",
@@ -669,50 +669,18 @@ def probe_netem(tag: str) -> bool:
         _ip("netns", "del", ns, check=False)
 
 
-def _starttime(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    return _proc_state(pid) not in ("", "Z", "X")
-
-
 def _is_recorded(rec: Mapping[str, Any]) -> bool:
     """The recorded process is still that process (pid and start time match) and alive."""
     pid = int(rec.get("pid", 0))
-    return pid > 0 and _starttime(pid) == rec.get("starttime") and _alive(pid)
+    return pid > 0 and start_time(pid) == rec.get("starttime") and alive(pid)
 
 
 def _ancestors() -> set[int]:
     out, pid = set(), os.getpid()
     while pid is not None and pid > 1:
         out.add(pid)
-        pid = _ppid(pid)
+        pid = parent_pid(pid)
     return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def flower_processes_of(home: str) -> set[int]:
@@ -722,16 +690,7 @@ def flower_processes_of(home: str) -> set[int]:
     program (``flower-*``, ``flwr*``), so that a shell or an editor that merely names a
     file under ``home`` is never signalled.
     """
-    pids = [int(x) for x in os.listdir("/proc") if x.isdigit()]
-    family = {p for p in pids if home in (c := _cmdline(p)) and ("/flower-" in c or "/flwr" in c) and _alive(p)}
-    changed = True
-    while changed:
-        changed = False
-        for p in pids:
-            if p not in family and _ppid(p) in family and _alive(p):
-                family.add(p)
-                changed = True
-    return family
+    return set(processes_of(home, root=lambda c: "/flower-" in c or "/flwr" in c))
 
 
 def _netns_pids(ns: str) -> list[int]:
@@ -769,7 +728,7 @@ def _kill(pids: set[int], *, grace_s: float) -> list[int]:
         deadline = time.monotonic() + grace_s
         while True:
             _reap(list(pids))
-            pids = {p for p in pids if _alive(p)}
+            pids = {p for p in pids if alive(p)}
             if not pids or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -958,7 +917,7 @@ def _apply(plan: TestbedPlan, state: dict[str, Any], *, wait_s: float, echo: Tex
     def start(spec: ProcessSpec) -> subprocess.Popen[bytes]:
         proc = _spawn(spec, env=env, cwd=plan.state_dir, log_dir=plan.log_dir)
         procs[spec.name] = proc
-        state["processes"].append({"name": spec.name, "pid": proc.pid, "starttime": _starttime(proc.pid),
+        state["processes"].append({"name": spec.name, "pid": proc.pid, "starttime": start_time(proc.pid),
                                    "netns": spec.netns, "argv": spec.command()})
         _write_state(state)
         if spec.listen is not None:
@@ -1057,7 +1016,7 @@ def down(state_dir: str | os.PathLike[str] | None = None, *, grace_s: float = 5.
             raise TestbedError(f"processes {left} of the testbed in {state_dir} survived SIGKILL; "
                                f"the state file is kept: run `fededge testbed down` again")
         report.killed = sorted(family)
-    report.zombies = sorted(p for p in family if _proc_state(p) == "Z")
+    report.zombies = sorted(p for p in family if proc_state(p) == "Z")
 
     errors = []
 

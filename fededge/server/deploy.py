@@ -62,7 +62,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, TextIO
 
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
-from fededge.server.launch import FlwrRun, format_run_config, stop_processes_of
+from fededge.server.launch import FlwrRun, flower_env, format_run_config, stop_processes_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -139,27 +139,6 @@ def _parse_runs(text: str) -> list[dict[str, Any]]:
 # Used by LocalDeployment and by the namespace testbed (fededge.deploy.testbed): the
 # environment of every process, the connection file, waiting for a port, and one
 # `flwr run` with its real status.
-
-
-def flower_env(home: str | os.PathLike[str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with a private ``FLWR_HOME`` and Flower's traps disarmed.
-
-    Runtime dependency installation off (it needs the network and would install a CUDA
-    torch), telemetry off, unbuffered output, and this interpreter's ``bin`` first on
-    ``PATH`` (Flower starts ``flwr-serverapp`` / ``flwr-clientapp`` from ``PATH``).
-    ``extra`` is applied last.
-    """
-    env = dict(os.environ)
-    env.update({
-        "FLWR_HOME": str(home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "PYTHONUNBUFFERED": "1",
-        # Flower starts flwr-serverapp / flwr-clientapp from PATH: this interpreter's first.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    })
-    env.update(extra or {})
-    return env
 
 
 def superlink_command(*, host: str, port: int, home: str | os.PathLike[str],

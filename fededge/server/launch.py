@@ -22,12 +22,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["FlwrRun", "flwr_run_local", "format_run_config", "stop_processes_of"]
+__all__ = [
+    "FlwrRun", "alive", "cmdline", "flower_env", "flwr_run_local", "format_run_config", "parent_pid",
+    "proc_state", "processes_of", "start_time", "stop_processes_of",
+]
 
 
 @dataclass
@@ -59,48 +62,82 @@ def format_run_config(cfg: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
+def flower_env(home: str | os.PathLike[str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with a private ``FLWR_HOME`` and Flower's traps disarmed.
+
+    Runtime dependency installation off (it needs the network and would install a CUDA
+    torch), telemetry off, unbuffered output, and this interpreter's ``bin`` first on
+    ``PATH`` (Flower starts ``flower-superlink``, ``flwr-serverapp`` and
+    ``flwr-clientapp`` from ``PATH``: an unactivated venv then finds its own Flower).
+    ``extra`` is applied last.
+    """
+    env = dict(os.environ)
+    env.update({
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    })
+    env.update(extra or {})
+    return env
+
+
 def _flwr_bin() -> str:
     exe = Path(sys.executable).with_name("flwr")
     return str(exe) if exe.exists() else (shutil.which("flwr") or "flwr")
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """``pid``'s command line, arguments joined by spaces ("" once it is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
 
 
-def _ppid(pid: int) -> int | None:
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name (field 3 on), [] once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
 
 
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+def parent_pid(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if len(fields) > 1 else None
 
 
-def processes_of(marker: str) -> list[int]:
-    """Live processes whose command line contains ``marker``, and all their descendants."""
+def proc_state(pid: int) -> str:
+    """The kernel's state letter (``R``, ``S``, ``Z``...), "" once the process is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else ""
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot: with the pid, it names a process."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping: neither gone nor a zombie."""
+    return proc_state(pid) not in ("", "Z", "X")
+
+
+def processes_of(marker: str, *, root: Callable[[str], bool] | None = None) -> list[int]:
+    """Live processes whose command line contains ``marker`` (and passes ``root``, when
+    given), and all their descendants."""
     me = os.getpid()
-    pids = _pids()
-    roots = {p for p in pids if p != me and marker in _cmdline(p) and _state(p) != "Z"}
-    family = set(roots)
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    family = {p for p in pids if p != me and marker in (c := cmdline(p)) and (root is None or root(c))
+              and alive(p)}
     changed = True
     while changed:
         changed = False
         for p in pids:
-            if p not in family and _ppid(p) in family and _state(p) != "Z":
+            if p not in family and parent_pid(p) in family and alive(p):
                 family.add(p)
                 changed = True
     return sorted(family)
@@ -117,11 +154,11 @@ def stop_processes_of(marker: str, *, grace_s: float = 10.0) -> list[int]:
                 pass
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            pids = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+            pids = [p for p in pids if alive(p)]
             if not pids:
                 return []
             time.sleep(0.1)
-    return [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+    return [p for p in pids if alive(p)]
 
 
 def _run_streaming(cmd: list[str], env: dict[str, str], timeout_s: float,
@@ -171,17 +208,7 @@ def flwr_run_local(
     """
     home = Path(flwr_home).resolve()
     home.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update({
-        "FLWR_HOME": str(home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "PYTHONUNBUFFERED": "1",
-        # flwr starts `flower-superlink` (and the SuperLink `flwr-serverapp` etc.) from
-        # PATH: put this interpreter's bin directory first, so that an unactivated venv
-        # works and finds its own Flower.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-    })
+    env = flower_env(home)
     def num(v: float) -> str:  # Flower wants an int for whole CPUs
         return str(int(v)) if float(v).is_integer() else str(v)
 

@@ -40,6 +40,7 @@ from fededge.deploy.testbed import (
 from fededge.netem import kernel
 from fededge.netem.assign import assign_links
 from fededge.netem.profiles import get_profile
+from fededge.server.launch import cmdline, parent_pid, proc_state
 
 ROOT = Path(__file__).resolve().parents[2]
 MIX = "wifi:0.5,4g:0.5"
@@ -348,7 +349,7 @@ def _reap_adopted() -> None:
     """Reap the zombies among this process's children (the testbed's adopted processes)."""
     me = os.getpid()
     for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
-        if tb._ppid(pid) == me and tb._proc_state(pid) == "Z":
+        if parent_pid(pid) == me and proc_state(pid) == "Z":
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
@@ -447,7 +448,7 @@ def _assert_nothing_left(state: dict, before: dict, pids: set[int]) -> None:
     assert not [x for x in netns | links if x.startswith(f"fdg{tag}")], (netns, links)
     new = {x for x in (netns - before["netns"]) | (links - before["links"]) if not _OTHER_TESTS.match(x)}
     assert not new, f"left behind: {new}"
-    assert not [p for p in pids if _exists(p)], {p: tb._cmdline(p) for p in pids if _exists(p)}
+    assert not [p for p in pids if _exists(p)], {p: cmdline(p) for p in pids if _exists(p)}
     assert not tb.flower_processes_of(state["home"])
     assert not (Path(state["state_dir"]) / tb.STATE_FILE).exists()
 
@@ -488,7 +489,7 @@ def test_up_then_down_with_kernel_shaping_leaves_nothing_behind(machine):
             assert kernel.read_state(node["host_veth"]).root_handle == kernel.ROOT_HANDLE  # downlink
             # The SuperNode really runs inside its namespace, and reaches the SuperLink from there.
             (rec,) = [r for r in state["processes"] if r["name"] == f"supernode-{node['index']}"]
-            assert tb._is_recorded(rec) and "flower-supernode" in tb._cmdline(rec["pid"])
+            assert tb._is_recorded(rec) and "flower-supernode" in cmdline(rec["pid"])
             assert os.stat(f"/proc/{rec['pid']}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino
             host, port = state["superlink_address"].rsplit(":", 1)
             assert _in_netns(CONNECT, ns, host, port).stdout.startswith("open")
