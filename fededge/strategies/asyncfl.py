@@ -326,7 +326,6 @@ class AsyncFL(_Loop):
         arrays = {0: initial_arrays}  # versions being sent
         queue = EventQueue()
         inflight: dict[str, tuple[Dispatch, float, int]] = {}  # msg id -> (dispatch, real t0, bytes down)
-        queued_versions: dict[int, int] = {}  # dispatch seq -> version, for events not yet used
         pending = AsyncRoundInfo(version=1, sim_s=0.0, order=order)
         now = 0.0
         streak = {"n": 0}  # messages written off since an update was last used
@@ -356,7 +355,6 @@ class AsyncFL(_Loop):
             nonlocal pending, now
             now = max(now, ev.time)
             d = sched.running[ev.client]
-            queued_versions.pop(d.seq, None)
             pending.groups.append(f"a{d.seq}")
             reply: Message | None = ev.payload
             why = "no reply within round-timeout" if reply is None else self._why_unusable(reply)
@@ -392,7 +390,8 @@ class AsyncFL(_Loop):
             self._result.arrays = ArrayRecord({k: t for k, t in server.model.items()})
             arrays.clear()
             arrays[v] = self._result.arrays
-            server.keep({x.version for x in sched.running.values()} | set(queued_versions.values()))
+            # A reply waiting in the queue still counts as running until it is used.
+            server.keep({x.version for x in sched.running.values()})
             self._evaluate(v, self._result.arrays, evaluate_fn)
 
         puller = Puller(grid)
@@ -412,14 +411,12 @@ class AsyncFL(_Loop):
                     t = d.at + timeout
                 else:
                     t = self.timing.arrival(d.client, d.at, size, reply)
-                queued_versions[d.seq] = d.version
                 queue.push(Event(t, d.seq, d.client, payload=reply))
             clock_now = time.monotonic()
             for mid, (d, t0, _) in list(inflight.items()):
                 if clock_now - t0 >= timeout:
                     del inflight[mid]
                     puller.forget(mid)
-                    queued_versions[d.seq] = d.version
                     queue.push(Event(d.at + timeout, d.seq, d.client, dropped=True))
             # Clock order: an arrival at T is safe once no message still out left before T.
             bound = min((d.at for d, _, _ in inflight.values()), default=math.inf) \
