@@ -47,7 +47,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import resource
 import shlex
 import statistics
@@ -59,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dga_deploy import CpuMeter, fmt, steady_per_round
+from bench_dga_deploy import CpuMeter, fmt, print_provenance, steady_per_round
 
 from fededge.server.deploy import LocalDeployment
 
@@ -250,8 +249,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import flwr
-    import torch
 
     started = dt.datetime.now().astimezone()
     load_before = os.getloadavg()
@@ -325,12 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, m in imports.items():
             print(f"| {label} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} |")
     print()
-    print(f"command: {command}")
-    print(f"date: {started.isoformat(timespec='seconds')}")
-    print(f"torch {torch.__version__}, flwr {flwr.__version__}, python {platform.python_version()}, "
-          f"{platform.platform()}")
-    print(f"os.cpu_count() = {os.cpu_count()}, usable cores {len(os.sched_getaffinity(0))}, "
-          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
+    print_provenance(command, started, load_before, load_after)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": command, "date": started.isoformat(timespec="seconds"), "args": vars(args),

@@ -149,11 +149,15 @@ def read_run(results: Path, name: str) -> dict[str, Any]:
                     if x.strip()), key=lambda r: r["round"])
     summary = json.loads((run_dir / "summary.json").read_text())
     walls = [float(r["wall_s"]) for r in lines]
+    sims = [float(r["sim_s"]) for r in lines]
     stale = [r["staleness"] for r in lines[1:] if r.get("staleness") is not None]
     return {
         "rounds": len(lines) - 1,
         "walls": walls,
         "steady_s": steady_per_round(walls),
+        "sims": sims,  # what fededge's simulated clock said of the same rounds
+        "sim_steady_s": steady_per_round(sims),
+        "sim_mean_s": sims[-1] / (len(sims) - 1) if len(sims) > 1 else None,
         "mean_s": walls[-1] / (len(walls) - 1) if len(walls) > 1 else None,
         "final_accuracy": summary.get("final_accuracy"),
         "accuracies": [r["accuracy"] for r in lines],
@@ -162,6 +166,20 @@ def read_run(results: Path, name: str) -> dict[str, Any]:
         "pipelined": any(r.get("pipelined") for r in lines[1:]),
         "status": summary.get("status"),
     }
+
+
+def print_provenance(command: str, started: "dt.datetime", load_before: tuple[float, ...],
+                     load_after: tuple[float, ...]) -> None:
+    """The lines under a deployment benchmark's tables: command, date, versions, machine load."""
+    import flwr
+    import torch
+
+    print(f"command: {command}")
+    print(f"date: {started.isoformat(timespec='seconds')}")
+    print(f"torch {torch.__version__}, flwr {flwr.__version__}, python {platform.python_version()}, "
+          f"{platform.platform()}")
+    print(f"os.cpu_count() = {os.cpu_count()}, usable cores {len(os.sched_getaffinity(0))}, "
+          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -203,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_dga_deploy: --run-config may not set {', '.join(taken)}: use the flags",
               file=sys.stderr)
         return 2
-    import flwr
-    import torch
 
     runs = [("fedavg", {"strategy": "fedavg"}),
             (f"dga D={args.delay}", {"strategy": "dga", "dga-delay": args.delay})]
@@ -281,12 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | " + " | ".join(f"{r['cpu_s'][k]:.1f}" for k in kinds)
               + f" | {total:.1f} | {total / r['run_wall_s']:.2f} |")
     print()
-    print(f"command: {command}")
-    print(f"date: {started.isoformat(timespec='seconds')}")
-    print(f"torch {torch.__version__}, flwr {flwr.__version__}, python {platform.python_version()}, "
-          f"{platform.platform()}")
-    print(f"os.cpu_count() = {os.cpu_count()}, usable cores {len(os.sched_getaffinity(0))}, "
-          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
+    print_provenance(command, started, load_before, load_after)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": command, "date": started.isoformat(timespec="seconds"),

@@ -32,7 +32,6 @@ import ctypes
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import sys
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dga_deploy import CpuMeter, fmt, steady_per_round
+from bench_dga_deploy import CpuMeter, fmt, print_provenance, read_run
 
 from fededge.cli import parse_run_config
 from fededge.deploy import testbed as tb
@@ -72,25 +71,6 @@ def _reap_zombies() -> int:
             except OSError:
                 pass
     return n
-
-
-def read_run(results: Path, name: str) -> dict[str, Any]:
-    (run_dir,) = [p for p in results.iterdir() if p.is_dir() and p.name.startswith(f"{name}-")]
-    lines = sorted((json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()),
-                   key=lambda r: r["round"])
-    summary = json.loads((run_dir / "summary.json").read_text())
-    walls = [float(r["wall_s"]) for r in lines]
-    sims = [float(r["sim_s"]) for r in lines]
-    stale = [r["staleness"] for r in lines[1:] if r.get("staleness") is not None]
-    return {
-        "rounds": len(lines) - 1, "walls": walls, "sims": sims,
-        "steady_s": steady_per_round(walls), "sim_steady_s": steady_per_round(sims),
-        "sim_mean_s": sims[-1] / (len(sims) - 1) if len(sims) > 1 else None,
-        "final_accuracy": summary.get("final_accuracy"),
-        "num_clients": [r["num_clients"] for r in lines[1:]],
-        "staleness": sum(stale) / len(stale) if stale else None,
-        "pipelined": any(r.get("pipelined") for r in lines[1:]),
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     if taken:
         print(f"bench_testbed: --run-config may not set {', '.join(taken)}: use the flags", file=sys.stderr)
         return 2
-    import flwr
-    import torch
 
     own_state = args.state_dir is None
     state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="bench-testbed-")).resolve()
@@ -224,12 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if down_report is not None:
         print(f"teardown: {len(down_report.killed)} processes stopped, {len(down_report.removed)} namespaces/links "
               f"removed; namespaces left: {left_ns or 'none'}")
-    print(f"command: {command}")
-    print(f"date: {started.isoformat(timespec='seconds')}")
-    print(f"torch {torch.__version__}, flwr {flwr.__version__}, python {platform.python_version()}, "
-          f"{platform.platform()}")
-    print(f"os.cpu_count() = {os.cpu_count()}, usable cores {len(os.sched_getaffinity(0))}, "
-          f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
+    print_provenance(command, started, load_before, load_after)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": command, "date": started.isoformat(timespec="seconds"),
