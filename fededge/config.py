@@ -106,7 +106,10 @@ class RunConfig:
         (``flower-supernode --node-config 'partition-id=0 num-partitions=4
         data-dir="/data"'``; Flower parses node-config values as TOML, so quote strings).
     synthetic_samples : int
-        Size of the ``synthetic`` data set.
+        Size of the ``synthetic`` and ``synthetic-images`` data sets.
+    synthetic_amplitude : float
+        ``synthetic-images``: the class template's amplitude against unit pixel noise
+        (0.35; lower is harder, e.g. 0.1 with 12,000 samples for ``cnn-fedavg``).
     partition : str
         ``iid``, ``dirichlet`` (label skew with concentration ``alpha``) or ``shards``.
     alpha : float
@@ -117,7 +120,8 @@ class RunConfig:
         The Dirichlet split is redrawn until every client has at least this many
         examples.
     model : str
-        ``mlp``, ``cnn`` or ``resnet18`` (CIFAR variant).
+        ``mlp``, ``cnn``, ``cnn-fedavg`` (McMahan et al.'s CNN, 1.66M parameters on
+        MNIST) or ``resnet18`` (CIFAR variant).
     seed : int
         Seeds the model initialisation, the partition, client sampling and batches.
     device : str
@@ -285,6 +289,7 @@ class RunConfig:
     dataset: str = "digits"
     data_dir: str = ""
     synthetic_samples: int = 6000
+    synthetic_amplitude: float = 0.35
     partition: str = "dirichlet"
     alpha: float = 0.5
     shards_per_client: int = 2
@@ -367,6 +372,7 @@ class RunConfig:
         _int_at_least("local-steps", self.local_steps, 1)
         _int_at_least("batch-size", self.batch_size, 1)
         _int_at_least("synthetic-samples", self.synthetic_samples, 20)
+        _positive("synthetic-amplitude", self.synthetic_amplitude)
         _int_at_least("shards-per-client", self.shards_per_client, 1)
         _int_at_least("min-partition-size", self.min_partition_size, 1)
         _int_at_least("krum-byzantine", self.krum_byzantine, 0)

@@ -32,6 +32,7 @@ class DataKey(NamedTuple):
     data_dir: str | None
     seed: int
     synthetic_samples: int
+    synthetic_amplitude: float
     partition: str
     alpha: float
     shards_per_client: int
@@ -41,18 +42,20 @@ class DataKey(NamedTuple):
 def data_key(cfg: RunConfig, data_dir: str | None = None) -> DataKey:
     """``data_dir`` (a node's own) wins over ``cfg.data_dir``."""
     return DataKey(cfg.dataset, data_dir or cfg.data_dir or None, cfg.seed, cfg.synthetic_samples,
-                   cfg.partition, cfg.alpha, cfg.shards_per_client, cfg.min_partition_size)
+                   cfg.synthetic_amplitude, cfg.partition, cfg.alpha, cfg.shards_per_client, cfg.min_partition_size)
 
 
 def dataset_for(cfg: RunConfig, data_dir: str | None = None) -> Dataset:
     """The data set of ``cfg`` (cached per process; data sets are read-only)."""
     k = data_key(cfg, data_dir)
-    return _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples)
+    return _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
 
 
 @lru_cache(maxsize=2)
-def _dataset(name: str, data_dir: str | None, seed: int, synthetic_samples: int) -> Dataset:
-    return load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples)
+def _dataset(name: str, data_dir: str | None, seed: int, synthetic_samples: int,
+             synthetic_amplitude: float) -> Dataset:
+    return load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
+                        synthetic_amplitude=synthetic_amplitude)
 
 
 def partition_indices(cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> list[np.ndarray]:
@@ -62,7 +65,7 @@ def partition_indices(cfg: RunConfig, num_partitions: int, data_dir: str | None 
 
 @lru_cache(maxsize=16)
 def _partition(k: DataKey, num_partitions: int) -> list[np.ndarray]:
-    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples)
+    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
     return partition(
         ds.y_train.numpy(), num_partitions, scheme=k.partition, alpha=k.alpha,
         shards_per_partition=k.shards_per_client, seed=k.seed, min_partition_size=k.min_partition_size,
@@ -84,7 +87,7 @@ def client_data(
 
 @lru_cache(maxsize=64)
 def _client_tensors(k: DataKey, pid: int, n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples)
+    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
     idx = torch.from_numpy(_partition(k, n)[pid])
     return ds.x_train.index_select(0, idx).to(device), ds.y_train.index_select(0, idx).to(device)
 

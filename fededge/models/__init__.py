@@ -5,6 +5,7 @@ See :func:`build_model` and :data:`MODELS`.
 
 from fededge.models.zoo import (
     CNN,
+    FedAvgCNN,
     MLP,
     MODELS,
     BasicBlock,
@@ -18,6 +19,7 @@ __all__ = [
     "MODELS",
     "MLP",
     "CNN",
+    "FedAvgCNN",
     "BasicBlock",
     "CifarResNet",
     "resnet18_cifar",

@@ -453,3 +453,32 @@ def test_synthetic_images_are_cifar_shaped_seeded_and_learnable():
     means = torch.stack([a.x_train[a.y_train == c].mean(0) for c in range(10)])
     dist = ((a.x_test[:, None] - means[None]) ** 2).flatten(2).sum(-1)
     assert float((dist.argmin(1) == a.y_test).float().mean()) > 0.5
+
+
+def _nearest_mean_accuracy(ds) -> float:
+    import torch
+
+    means = torch.stack([ds.x_train[ds.y_train == c].mean(0) for c in range(ds.num_classes)])
+    dist = ((ds.x_test[:, None] - means[None]) ** 2).flatten(2).sum(-1)
+    return float((dist.argmin(1) == ds.y_test).float().mean())
+
+
+def test_synthetic_images_amplitude_sets_the_difficulty():
+    import pytest
+
+    from fededge.config import ConfigError, RunConfig
+    from fededge.data import load_dataset
+
+    easy = load_dataset("synthetic-images", synthetic_samples=1000, seed=2)
+    same = load_dataset("synthetic-images", synthetic_samples=1000, seed=2, synthetic_amplitude=0.35)
+    hard = load_dataset("synthetic-images", synthetic_samples=1000, seed=2, synthetic_amplitude=0.05)
+    assert same.x_train.equal(easy.x_train)  # 0.35 is the default
+    assert hard.y_train.equal(easy.y_train) and not hard.x_train.equal(easy.x_train)
+    # The same noise under a weaker template: nearest-class-mean accuracy drops towards chance.
+    assert _nearest_mean_accuracy(easy) > 0.9
+    assert _nearest_mean_accuracy(hard) < _nearest_mean_accuracy(easy) - 0.3
+    for bad in (0, -0.1, float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ValueError, match="synthetic_amplitude must be a positive finite number"):
+            load_dataset("synthetic-images", synthetic_samples=100, synthetic_amplitude=bad)
+    with pytest.raises(ConfigError, match="synthetic-amplitude"):
+        RunConfig(synthetic_amplitude=0.0)

@@ -30,6 +30,7 @@ DIGITS, MNIST, CIFAR, TABULAR = (1, 8, 8), (1, 28, 28), (3, 32, 32), (30,)
 SHAPES = {
     "mlp": [TABULAR, DIGITS, MNIST, CIFAR],
     "cnn": [DIGITS, MNIST, CIFAR, (3, 8, 12)],
+    "cnn-fedavg": [DIGITS, MNIST, CIFAR, (3, 8, 12)],
     "resnet18": [CIFAR, MNIST, DIGITS],
 }
 CASES = [(name, shape) for name in MODELS for shape in SHAPES[name]]
@@ -135,6 +136,21 @@ def test_resnet18_has_the_cifar_parameter_count() -> None:
     assert count_parameters(model) == 11_173_962
 
 
+def test_cnn_fedavg_has_the_papers_parameter_count() -> None:
+    # McMahan et al. 2017, section 3: "a CNN with two 5x5 convolution layers ... (a total
+    # of 1,663,370 parameters)" on MNIST.
+    assert count_parameters(build_model("cnn-fedavg", input_shape=MNIST, num_classes=10)) == 1_663_370
+    # On CIFAR the fc layer sees 64 x 8 x 8 features: 2,156,490 in all, 97% in one matrix.
+    model = build_model("cnn-fedavg", input_shape=CIFAR, num_classes=10)
+    assert count_parameters(model) == 2_156_490
+    assert model.classifier[1].weight.shape == (512, 4096)
+
+
+def test_cnn_fedavg_rejects_images_too_small_to_pool_twice() -> None:
+    with pytest.raises(ValueError, match="H and W >= 4"):
+        build_model("cnn-fedavg", input_shape=(1, 3, 8), num_classes=10)
+
+
 def test_resnet18_norm_choice_changes_buffers_not_parameters() -> None:
     bn = resnet18_cifar(10)
     gn = resnet18_cifar(10, norm="group", num_groups=2)
@@ -186,7 +202,7 @@ def test_count_parameters_trainable_only_skips_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"name": "vgg"}, "name must be one of ('mlp', 'cnn', 'resnet18')"),
+        ({"name": "vgg"}, "name must be one of ('mlp', 'cnn', 'cnn-fedavg', 'resnet18')"),
         ({"num_classes": 1}, "num_classes"),
         ({"num_classes": 2.0}, "num_classes"),
         ({"num_classes": True}, "num_classes"),
