@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from fededge.data.datasets import DATASETS
 from fededge.data.partition import PARTITIONS
+from fededge.compress.codecs import SPARSE_VALUES
 from fededge.models.zoo import MODELS
 from fededge.netem.assign import check_netem_spec, check_speed_spec
 from fededge.topology import MIXINGS, TOPOLOGIES
@@ -174,7 +175,7 @@ class RunConfig:
         ``netem-file``). See :mod:`fededge.netem.assign`.
     netem_file : str
         A TOML file with extra profiles and optional ``[assign]`` / ``[speed]`` tables.
-    compressor, error_feedback, lossless, qsgd_levels, qsgd_bucket, topk_ratio, powersgd_rank, \
+    compressor, error_feedback, lossless, qsgd_levels, qsgd_bucket, topk_ratio, topk_values, powersgd_rank, \
     int8_block, threshold_tau, dgc_sparsity, dgc_warmup_rounds, dgc_momentum, \
     dgc_clip_norm, compress_min_numel, compress_small_codec
         Uplink compression (``compressor = "none"`` sends full weights). See
@@ -319,6 +320,7 @@ class RunConfig:
     qsgd_levels: int = 16
     qsgd_bucket: int = 512
     topk_ratio: float = 0.01
+    topk_values: str = "fp32"
     powersgd_rank: int = 2
     int8_block: int = 0
     threshold_tau: float = 1e-3
@@ -425,6 +427,7 @@ class RunConfig:
             msg = str(err)
             raise ConfigError(f"run-config {msg}" if msg.startswith("'") else
                               f"run-config key 'compressor': {msg}") from None
+        _choice("topk-values", self.topk_values, SPARSE_VALUES)
         _choice("downlink-compressor", self.downlink_compressor, ("none", "fp16", "bf16"))
         _int_at_least("dga-delay", self.dga_delay, 0)
         _int_at_least("dga-warmup-rounds", self.dga_warmup_rounds, 0)
@@ -558,7 +561,8 @@ class RunConfig:
 
         return UpdateConfig(
             compressor=self.compressor, error_feedback=self.error_feedback, lossless=self.lossless,
-            qsgd_levels=self.qsgd_levels, qsgd_bucket=self.qsgd_bucket, topk_ratio=self.topk_ratio, powersgd_rank=self.powersgd_rank,
+            qsgd_levels=self.qsgd_levels, qsgd_bucket=self.qsgd_bucket, topk_ratio=self.topk_ratio, topk_values=self.topk_values,
+            powersgd_rank=self.powersgd_rank,
             int8_block=self.int8_block, threshold_tau=self.threshold_tau, dgc_sparsity=self.dgc_sparsity,
             dgc_warmup_rounds=self.dgc_warmup_rounds, dgc_momentum=self.dgc_momentum,
             dgc_clip_norm=self.dgc_clip_norm, min_numel=self.compress_min_numel,

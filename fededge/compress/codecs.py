@@ -143,20 +143,32 @@ class SparsifyConfig(CodecConfig):
     ratio : float
         Fraction of elements kept, in (0, 1]: k = max(1, ceil(ratio * d)). 0.01 sends
         about 1 % of the values (plus their indices).
+    values : {"fp32", "fp16", "bf16"}
+        Precision of the kept values on the wire. ``fp16`` halves the value bytes, which
+        dominate at densities of a few percent (an index costs a few bits, a value 32);
+        the rounding is one more compression error, which error feedback (or CHOCO's
+        public estimates) carries like any other. ``fp16`` refuses values beyond 65504.
     """
 
     ratio: float = 0.01
+    values: str = "fp32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.ratio, (int, float)) or isinstance(self.ratio, bool) or not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
+        if self.values not in SPARSE_VALUES:
+            raise ValueError(f"values must be one of {', '.join(SPARSE_VALUES)}, got {self.values!r}")
         if np.float32(self.ratio) <= 0:
             raise ValueError(f"ratio {self.ratio!r} rounds to 0 in float32; use at least 1e-38")
 
     def k(self, d: int) -> int:
         """The number of elements kept of a tensor of ``d`` elements."""
         return keep_count(self.ratio, d)
+
+
+#: Value precisions of the sparse formats, by their wire code (params byte 5).
+SPARSE_VALUES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 
 
 def keep_count(ratio: float, d: int) -> int:
@@ -762,25 +774,52 @@ class Threshold(_Configured):
         return _out(out, header)
 
 
+def _value_bytes(values: torch.Tensor, precision: str) -> bytes:
+    if precision == "fp32":
+        return values.numpy().astype("<f4").tobytes()
+    if precision == "bf16":
+        return values.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+    h = values.to(torch.float16)
+    if not torch.isfinite(h).all():
+        raise ValueError("a kept value overflows float16 (|x| > 65504); use values='bf16' or 'fp32'")
+    return h.numpy().astype("<f2").tobytes()
+
+
 def topk_payload(x: torch.Tensor, flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
-                 ratio: float, lossless: bool, codec: str = "topk") -> bytes:
+                 ratio: float, lossless: bool, codec: str = "topk", precision: str = "fp32") -> bytes:
     """The top-k / random-k payload of the (sorted) indices ``idx`` and their ``values``.
 
-    Shared with DGC, whose payload is the top-k wire format.
+    Shared with DGC, whose payload is the top-k wire format. Params are ``<f`` ratio for
+    float32 values (the original 4-byte form), ``<fB`` ratio and the value code
+    (:data:`SPARSE_VALUES` index: 1 fp16, 2 bf16) otherwise.
     """
-    params = struct.pack("<f", ratio)
-    body = encode_index_set(idx.numpy(), flat.numel()) + values.numpy().astype("<f4").tobytes()
+    code = SPARSE_VALUES.index(precision)
+    params = struct.pack("<f", ratio) if code == 0 else struct.pack("<fB", ratio, code)
+    body = encode_index_set(idx.numpy(), flat.numel()) + _value_bytes(values, precision)
     return pack(Header(codec, x.dtype, tuple(int(s) for s in x.shape), params, lossless), body)
 
 
 def _sparse_decode(header: Header, body: bytes) -> torch.Tensor:
-    (ratio,) = _params(header, "<f")
+    if len(header.params) == 5:
+        ratio, code = _params(header, "<fB")
+        if code >= len(SPARSE_VALUES):
+            raise MalformedPayloadError(
+                f"{header.codec} value code {code} is unknown (0 fp32, 1 fp16, 2 bf16)")
+    else:
+        (ratio,), code = _params(header, "<f"), 0
     if not (0 < ratio <= 1):
         raise MalformedPayloadError(f"{header.codec} ratio must be in (0, 1], got {ratio}")
     d = header.numel
     idx, off = decode_index_set(body, d, header.codec)
-    _need(header, body, off + 4 * idx.size)
-    vals = _f32s(body[off:], f"{header.codec} values")
+    width = 4 if code == 0 else 2
+    _need(header, body, off + width * idx.size)
+    label = f"{header.codec} values"
+    if code == 0:
+        vals = _f32s(body[off:], label)
+    elif code == 1:
+        vals = np.frombuffer(body[off:], dtype="<f2").astype(np.float32)
+    else:
+        vals = (np.frombuffer(body[off:], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     out = np.zeros(d, dtype=np.float32)
     out[idx] = vals
     return _out(out, header)
@@ -794,8 +833,9 @@ class TopK(_Configured):
     Biased: wrap in :class:`~fededge.compress.feedback.ErrorFeedback`. Ties in |x| are
     broken by torch.topk.
 
-    Params: ``<f`` ratio (informational; k is in the body). Body: an index block
-    (see :func:`encode_index_set`), then k float32 values in increasing index order.
+    Params: ``<f`` ratio (informational; k is in the body), or ``<fB`` ratio and a value
+    code (1 fp16, 2 bf16; ``values=``). Body: an index block (see
+    :func:`encode_index_set`), then k values in increasing index order.
     """
 
     name = "topk"
@@ -810,7 +850,8 @@ class TopK(_Configured):
     def encode(self, x, *, generator=None):
         f = _flat32(x)
         idx = self.select(f)
-        return topk_payload(x, f, idx, f[idx], self.config.ratio, self.config.lossless)
+        return topk_payload(x, f, idx, f[idx], self.config.ratio, self.config.lossless,
+                            precision=self.config.values)
 
     @classmethod
     def decode_body(cls, header, body):
@@ -836,7 +877,8 @@ class RandK(_Configured):
         k = self.config.k(d)
         idx = torch.randperm(d, generator=_generator(generator))[:k].sort().values
         vals = f[idx] * (d / k) if k else f[idx]
-        return topk_payload(x, f, idx, vals, self.config.ratio, self.config.lossless, "randk")
+        return topk_payload(x, f, idx, vals, self.config.ratio, self.config.lossless, "randk",
+                            precision=self.config.values)
 
     @classmethod
     def decode_body(cls, header, body):

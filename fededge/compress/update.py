@@ -51,9 +51,10 @@ class UpdateConfig:
         accumulate their own error and ignore this knob.
     lossless : bool
         [lossless] zlib the body of every payload.
-    qsgd_levels, qsgd_bucket, topk_ratio, powersgd_rank, int8_block, threshold_tau : codec knobs
-        [qsgd-levels, qsgd-bucket (elements per norm; 0 = one per tensor), topk-ratio (top-k and random-k), powersgd-rank, int8-block,
-        threshold-tau].
+    qsgd_levels, qsgd_bucket, topk_ratio, topk_values, powersgd_rank, int8_block, threshold_tau : codec knobs
+        [qsgd-levels, qsgd-bucket (elements per norm; 0 = one per tensor), topk-ratio and
+        topk-values (top-k and random-k: the kept fraction, and the values' precision on the
+        wire, fp32, fp16 or bf16), powersgd-rank, int8-block, threshold-tau].
     dgc_sparsity, dgc_warmup_rounds, dgc_momentum, dgc_clip_norm : DGC knobs
         [dgc-sparsity (final), dgc-warmup-rounds, dgc-momentum, dgc-clip-norm (0: none)].
     min_numel : int
@@ -70,6 +71,7 @@ class UpdateConfig:
     qsgd_levels: int = 16
     qsgd_bucket: int = 512
     topk_ratio: float = 0.01
+    topk_values: str = "fp32"
     powersgd_rank: int = 2
     int8_block: int = 0
     threshold_tau: float = 1e-3
@@ -138,13 +140,14 @@ class UpdateConfig:
             if c == "powersgd":
                 _named("powersgd-rank", lambda: PowerSGDConfig(rank=self.powersgd_rank))
             return None
-        key = {"qsgd": "qsgd-levels / qsgd-bucket", "topk": "topk-ratio", "randk": "topk-ratio", "int8": "int8-block",
+        key = {"qsgd": "qsgd-levels / qsgd-bucket", "topk": "topk-ratio / topk-values", "randk": "topk-ratio / topk-values", "int8": "int8-block",
                "threshold": "threshold-tau"}.get(c, "compressor")
         if c == "qsgd":
             kw["levels"] = self.qsgd_levels
             kw["bucket"] = self.qsgd_bucket
         elif c in ("topk", "randk"):
             kw["ratio"] = self.topk_ratio
+            kw["values"] = self.topk_values
         elif c == "int8":
             kw["block"] = self.int8_block
         elif c == "threshold":

@@ -38,6 +38,8 @@ CASES = [
     ("topk_varint", "topk", {"ratio": 0.02}, (10, 30), 1.0, 16),
     ("randk_varint", "randk", {"ratio": 0.02}, (300,), 1.0, 17),
     ("randk_bitmap", "randk", {"ratio": 0.3}, (2, 2, 5), 1.0, 18),
+    ("topk_fp16_values", "topk", {"ratio": 0.25, "values": "fp16"}, (4, 8), 1.0, 23),
+    ("randk_bf16_values", "randk", {"ratio": 0.1, "values": "bf16"}, (50,), 1.0, 24),
     ("powersgd_r2", "powersgd", {"rank": 2}, (6, 2, 3), 1.0, 19),
     ("powersgd_full_rank", "powersgd", {"rank": 3}, (3, 4), 1.0, 20),
 ]

@@ -339,6 +339,41 @@ def test_topk_size_picks_the_smaller_index_encoding(big, ratio, tag):
     assert other >= len(body) if tag == 0 else other > len(body)
 
 
+@pytest.mark.parametrize("values,width,dtype", [("fp16", 2, torch.float16), ("bf16", 2, torch.bfloat16)])
+@pytest.mark.parametrize("codec", [TopK, RandK])
+def test_sparse_values_in_half_precision(big, codec, values, width, dtype):
+    p = codec(ratio=0.05, values=values).encode(big, generator=gen(3))
+    h, body = unpack(p)
+    assert struct.unpack("<fB", h.params) == (pytest.approx(0.05), 1 if values == "fp16" else 2)
+    out = decode_any(p).numpy()
+    idx = np.flatnonzero(out)
+    # The same indices as float32 values would keep, the values rounded to the precision.
+    ref = decode_any(codec(ratio=0.05).encode(big, generator=gen(3))).numpy()
+    assert np.array_equal(idx, np.flatnonzero(ref))
+    assert np.array_equal(out[idx], torch.from_numpy(ref[idx]).to(dtype).float().numpy())
+    assert len(p) == head(1, 5) + sparse_size(body[0], idx, D, width)
+
+
+def test_sparse_value_precision_bad_input():
+    with pytest.raises(ValueError, match="values must be one of fp32, fp16, bf16"):
+        TopK(ratio=0.1, values="fp8")
+    with pytest.raises(ValueError, match="overflows float16"):
+        TopK(ratio=0.5, values="fp16").encode(torch.tensor([1e5, 1.0]))
+    assert decode_any(TopK(ratio=0.5, values="bf16").encode(torch.tensor([1e5, 1.0])))[0] == 99840.0
+    body = bytes([1, 1, 3]) + struct.pack("<e", 1.0)  # varint: k=1, index 3; one fp16 value
+    ok = decode_any(pack(Header("topk", torch.float32, (10,), struct.pack("<fB", 0.1, 1)), body))
+    assert ok[3] == 1.0 and ok.sum() == 1.0
+    with pytest.raises(MalformedPayloadError, match="value code 3 is unknown"):
+        decode_any(pack(Header("topk", torch.float32, (10,), struct.pack("<fB", 0.1, 3)), body))
+    with pytest.raises(MalformedPayloadError, match="must be 5 bytes"):  # fp16 values, 4-byte body
+        decode_any(pack(Header("topk", torch.float32, (10,), struct.pack("<fB", 0.1, 1)), body + b"\0\0"))
+    with pytest.raises(MalformedPayloadError, match="parameters are 6 bytes"):
+        decode_any(pack(Header("topk", torch.float32, (10,), struct.pack("<fBB", 0.1, 1, 0)), body))
+    inf = bytes([1, 1, 3]) + struct.pack("<e", float("inf"))
+    with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
+        decode_any(pack(Header("topk", torch.float32, (10,), struct.pack("<fB", 0.1, 1)), inf))
+
+
 def test_threshold_size(big):
     for tau, tag in ((0.5, 0), (3.0, 1)):
         p = Threshold(tau=tau).encode(big)
