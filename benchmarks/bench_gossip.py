@@ -74,6 +74,11 @@ for _g in (0.05, 0.2, 0.5, 0.8):
 for _g in (0.2, 0.4, 0.6, 0.8):
     CONFIGS[f"choco ring top-5% g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.05,
                                            "gossip-gamma": _g}
+for _g in (0.4, 0.6):
+    CONFIGS[f"choco ring top-10% g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.10,
+                                            "gossip-gamma": _g}
+    CONFIGS[f"choco ring top-10% fp16 g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.10,
+                                                 "topk-values": "fp16", "gossip-gamma": _g}
 
 
 def _first(lines: list[dict], key: str, target: float) -> tuple[int | None, float | None]:
@@ -137,13 +142,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--netem", default="wifi")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="run-config seed: model init, the Dirichlet split, batches (default 0)")
     ap.add_argument("--target", type=float, default=0.90,
                     help="accuracy for the rounds-to-target columns")
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
     ap.add_argument("--plot", type=Path,
                     help="write average-model accuracy against rounds and cumulative bytes (PNG)")
     args = ap.parse_args()
-    base = {"num-rounds": args.rounds, "local-steps": args.steps, "netem": args.netem}
+    base = {"num-rounds": args.rounds, "local-steps": args.steps, "netem": args.netem, "seed": args.seed}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, over in CONFIGS.items():
@@ -151,7 +158,7 @@ def main() -> None:
                 continue
             rows.append(_run(Path(tmp), name, {**base, **over}, args.clients, args.target))
     print(f"\n{args.clients} nodes, {args.rounds} rounds x {args.steps} local steps, digits "
-          f"Dirichlet 0.5, netem {args.netem}\n")
+          f"Dirichlet 0.5, netem {args.netem}, seed {args.seed}\n")
     print("| config | spectral gap | avg-model acc | mean node acc (min) | consensus dist | "
           "relay up MB | relay down MB | p2p MB | sim_s | "
           f"avg ≥ {args.target:g}: round (sim_s) | mean node ≥ {args.target:g}: round (sim_s) |")

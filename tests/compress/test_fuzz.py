@@ -38,6 +38,8 @@ def _seeds() -> list[bytes]:
                     continue
                 out.append(build_codec(name, lossless=lossless, **PARAMS.get(name, {})).encode(x, generator=g))
     out.append(build_codec("topk", ratio=0.01).encode(torch.randn(2000, generator=g)))  # varint indices
+    for values in ("fp16", "bf16"):  # the 5-byte params form
+        out.append(build_codec("topk", ratio=0.3, values=values).encode(torch.randn(40, generator=g)))
     return out
 
 
