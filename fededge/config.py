@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 from fededge.data.datasets import DATASETS
 from fededge.data.partition import PARTITIONS
-from fededge.compress.codecs import SPARSE_VALUES
 from fededge.models.zoo import MODELS
 from fededge.netem.assign import check_netem_spec, check_speed_spec
 from fededge.topology import MIXINGS, TOPOLOGIES
@@ -427,7 +426,6 @@ class RunConfig:
             msg = str(err)
             raise ConfigError(f"run-config {msg}" if msg.startswith("'") else
                               f"run-config key 'compressor': {msg}") from None
-        _choice("topk-values", self.topk_values, SPARSE_VALUES)
         _choice("downlink-compressor", self.downlink_compressor, ("none", "fp16", "bf16"))
         _int_at_least("dga-delay", self.dga_delay, 0)
         _int_at_least("dga-warmup-rounds", self.dga_warmup_rounds, 0)

@@ -24,6 +24,7 @@ from fededge.compress import (
     decode_any, decode_limit,
 )
 from fededge.compress.codec import Codec
+from fededge.compress.codecs import SPARSE_VALUES
 
 __all__ = ["COMPRESSORS", "UNBIASED", "UpdateConfig", "UpdateEncoder", "decode_update"]
 
@@ -96,6 +97,8 @@ class UpdateConfig:
                 f"threshold, topk, int8, fp16, bf16); {self.compressor} is unbiased and needs none "
                 "(with it the residual grows without bound); set error-feedback=false"
             )
+        if self.topk_values not in SPARSE_VALUES:
+            raise ValueError(f"'topk-values': must be one of {', '.join(SPARSE_VALUES)}, got {self.topk_values!r}")
         if self.dgc_clip_norm < 0:
             raise ValueError(f"dgc clip norm must be >= 0 (0 = no clipping), got {self.dgc_clip_norm}")
         self.build_codec()  # validates the codec's own knobs now, not at the first round
@@ -140,7 +143,7 @@ class UpdateConfig:
             if c == "powersgd":
                 _named("powersgd-rank", lambda: PowerSGDConfig(rank=self.powersgd_rank))
             return None
-        key = {"qsgd": "qsgd-levels / qsgd-bucket", "topk": "topk-ratio / topk-values", "randk": "topk-ratio / topk-values", "int8": "int8-block",
+        key = {"qsgd": "qsgd-levels / qsgd-bucket", "topk": "topk-ratio", "randk": "topk-ratio", "int8": "int8-block",
                "threshold": "threshold-tau"}.get(c, "compressor")
         if c == "qsgd":
             kw["levels"] = self.qsgd_levels

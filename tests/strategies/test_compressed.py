@@ -118,12 +118,13 @@ def test_encoder_state_lives_in_context_state(tmp_path):
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("compressor", "zip", r"'compressor': compressor must be one of"),
     ("topk-ratio", 0.0, r"'topk-ratio': ratio must be in"),
+    ("topk-values", "fp8", r"'topk-values': must be one of fp32, fp16, bf16, got 'fp8'"),
     ("qsgd-levels", 0, r"'qsgd-levels / qsgd-bucket'"),
 ])
 def test_bad_compression_config_names_the_key(key, value, match):
     from fededge.config import ConfigError, RunConfig
 
-    comp = {"topk-ratio": "topk", "qsgd-levels": "qsgd"}.get(key)
+    comp = {"topk-ratio": "topk", "topk-values": "topk", "qsgd-levels": "qsgd"}.get(key)
     mapping = {key: value, **({"compressor": comp} if comp else {})}
     with pytest.raises(ConfigError, match=match):
         RunConfig.from_mapping(mapping)
