@@ -430,11 +430,12 @@ class RunConfig:
         _int_at_least("dga-delay", self.dga_delay, 0)
         _int_at_least("dga-warmup-rounds", self.dga_warmup_rounds, 0)
         _choice("dga-pipeline", self.dga_pipeline, DGA_PIPELINE)
-        if self.strategy == "dga" and (self.compressor != "none" or self.downlink_compressor != "none"):
+        if self.strategy == "dga" and self.downlink_compressor != "none":
             raise ConfigError(
-                "run-config keys 'compressor' / 'downlink-compressor' are not supported with "
-                "strategy='dga' yet (DGA's messages carry the global model and its replies a "
-                "rebased model, not the weights the compression mod expects); set them to 'none'"
+                "run-config key 'downlink-compressor' is not supported with strategy='dga' (its "
+                "messages carry G(g) only when g changes, and a client rebuilds its model from "
+                "it; a cast G(g) would need the server to keep the rounded copy); set it to 'none'. "
+                "Uplink compression ('compressor') works with DGA."
             )
         self._check_gossip()
         self._check_async()

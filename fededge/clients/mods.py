@@ -65,6 +65,20 @@ def decode_downlink(content: RecordDict) -> RecordDict:
     return out
 
 
+def _dga_round_delta(msg: Message, context: Context) -> dict[str, torch.Tensor] | None:
+    """For a DGA train message: the client's change Δ(t) over this round's K steps.
+
+    A DGA reply is ``G(g) + Δ(t)``, and the message may carry no arrays (the client
+    already holds G(g)), so the update to compress is Δ(t) itself, which the DGA state
+    keeps in flight (``inflight/t/...``). None for any other message."""
+    conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else None
+    if conf is None or keys.DGA_GLOBAL_ROUND not in conf or keys.STATE_DGA not in context.state:
+        return None
+    prefix = f"inflight/{int(conf[keys.SERVER_ROUND])}/"
+    state = context.state[keys.STATE_DGA].to_torch_state_dict()
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Decode a compressed downlink model; compress the reply of a train message when the
     run config names a compressor."""
@@ -79,14 +93,17 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         # path): nothing to take a delta of.
         return reply
     t0 = time.perf_counter()
-    received = msg.content[keys.ARRAYS].to_torch_state_dict()
     trained = reply.content[keys.ARRAYS].to_torch_state_dict()
+    own = _dga_round_delta(msg, context)
+    received = msg.content[keys.ARRAYS].to_torch_state_dict() if own is None else {}
     delta, raw = {}, {}
     for name, new in trained.items():
-        if new.is_floating_point():
-            delta[name] = new.float() - received[name].float()
-        else:
+        if not new.is_floating_point():
             raw[name] = new
+        elif own is not None:  # DGA: its own K-step change, the reply minus G(g)
+            delta[name] = own[name].float()
+        else:
+            delta[name] = new.float() - received[name].float()
     pid = int(context.node_config.get(keys.PARTITION_ID, 0))
     encoder = UpdateEncoder(cfg.update_config(), stream=pid)
     if STATE_KEY in context.state:

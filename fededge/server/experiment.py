@@ -247,9 +247,10 @@ def run_experiment(
     initial = ArrayRecord(model.state_dict())
     strategy = strategy or build_strategy(cfg)
     # Gossip compresses its own messages (CHOCO): the Compressed wrapper would look for
-    # uplink updates of a global model that gossip does not have.
+    # uplink updates of a global model that gossip does not have. DGA runs its own loop and
+    # decodes its replies' Δ(t) against G(g) itself.
     if ((cfg.compressor != "none" or cfg.downlink_compressor != "none")
-            and not isinstance(strategy, (Compressed, Gossip))):
+            and not isinstance(strategy, (Compressed, Gossip, DGA))):
         strategy = Compressed(strategy, downlink=cfg.downlink_compressor)
     metered = MeteredGrid(grid)
     recorder = RunRecorder(
@@ -337,7 +338,7 @@ def run_experiment(
                 traffic.merge(metered.take(group))
         else:  # DGA keeps rounds in flight: take this round's messages only (its group id).
             traffic = metered.take(str(rnd) if dga is not None else None)
-        comp = strategy.take_stats() if isinstance(strategy, Compressed) else None
+        comp = strategy.take_stats() if isinstance(strategy, (Compressed, DGA)) else None
         info = strategy.take_round_info(rnd) if isinstance(strategy, DGA) else None
         ginfo = gossip.take_round_info(rnd) if gossip is not None else None
         extra: dict[str, Any] = {}

@@ -30,7 +30,7 @@ from fededge.clients.mods import BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESS
 from fededge.compress import MalformedPayloadError, build_codec, decode_any
 from fededge.compress.update import decode_update
 
-__all__ = ["Compressed", "CompressionStats", "DOWNLINK"]
+__all__ = ["Compressed", "CompressionStats", "DOWNLINK", "decode_compressed"]
 
 #: Downlink codecs: stateless casts of the broadcast model. Delta-coded downlinks would
 #: need per-client state kept in step for clients that sat rounds out; not built.
@@ -127,8 +127,7 @@ class Compressed(Strategy):
             if base is None:
                 raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
             try:
-                r.content = self._decode(r.content, base)
-                self._stats.decoded += 1
+                r.content = decode_compressed(r.content, base, self._stats)
                 kept.append(r)
             except MalformedPayloadError as err:
                 reason = f"node {r.metadata.src_node_id}: {err}"
@@ -136,35 +135,6 @@ class Compressed(Strategy):
                 self._stats.reasons.append(reason)
                 log.warning("round %d: rejected a client update: %s", server_round, reason)
         return self.inner.aggregate_train(server_round, kept)
-
-    def _decode(self, content: RecordDict, sent: dict[str, torch.Tensor]) -> RecordDict:
-        rec = content[COMPRESSED]
-        largest = max((math.prod(v.shape) for v in sent.values()), default=1)
-        if list(rec.keys()) != [BUNDLE]:
-            raise MalformedPayloadError(f"compressed record must hold one array '{BUNDLE}', has {list(rec.keys())[:5]}")
-        payloads = bundle_payloads(rec)
-        raw = content[UNCOMPRESSED].to_torch_state_dict() if UNCOMPRESSED in content else {}
-        deltas = decode_update(payloads, max_elements=largest)
-        full: dict[str, np.ndarray] = {}
-        for name, old in sent.items():
-            if name in deltas:
-                d = deltas[name]
-                if tuple(d.shape) != tuple(old.shape):
-                    raise MalformedPayloadError(
-                        f"tensor {name!r}: decoded shape {tuple(d.shape)} != model shape {tuple(old.shape)}")
-                full[name] = (old.float() + d).to(old.dtype).numpy()
-            elif name in raw:
-                full[name] = raw[name].numpy()
-            else:
-                raise MalformedPayloadError(f"tensor {name!r} of the model is missing from the update")
-        extra = set(deltas) - set(sent)
-        if extra:
-            raise MalformedPayloadError(f"update has tensors the model lacks: {sorted(extra)[:5]}")
-        self._stats.payload_bytes += sum(len(p) for p in payloads.values())
-        self._stats.dense_bytes += sum(4 * d.numel() for d in deltas.values())
-        metrics = content[keys.METRICS] if keys.METRICS in content else MetricRecord()
-        return RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
-                           keys.METRICS: metrics})
 
     def configure_evaluate(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
@@ -175,3 +145,37 @@ class Compressed(Strategy):
     def summary(self) -> None:
         self.inner.summary()
 
+
+def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats: CompressionStats) -> RecordDict:
+    """A reply whose ``compressed`` record holds the update's payloads -> the same reply
+    with full weights in ``arrays``: ``sent`` (the weights the update is a delta from) plus
+    the decoded delta. Counts it in ``stats``. Raises MalformedPayloadError for anything
+    that does not decode or does not fit the model."""
+    rec = content[COMPRESSED]
+    largest = max((math.prod(v.shape) for v in sent.values()), default=1)
+    if list(rec.keys()) != [BUNDLE]:
+        raise MalformedPayloadError(f"compressed record must hold one array '{BUNDLE}', has {list(rec.keys())[:5]}")
+    payloads = bundle_payloads(rec)
+    raw = content[UNCOMPRESSED].to_torch_state_dict() if UNCOMPRESSED in content else {}
+    deltas = decode_update(payloads, max_elements=largest)
+    full: dict[str, np.ndarray] = {}
+    for name, old in sent.items():
+        if name in deltas:
+            d = deltas[name]
+            if tuple(d.shape) != tuple(old.shape):
+                raise MalformedPayloadError(
+                    f"tensor {name!r}: decoded shape {tuple(d.shape)} != model shape {tuple(old.shape)}")
+            full[name] = (old.float() + d).to(old.dtype).numpy()
+        elif name in raw:
+            full[name] = raw[name].numpy()
+        else:
+            raise MalformedPayloadError(f"tensor {name!r} of the model is missing from the update")
+    extra = set(deltas) - set(sent)
+    if extra:
+        raise MalformedPayloadError(f"update has tensors the model lacks: {sorted(extra)[:5]}")
+    stats.payload_bytes += sum(len(p) for p in payloads.values())
+    stats.dense_bytes += sum(4 * d.numel() for d in deltas.values())
+    stats.decoded += 1
+    metrics = content[keys.METRICS] if keys.METRICS in content else MetricRecord()
+    return RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
+                       keys.METRICS: metrics})

@@ -48,7 +48,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order
 from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
+from fededge.clients.mods import COMPRESSED
+from fededge.compress import MalformedPayloadError
 from fededge.strategies._replies import fixed_participants, usable_reply
+from fededge.strategies.compressed import CompressionStats, decode_compressed
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
 
@@ -104,10 +107,16 @@ class DGA(FedAvg):
         self._info: dict[int, DGARoundInfo] = {}
         self.participants: list[int] = []
         self.pipelined = False
+        self._stats = CompressionStats()
 
     def take_round_info(self, rnd: int) -> DGARoundInfo | None:
         """The round's :class:`DGARoundInfo` (once; the experiment records it)."""
         return self._info.pop(rnd, None)
+
+    def take_stats(self) -> CompressionStats:
+        """Compressed replies decoded and rejected since the previous call (one round)."""
+        s, self._stats = self._stats, CompressionStats()
+        return s
 
     # ----------------------------------------------------------------- the run
     def start(
@@ -219,7 +228,7 @@ class DGA(FedAvg):
         valid = []
         for r in replies:
             node = r.metadata.src_node_id
-            why = r.error.reason if r.has_error() else usable_reply(
+            why = r.error.reason if r.has_error() else self._decode(r, info.global_round) or usable_reply(
                 r, arrays_key=self.arrayrecord_key, model_keys=self._keys, weight_key=self.weighted_by_key)
             if why is None:
                 valid.append(r)
@@ -249,6 +258,17 @@ class DGA(FedAvg):
         self._arrays_of[t] = arrays
         self._result.arrays = arrays
         self._info[t] = info
+
+    def _decode(self, reply: Message, g: int) -> str | None:
+        """A compressed reply carries Δ(t) (fededge.clients.mods): rebuild G(g) + Δ(t) in
+        place. Returns why it does not decode (the reply is then left out), else None."""
+        if COMPRESSED not in reply.content:
+            return None
+        try:
+            reply.content = decode_compressed(reply.content, self._server.global_model(g), self._stats)
+        except MalformedPayloadError as err:  # counted and logged with the round's other rejections
+            return f"malformed compressed update: {err}"
+        return None
 
     def _evaluate(self, t: int) -> None:
         if self._evaluate_fn:
