@@ -63,9 +63,13 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
         dga = DGAConfig(delay=int(cfg.get("dga-delay", 0)), correction=bool(cfg.get("dga-correction", True)),
                         warmup_rounds=int(cfg.get("dga-warmup-rounds", 0)))
         timeline = DGATimeline(clock, dga, clients=range(n))
+    # sim-step-s: the run's clock charged that per local step, not the measured compute.
+    step_s = float(cfg.get("sim-step-s", 0.0))
+    fixed = int(cfg.get("local-steps", 1)) * step_s if step_s > 0 else None
     out, total = [], 0.0
     for r in lines:
-        work = [ClientRound(c["partition"], c["bytes_down"], c["compute_s"], c["bytes_up"])
+        work = [ClientRound(c["partition"], c["bytes_down"], c["compute_s"] if fixed is None else fixed,
+                            c["bytes_up"])
                 for c in r.get("clients", [])]
         if r["round"] >= 1:
             if timeline is not None:

@@ -79,9 +79,11 @@ def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
     from fededge.server.inprocess import run_inprocess
     from fededge.server.replay import replay_sim_s
 
-    for over in ({"strategy": "fedavg"}, {"strategy": "dga", "dga-delay": 2}):
+    for over in ({"strategy": "fedavg"}, {"strategy": "dga", "dga-delay": 2},
+                 {"strategy": "dga", "dga-delay": 1, "sim-step-s": 0.01}):  # the clock's compute, not measured
+        name = f"{over['strategy']}-{over.get('sim-step-s', 0)}"
         run_dir = run_inprocess({"num-rounds": 4, "local-steps": 3, "progress": "off", "netem": "wifi:0.5,4g:0.5",
-                                 "results-dir": str(tmp_path / over["strategy"]), **over}, num_clients=3)
+                                 "results-dir": str(tmp_path / name), **over}, num_clients=3)
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert all(len(r["clients"]) == 3 and r["clients"][0]["bytes_up"] > 0 for r in lines[1:])
         again = replay_sim_s(run_dir)
