@@ -22,6 +22,16 @@ Examples
     python benchmarks/bench_dga.py                      # both tables, ~15 min on 2 cores
     python benchmarks/bench_dga.py --steps 100 --delays 2 --ablation-delays 5 --quick
     python benchmarks/bench_dga.py --plot docs/figures/dga.png
+    # DGA with compressed uplinks, against FedAvg K=5 with and without the same codec:
+    python benchmarks/bench_dga.py --splits iid --profiles 4g --delays 2 5 --fedavg-k 5 --quick \
+        --compress sign-ef --compress-fedavg --sim-step-s 0.0084
+
+``--compress`` compresses the DGA runs' uplinks (fededge's codecs; DGA compresses each
+client's own K-step change, see docs/algorithms.md); ``--compress-fedavg`` adds FedAvg
+rows with the same codec, so that the speedup due to DGA is shown apart from the one due
+to compression. ``--sim-step-s`` charges a fixed time per local step on the clock instead
+of the measured compute (deterministic, and independent of other work on the machine);
+0.0084 s is fededge's ClientApp on one core of this machine (benchmarks/bench_edge_client.py).
 """
 
 from __future__ import annotations
@@ -39,6 +49,14 @@ from fededge.server.inprocess import run_inprocess  # noqa: E402
 from fededge.server.replay import replay_sim_s  # noqa: E402
 
 SPLITS = {"iid": {"partition": "iid"}, "dir0.3": {"partition": "dirichlet", "alpha": 0.3}}
+
+#: Uplink codecs for --compress (run-config keys).
+COMPRESS = {
+    "sign-ef": {"compressor": "signsgd", "error-feedback": True},
+    "topk10-fp16-ef": {"compressor": "topk", "topk-ratio": 0.1, "topk-values": "fp16", "error-feedback": True},
+    "powersgd2": {"compressor": "powersgd", "powersgd-rank": 2},
+    "qsgd16": {"compressor": "qsgd", "qsgd-levels": 16},
+}
 
 # The paper's regime: bandwidth is cheap, latency is not. Light from Shanghai to Boston
 # takes 162 ms one way (the seed notes' figure); 1 Gbit/s and no loss are assumptions.
@@ -85,9 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path, help="write accuracy against sim_s (PNG)")
     ap.add_argument("--quick", action="store_true", help="skip the ablation")
+    ap.add_argument("--compress", choices=list(COMPRESS), help="compress the DGA runs' uplinks")
+    ap.add_argument("--compress-fedavg", action="store_true",
+                    help="with --compress: add FedAvg rows with the same codec")
+    ap.add_argument("--sim-step-s", type=float, default=0.0,
+                    help="clock seconds per local step (0: the measured compute)")
     args = ap.parse_args(argv)
 
-    base = {"seed": args.seed, "target-accuracy": args.target}
+    base = {"seed": args.seed, "target-accuracy": args.target, "sim-step-s": args.sim_step_s}
+    comp = COMPRESS[args.compress] if args.compress else {}
+    tag = f" + {args.compress}" if args.compress else ""
     if args.local_lr is not None:
         base["local-lr"] = args.local_lr
     if args.momentum is not None:
@@ -100,19 +125,23 @@ def main(argv: list[str] | None = None) -> int:
             for k in args.fedavg_k:
                 runs[(split, f"FedAvg K={k}")] = _run(out, f"fedavg-k{k}-{split}", {
                     **base, **SPLITS[split], "local-steps": k, "num-rounds": args.steps // k}, args.clients)
+                if comp and args.compress_fedavg:
+                    runs[(split, f"FedAvg K={k}{tag}")] = _run(out, f"fedavg-k{k}-{split}-c", {
+                        **base, **SPLITS[split], **comp, "local-steps": k, "num-rounds": args.steps // k},
+                        args.clients)
             for d in args.delays:
-                runs[(split, f"DGA K=5 D={d}")] = _run(out, f"dga-d{d}-{split}", {
-                    **base, **SPLITS[split], "strategy": "dga", "dga-delay": d, "local-steps": 5,
+                runs[(split, f"DGA K=5 D={d}{tag}")] = _run(out, f"dga-d{d}-{split}", {
+                    **base, **SPLITS[split], **comp, "strategy": "dga", "dga-delay": d, "local-steps": 5,
                     "num-rounds": args.steps // 5}, args.clients)
         ablation: dict[tuple[int, bool], dict] = {}
         if not args.quick:
             print("ablation on iid", file=sys.stderr)
             for d in args.ablation_delays:
                 for corr in (True, False):
-                    known = runs.get(("iid", f"DGA K=5 D={d}"))
+                    known = runs.get(("iid", f"DGA K=5 D={d}{tag}"))
                     ablation[(d, corr)] = known if (corr and known) else _run(
                         out, f"dga-d{d}-{'c' if corr else 'nc'}", {
-                            **base, **SPLITS["iid"], "strategy": "dga", "dga-delay": d,
+                            **base, **SPLITS["iid"], **comp, "strategy": "dga", "dga-delay": d,
                             "dga-correction": corr, "local-steps": 5, "num-rounds": args.steps // 5},
                         args.clients)
         extra = out / "profiles.toml"
@@ -122,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n## DGA vs FedAvg: {args.clients} clients, digits CNN, {args.steps} local steps per "
           f"client, target {args.target:.0%}, local lr {base.get('local-lr', 0.05)}, momentum "
-          f"{base.get('momentum', 0.9)}\n")
+          f"{base.get('momentum', 0.9)}, compute on the clock: "
+          f"{f'{args.sim_step_s} s per step' if args.sim_step_s else 'measured'}"
+          f"{f', DGA uplinks {args.compress} {comp}' if comp else ''}\n")
     for split in args.splits:
         for prof in args.profiles:
             print(f"\n### {split}, `{prof}`\n")
