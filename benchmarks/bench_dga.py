@@ -26,7 +26,8 @@ Examples
     python benchmarks/bench_dga.py --splits iid --profiles 4g --delays 2 5 --fedavg-k 5 --quick \
         --compress sign-ef --compress-fedavg --sim-step-s 0.0084
 
-``--compress`` compresses the DGA runs' uplinks (fededge's codecs; DGA compresses each
+``--compress`` compresses the DGA runs' uplinks (and, with ``--compress-down``, casts the
+model the server sends) (fededge's codecs; DGA compresses each
 client's own K-step change, see docs/algorithms.md); ``--compress-fedavg`` adds FedAvg
 rows with the same codec, so that the speedup due to DGA is shown apart from the one due
 to compression. ``--sim-step-s`` charges a fixed time per local step on the clock instead
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write accuracy against sim_s (PNG)")
     ap.add_argument("--quick", action="store_true", help="skip the ablation")
     ap.add_argument("--compress", choices=list(COMPRESS), help="compress the DGA runs' uplinks")
+    ap.add_argument("--compress-down", choices=["fp16", "bf16"],
+                    help="with --compress: also cast the model the server sends (downlink-compressor)")
     ap.add_argument("--compress-fedavg", action="store_true",
                     help="with --compress: add FedAvg rows with the same codec")
     ap.add_argument("--sim-step-s", type=float, default=0.0,
@@ -111,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     base = {"seed": args.seed, "target-accuracy": args.target, "sim-step-s": args.sim_step_s}
-    comp = COMPRESS[args.compress] if args.compress else {}
-    tag = f" + {args.compress}" if args.compress else ""
+    comp = dict(COMPRESS[args.compress]) if args.compress else {}
+    if comp and args.compress_down:
+        comp["downlink-compressor"] = args.compress_down
+    tag = (f" + {args.compress}" + (f", {args.compress_down} down" if args.compress_down else "")
+           if args.compress else "")
     if args.local_lr is not None:
         base["local-lr"] = args.local_lr
     if args.momentum is not None:

@@ -430,12 +430,13 @@ class RunConfig:
         _int_at_least("dga-delay", self.dga_delay, 0)
         _int_at_least("dga-warmup-rounds", self.dga_warmup_rounds, 0)
         _choice("dga-pipeline", self.dga_pipeline, DGA_PIPELINE)
-        if self.strategy == "dga" and self.downlink_compressor != "none":
+        if self.strategy == "dga" and self.downlink_compressor != "none" and self.compressor == "none":
             raise ConfigError(
-                "run-config key 'downlink-compressor' is not supported with strategy='dga' (its "
-                "messages carry G(g) only when g changes, and a client rebuilds its model from "
-                "it; a cast G(g) would need the server to keep the rounded copy); set it to 'none'. "
-                "Uplink compression ('compressor') works with DGA."
+                "run-config key 'downlink-compressor' with strategy='dga' needs a 'compressor' too: "
+                "the clients start from the rounded G(g) and the server keeps the exact one, so "
+                "replies must be deltas (compressed uplinks, rebuilt on the exact G(g)); a full-"
+                "weight reply would carry the rounding into every later global model. Set "
+                "compressor (e.g. \"raw\", lossless) or downlink-compressor=\"none\""
             )
         self._check_gossip()
         self._check_async()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
@@ -48,10 +48,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order
 from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
-from fededge.clients.mods import COMPRESSED
-from fededge.compress import MalformedPayloadError
+from fededge.clients.mods import COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_record
+from fededge.compress import MalformedPayloadError, build_codec
 from fededge.strategies._replies import fixed_participants, usable_reply
-from fededge.strategies.compressed import CompressionStats, decode_compressed
+from fededge.strategies.compressed import DOWNLINK, CompressionStats, decode_compressed
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
 
@@ -88,6 +88,11 @@ class DGA(FedAvg):
     pipeline : str
         ``auto``, ``on`` or ``off`` (see the module docstring). ``on`` on a grid that
         may run two messages of one node at once is refused.
+    downlink : str
+        ``none``, ``fp16`` or ``bf16``: cast ``G(g)`` for the messages that carry it. The
+        clients then start from the rounded copy, while the server keeps the exact
+        ``G(g)``; so this needs compressed uplinks (replies that are deltas, rebuilt on the
+        exact ``G(g)``). A full-weight reply would carry the rounding back into ``G(t)``.
     poll_s : float
         How often the pipelined loop pulls replies from a real SuperLink (each pull
         costs the SuperLink CPU; SuperNodes themselves poll every 3 s). The in-process
@@ -97,10 +102,14 @@ class DGA(FedAvg):
     """
 
     def __init__(self, *, delay: int = 0, correction: bool = True, warmup_rounds: int = 0,
-                 pipeline: str = "auto", poll_s: float = 0.5, **fedavg: Any) -> None:
+                 pipeline: str = "auto", downlink: str = "none", poll_s: float = 0.5, **fedavg: Any) -> None:
         super().__init__(**fedavg)
         if pipeline not in PIPELINE_MODES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {pipeline!r}")
+        if downlink not in DOWNLINK:
+            raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
+        self.downlink = downlink
+        self._down: dict[int, RecordDict] = {}  # g -> G(g) cast for the downlink (built once)
         self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds)
         self.pipeline = pipeline
         self.poll_s = poll_s
@@ -175,11 +184,30 @@ class DGA(FedAvg):
         order = random.sample(self.participants, len(self.participants))
         out = []
         for node in order:
-            arrays = full if (new or node in self._resync) else empty
+            send = new or node in self._resync
             self._resync.discard(node)
-            out.append(Message(RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config}),
-                               dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(t)))
+            if send and self.downlink != "none":
+                content = RecordDict({**self._cast(g, full), self.configrecord_key: config})
+            else:
+                content = RecordDict({self.arrayrecord_key: full if send else empty, self.configrecord_key: config})
+            out.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(t)))
         return out
+
+    def _cast(self, g: int, full: ArrayRecord) -> dict:
+        """G(g) as the downlink codec's bundle (fededge.clients.mods decodes it), built once."""
+        if g not in self._down:
+            codec = build_codec(self.downlink)
+            payloads, raw = {}, {}
+            for name, t in full.to_torch_state_dict().items():
+                if t.is_floating_point():
+                    payloads[name] = codec.encode(t)
+                else:
+                    raw[name] = t
+            rec = {COMPRESSED_DOWN: bundle_record(payloads)}
+            if raw:
+                rec[UNCOMPRESSED] = ArrayRecord({k: Array(v.numpy()) for k, v in raw.items()})
+            self._down = {g: rec}  # g only grows: older casts are never sent again
+        return self._down[g]
 
     def _run_lockstep(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
                       evaluate_config: ConfigRecord) -> None:

@@ -78,7 +78,8 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         return fs.Krum(**kw, num_malicious_nodes=cfg.krum_byzantine)
     if name == "dga":
         return DGA(**kw, delay=cfg.dga_delay, correction=cfg.dga_correction,
-                   warmup_rounds=cfg.dga_warmup_rounds, pipeline=cfg.dga_pipeline)
+                   warmup_rounds=cfg.dga_warmup_rounds, pipeline=cfg.dga_pipeline,
+                   downlink=cfg.downlink_compressor)
     if name == "diloco":
         return FedAvgOuter(**kw, lr=cfg.server_lr or 0.7, momentum=cfg.server_momentum,
                            nesterov=cfg.server_momentum > 0)
