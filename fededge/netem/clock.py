@@ -49,12 +49,19 @@ from fededge.netem.profiles import Direction, LinkProfile
 from fededge.netem.trace import PACKET_BYTES, DeliveryTrace
 
 __all__ = [
+    "clock_compute_s",
     "MSS_BYTES", "ClientLink", "LinkDirection", "SimClock", "ClientRound", "RoundTiming",
     "mathis_rate_bps", "synchronous_round", "transfer_duration",
 ]
 
 MSS_BYTES = 1448  # TCP payload per 1500-byte packet (20 IP + 32 TCP with timestamps)
 _UP, _DOWN = 0, 1
+
+
+def clock_compute_s(measured_s: float, steps: int, sim_step_s: float) -> float:
+    """What a client's compute takes on the clock: ``steps * sim_step_s`` when the run sets
+    ``sim-step-s`` (> 0), else the measured seconds."""
+    return steps * sim_step_s if sim_step_s > 0 else measured_s
 
 
 def mathis_rate_bps(rtt_s: float, loss: float) -> float:

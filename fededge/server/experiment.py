@@ -33,7 +33,7 @@ from fededge.models.zoo import count_parameters
 from fededge.netem.assign import assign_links
 from fededge.algorithms.dga import DGAConfig, DGATimeline
 from fededge.algorithms.gossip import GossipTimeline, GossipWork
-from fededge.netem.clock import ClientRound, SimClock, synchronous_round
+from fededge.netem.clock import ClientRound, SimClock, clock_compute_s, synchronous_round
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.compressed import Compressed
@@ -121,11 +121,9 @@ class RoundClock:
             self.clock = self._build(num_partitions)
         return self.clock
 
-    def compute_s(self, measured_s: float, steps: int | None = None) -> float:
+    def compute_s(self, measured_s: float) -> float:
         """What a client's compute takes on the clock: measured, or ``sim-step-s`` per step."""
-        if self.cfg.sim_step_s > 0:
-            return (steps if steps is not None else self.cfg.local_steps) * self.cfg.sim_step_s
-        return measured_s
+        return clock_compute_s(measured_s, self.cfg.local_steps, self.cfg.sim_step_s)
 
     def _build(self, num_partitions: int) -> SimClock:
         cfg = self.cfg

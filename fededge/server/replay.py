@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fededge.algorithms.dga import DGAConfig, DGATimeline
 from fededge.netem.assign import assign_links
-from fededge.netem.clock import ClientRound, SimClock, synchronous_round
+from fededge.netem.clock import ClientRound, SimClock, clock_compute_s, synchronous_round
 
 __all__ = ["load_rounds", "replay_sim_s"]
 
@@ -63,12 +63,11 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
         dga = DGAConfig(delay=int(cfg.get("dga-delay", 0)), correction=bool(cfg.get("dga-correction", True)),
                         warmup_rounds=int(cfg.get("dga-warmup-rounds", 0)))
         timeline = DGATimeline(clock, dga, clients=range(n))
-    # sim-step-s: the run's clock charged that per local step, not the measured compute.
-    step_s = float(cfg.get("sim-step-s", 0.0))
-    fixed = int(cfg.get("local-steps", 1)) * step_s if step_s > 0 else None
+    # The run's clock charged sim-step-s per local step, when set, not the measured compute.
+    steps, step_s = int(cfg.get("local-steps", 1)), float(cfg.get("sim-step-s", 0.0))
     out, total = [], 0.0
     for r in lines:
-        work = [ClientRound(c["partition"], c["bytes_down"], c["compute_s"] if fixed is None else fixed,
+        work = [ClientRound(c["partition"], c["bytes_down"], clock_compute_s(c["compute_s"], steps, step_s),
                             c["bytes_up"])
                 for c in r.get("clients", [])]
         if r["round"] >= 1:

@@ -60,7 +60,7 @@ from fededge._flwr_internals import runs_messages_in_order, wire_size
 from fededge.algorithms.asyncfl import (
     AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue, first_arrivals,
 )
-from fededge.netem.clock import SimClock
+from fededge.netem.clock import SimClock, clock_compute_s
 from fededge.strategies._replies import (
     dropout_partition, fixed_participants, is_dropout, usable_reply,
 )
@@ -130,9 +130,10 @@ class ReplyTiming:
 
     def compute_s(self, reply: Message) -> float:
         metrics = next(iter(reply.content.metric_records.values()), {})
-        if self.sim_step_s > 0 and keys.LOCAL_STEPS_DONE in metrics:
-            return int(metrics[keys.LOCAL_STEPS_DONE]) * self.sim_step_s
-        return float(metrics.get(keys.COMPUTE_S, 0.0))
+        measured = float(metrics.get(keys.COMPUTE_S, 0.0))
+        if keys.LOCAL_STEPS_DONE not in metrics:  # no step count: the measured compute
+            return measured
+        return clock_compute_s(measured, int(metrics[keys.LOCAL_STEPS_DONE]), self.sim_step_s)
 
     def arrival(self, node: int, sent_at: float, bytes_down: int, reply: Message) -> float:
         """When ``reply`` reached the server: download, compute, upload on the node's link."""
