@@ -238,6 +238,16 @@ def _need(header: Header, body: bytes, size: int) -> None:
         )
 
 
+def _bf16_bytes(t: torch.Tensor) -> bytes:
+    """float32 -> bfloat16 (round to nearest even), little-endian u16 each."""
+    return t.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+
+
+def _bf16_values(buf: bytes) -> np.ndarray:
+    """Little-endian u16 bfloat16 -> float32 (the top half of each float32)."""
+    return (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def _f32s(buf: bytes, what: str) -> np.ndarray:
     a = np.frombuffer(buf, dtype="<f4").astype(np.float32)
     if not np.isfinite(a).all():
@@ -441,15 +451,13 @@ class BF16(_Configured):
     biased = True
 
     def encode(self, x, *, generator=None):
-        b = _flat32(x).to(torch.bfloat16).view(torch.int16).numpy().astype("<i2")
-        return pack(_header(self.name, x, b"", self.config), b.tobytes())
+        return pack(_header(self.name, x, b"", self.config), _bf16_bytes(_flat32(x)))
 
     @classmethod
     def decode_body(cls, header, body):
         _params(header, "")
         _need(header, body, 2 * header.numel)
-        hi = np.frombuffer(body, dtype="<u2").astype(np.uint32) << np.uint32(16)
-        return _out(hi.view(np.float32), header)
+        return _out(_bf16_values(body), header)
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -778,7 +786,7 @@ def _value_bytes(values: torch.Tensor, precision: str) -> bytes:
     if precision == "fp32":
         return values.numpy().astype("<f4").tobytes()
     if precision == "bf16":
-        return values.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+        return _bf16_bytes(values)
     h = values.to(torch.float16)
     if not torch.isfinite(h).all():
         raise ValueError("a kept value overflows float16 (|x| > 65504); use values='bf16' or 'fp32'")
@@ -819,7 +827,7 @@ def _sparse_decode(header: Header, body: bytes) -> torch.Tensor:
     elif code == 1:
         vals = np.frombuffer(body[off:], dtype="<f2").astype(np.float32)
     else:
-        vals = (np.frombuffer(body[off:], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+        vals = _bf16_values(body[off:])
     out = np.zeros(d, dtype=np.float32)
     out[idx] = vals
     return _out(out, header)
