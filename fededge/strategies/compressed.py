@@ -26,11 +26,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.clients.mods import BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_payloads, bundle_record
-from fededge.compress import MalformedPayloadError, build_codec, decode_any
+from fededge.clients.mods import (
+    BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_payloads, bundle_record, decode_downlink,
+)
+from fededge.compress import MalformedPayloadError, build_codec
 from fededge.compress.update import decode_update
 
-__all__ = ["Compressed", "CompressionStats", "DOWNLINK", "decode_compressed"]
+__all__ = ["Compressed", "CompressionStats", "DOWNLINK", "cast_downlink", "decode_compressed"]
 
 #: Downlink codecs: stateless casts of the broadcast model. Delta-coded downlinks would
 #: need per-client state kept in step for clients that sat rounds out; not built.
@@ -93,24 +95,12 @@ class Compressed(Strategy):
             self._sent = {server_round: arrays.to_torch_state_dict()}  # only this round's base
             return messages
         # Cast the broadcast model once; the base for decoding the replies is the model
-        # the clients actually received (the rounded one), so deltas rebuild exactly.
-        codec = build_codec(self.downlink)
-        state = arrays.to_torch_state_dict()
-        payloads, raw, received = {}, {}, {}
-        for name, t in state.items():
-            if t.is_floating_point():
-                payloads[name] = codec.encode(t)
-                received[name] = decode_any(payloads[name]).numpy()
-            else:
-                raw[name] = t.numpy()
-                received[name] = t.numpy()
-        self._sent = {server_round: {k: torch.from_numpy(v) for k, v in received.items()}}
-        down = bundle_record(payloads)
-        extra = ArrayRecord({k: Array(v) for k, v in raw.items()}) if raw else None
+        # the clients actually received (the rounded one, decoded as they decode it), so
+        # deltas rebuild exactly.
+        down = cast_downlink(arrays, self.downlink)
+        self._sent = {server_round: decode_downlink(RecordDict(down))[keys.ARRAYS].to_torch_state_dict()}
         for m in messages:
-            content = RecordDict({COMPRESSED_DOWN: down})
-            if extra is not None:
-                content[UNCOMPRESSED] = extra
+            content = RecordDict(down)
             for name in m.content.keys():
                 if name != keys.ARRAYS:
                     content[name] = m.content[name]
@@ -179,3 +169,21 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
     metrics = content[keys.METRICS] if keys.METRICS in content else MetricRecord()
     return RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
                        keys.METRICS: metrics})
+
+
+def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
+    """A model cast by the ``downlink`` codec, as the records a message carries instead of
+    ``arrays``: the bundle of its float tensors' payloads (``compressed-down``) and its
+    other tensors as they are (``arrays-uncompressed``, only if there are any).
+    :func:`fededge.clients.mods.decode_downlink` turns them back into ``arrays``."""
+    codec = build_codec(downlink)
+    payloads, raw = {}, {}
+    for name, t in arrays.to_torch_state_dict().items():
+        if t.is_floating_point():
+            payloads[name] = codec.encode(t)
+        else:
+            raw[name] = Array(t.numpy())
+    records = {COMPRESSED_DOWN: bundle_record(payloads)}
+    if raw:
+        records[UNCOMPRESSED] = ArrayRecord(raw)
+    return records

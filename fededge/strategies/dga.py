@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
@@ -48,10 +48,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order
 from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
-from fededge.clients.mods import COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_record
-from fededge.compress import MalformedPayloadError, build_codec
+from fededge.clients.mods import COMPRESSED
+from fededge.compress import MalformedPayloadError
 from fededge.strategies._replies import fixed_participants, usable_reply
-from fededge.strategies.compressed import DOWNLINK, CompressionStats, decode_compressed
+from fededge.strategies.compressed import DOWNLINK, CompressionStats, cast_downlink, decode_compressed
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
 
@@ -109,7 +109,7 @@ class DGA(FedAvg):
         if downlink not in DOWNLINK:
             raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
         self.downlink = downlink
-        self._down: dict[int, RecordDict] = {}  # g -> G(g) cast for the downlink (built once)
+        self._down: dict[int, dict[str, ArrayRecord]] = {}  # g -> G(g) cast for the downlink (built once)
         self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds)
         self.pipeline = pipeline
         self.poll_s = poll_s
@@ -187,27 +187,13 @@ class DGA(FedAvg):
             send = new or node in self._resync
             self._resync.discard(node)
             if send and self.downlink != "none":
-                content = RecordDict({**self._cast(g, full), self.configrecord_key: config})
+                if g not in self._down:  # g only grows: older casts are never sent again
+                    self._down = {g: cast_downlink(full, self.downlink)}
+                content = RecordDict({**self._down[g], self.configrecord_key: config})
             else:
                 content = RecordDict({self.arrayrecord_key: full if send else empty, self.configrecord_key: config})
             out.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(t)))
         return out
-
-    def _cast(self, g: int, full: ArrayRecord) -> dict:
-        """G(g) as the downlink codec's bundle (fededge.clients.mods decodes it), built once."""
-        if g not in self._down:
-            codec = build_codec(self.downlink)
-            payloads, raw = {}, {}
-            for name, t in full.to_torch_state_dict().items():
-                if t.is_floating_point():
-                    payloads[name] = codec.encode(t)
-                else:
-                    raw[name] = t
-            rec = {COMPRESSED_DOWN: bundle_record(payloads)}
-            if raw:
-                rec[UNCOMPRESSED] = ArrayRecord({k: Array(v.numpy()) for k, v in raw.items()})
-            self._down = {g: rec}  # g only grows: older casts are never sent again
-        return self._down[g]
 
     def _run_lockstep(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
                       evaluate_config: ConfigRecord) -> None:
