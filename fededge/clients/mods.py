@@ -75,8 +75,8 @@ def _dga_round_delta(msg: Message, context: Context) -> dict[str, torch.Tensor] 
     if conf is None or keys.DGA_GLOBAL_ROUND not in conf or keys.STATE_DGA not in context.state:
         return None
     prefix = f"inflight/{int(conf[keys.SERVER_ROUND])}/"
-    state = context.state[keys.STATE_DGA].to_torch_state_dict()
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    state = context.state[keys.STATE_DGA]  # only this round's arrays, not the model and older rounds
+    return {k[len(prefix):]: torch.from_numpy(state[k].numpy()) for k in state.keys() if k.startswith(prefix)}
 
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
