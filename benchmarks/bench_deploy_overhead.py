@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dga_deploy import CpuMeter, fmt, print_provenance, steady_per_round
+from bench_dga_deploy import CpuMeter, fmt, print_provenance, require_positive, steady_per_round, write_json
 
 from fededge.server.deploy import LocalDeployment
 
@@ -237,9 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="keep logs, apps and results here (default: a temporary directory)")
     p.add_argument("--json", metavar="PATH", help="also write the numbers to PATH")
     args = p.parse_args(argv)
-    for name in ("supernodes", "rounds", "local_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "supernodes", "rounds", "local_steps")
     if args.rounds < 2:
         p.error("--rounds must be >= 2: the steady state leaves round 1 out")
     if args.import_repeats < 0:
@@ -324,12 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_provenance(command, started, load_before, load_after)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "command": command, "date": started.isoformat(timespec="seconds"), "args": vars(args),
-            "model_shapes": shapes, "model_bytes": model_bytes, "runs": rows, "imports": imports,
-            "loadavg_before": load_before, "loadavg_after": load_after,
-        }, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, command, started, args, load_before, load_after, model_shapes=shapes,
+                   model_bytes=model_bytes, runs=rows, imports=imports)
     return 0 if ok else 1
 
 

@@ -182,6 +182,23 @@ def print_provenance(command: str, started: "dt.datetime", load_before: tuple[fl
           f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after")
 
 
+def require_positive(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Exit with argparse's usage error unless every named integer option is >= 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def write_json(path: str, command: str, started: "dt.datetime", args: argparse.Namespace,
+               load_before: tuple[float, ...], load_after: tuple[float, ...], **numbers: Any) -> None:
+    """A deployment benchmark's ``--json`` file: provenance, the arguments and its numbers."""
+    Path(path).write_text(json.dumps({
+        "command": command, "date": started.isoformat(timespec="seconds"), "args": vars(args),
+        **numbers, "loadavg_before": load_before, "loadavg_after": load_after,
+    }, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
 def fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
@@ -201,9 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the deployment's FLWR_HOME, logs and results here (default: a temporary directory)")
     p.add_argument("--json", metavar="PATH", help="also write the numbers to PATH")
     args = p.parse_args(argv)
-    for name in ("rounds", "local_steps", "supernodes"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "rounds", "local_steps", "supernodes")
     if args.delay < 0:
         p.error(f"--delay must be >= 0, got {args.delay}")
     try:
@@ -299,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_provenance(command, started, load_before, load_after)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "command": command, "date": started.isoformat(timespec="seconds"),
-            "args": vars(args), "runs": rows, "loadavg_before": load_before, "loadavg_after": load_after,
-        }, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, command, started, args, load_before, load_after, runs=rows)
     return 0 if all(r.get("ok") and "error" not in r for r in rows.values()) else 1
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as dt
-import json
 import os
 import shlex
 import shutil
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dga_deploy import CpuMeter, fmt, print_provenance, read_run
+from bench_dga_deploy import CpuMeter, fmt, print_provenance, read_run, require_positive, write_json
 
 from fededge.cli import parse_run_config
 from fededge.deploy import testbed as tb
@@ -89,9 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the testbed's state directory, kept with logs and results (default: a temporary one)")
     p.add_argument("--json", metavar="PATH", help="also write the numbers to PATH")
     args = p.parse_args(argv)
-    for name in ("clients", "rounds", "local_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "clients", "rounds", "local_steps")
     if args.rounds < 2:
         p.error("--rounds must be >= 2: the steady state leaves round 1 out")
     try:
@@ -204,12 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               f"removed; namespaces left: {left_ns or 'none'}")
     print_provenance(command, started, load_before, load_after)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "command": command, "date": started.isoformat(timespec="seconds"),
-            "args": {k: v for k, v in vars(args).items()}, "nodes": nodes, "runs": rows,
-            "loadavg_before": load_before, "loadavg_after": load_after,
-        }, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, command, started, args, load_before, load_after, nodes=nodes, runs=rows)
     return 0 if ok else 1
 
 
