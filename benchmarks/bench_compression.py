@@ -68,6 +68,7 @@ def run(label: str, over: dict, base: dict, clients: int, out: Path) -> dict:
         "bytes_up_to_target": summ["bytes_up_to_target"],
         "payload_ratio": statistics.mean(ratios) if ratios else 1.0,
         "rejected": summ["total_rejected"], "wall_s": time.perf_counter() - t0,
+        "accuracy_by_round": [r.get("accuracy") for r in lines],  # round 0 (the initial model) first
     }
 
 
