@@ -1,7 +1,8 @@
 """Gossip over topologies: D-PSGD on ring, torus, exponential and complete graphs, and
 CHOCO-SGD on the ring (QSGD with 2 levels unscaled at gamma 0.05 and scaled by
-1/(1 + omega) at 0.05-0.8, top-1% at gamma 0.05 and 0.1, top-5% at 0.2-0.8), against
-FedAvg, for a fixed budget of rounds (``--only`` picks configs).
+1/(1 + omega) at 0.05-0.8, top-1% at gamma 0.05 and 0.1, top-5% at 0.2-0.8, top-10% with
+float32 or fp16 values at 0.4 and 0.6, scaled sign at 0.2-0.8), against FedAvg, for a fixed
+budget of rounds (``--only`` picks configs).
 
 Every run is the default task (digits, the small CNN, batch 32, lr 0.05, momentum 0.9,
 Dirichlet 0.5 split) in the in-process Flower runtime with ``--clients`` nodes, ``--rounds``
@@ -79,6 +80,10 @@ for _g in (0.4, 0.6):
                                             "gossip-gamma": _g}
     CONFIGS[f"choco ring top-10% fp16 g{_g}"] = {**_CHOCO, "compressor": "topk", "topk-ratio": 0.10,
                                                  "topk-values": "fp16", "gossip-gamma": _g}
+# Scaled sign, ||x||_1 / d * sign(x) per tensor: the "Sign" compressor of Koloskova, Lin,
+# Stich and Jaggi (ICLR 2020), 1 bit per element (~32x); biased, so CHOCO sends it unscaled.
+for _g in (0.2, 0.4, 0.6, 0.8):
+    CONFIGS[f"choco ring sign g{_g}"] = {**_CHOCO, "compressor": "signsgd", "gossip-gamma": _g}
 
 
 def _first(lines: list[dict], key: str, target: float) -> tuple[int | None, float | None]:
