@@ -87,9 +87,15 @@ def _orthogonalize(p: torch.Tensor) -> torch.Tensor:
 
 
 def power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power iteration: P = orth(M Q), Q' = M^T P. Returns (P, Q')."""
-    p = _orthogonalize(m @ q)
-    return p, m.T @ p
+    """One power iteration: P = orth(M Q), Q' = M^T P. Returns (P, Q').
+
+    Both products run against a contiguous r x m factor: with M row-major, ``M @ Qt.T``
+    and ``(P^T M)^T`` stream M once in memory order, where ``M @ Q`` (Q m x r row-major)
+    and ``M^T @ P`` ran 4-6x slower here on 512 x 4608 (benchmarks/bench_codecs.py). The
+    returned Q' is the transpose view of that contiguous r x m product.
+    """
+    p = _orthogonalize(m @ q.T.contiguous().T)
+    return p, (p.T @ m).T
 
 
 def _payload(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lossless: bool) -> bytes:
@@ -99,9 +105,9 @@ def _payload(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lossless: bool) 
 
 
 def _product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    # The one product both the encoder's residual and the decoder use, so error feedback
-    # is exact with respect to what the server reconstructs.
-    return p @ q.T
+    # P Q^T against a contiguous r x m factor (a no-op copy when Q is the transpose view
+    # power_step returns), the memory order that writes the n x m result fastest.
+    return p @ q.T.contiguous()
 
 
 @register
@@ -216,9 +222,11 @@ class PowerSGDEncoder:
         if not (all_finite(p) and all_finite(q)):
             raise ValueError(f"cannot encode tensor {name!r}: its update (plus the residual) holds NaN or Inf")
         self.q[name] = q
-        # M - P Q^T with the decoder's own product, so feedback is exact w.r.t. what the
-        # server rebuilds; in place when M is a buffer of our own.
-        self.residual[name] = mat.sub_(_product(p, q)) if owned else mat - _product(p, q)
+        # M - P Q^T, fused into one pass over M (addmm) and in place when M is a buffer of
+        # our own. It matches the decoder's P @ Q^T to float32 rounding: the invariant
+        # x + old residual == decoded + new residual holds to a few ulps (a test checks).
+        qt = q.T.contiguous()
+        self.residual[name] = mat.addmm_(p, qt, alpha=-1.0) if owned else torch.addmm(mat, p, qt, alpha=-1.0)
         return _payload(x, p, q, self.config.lossless)
 
     def reset(self) -> None:
@@ -228,7 +236,7 @@ class PowerSGDEncoder:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat float32 CPU tensors: ``"q:NAME"`` and ``"residual:NAME"``."""
-        out = {f"q:{k}": v.clone() for k, v in self.q.items()}
+        out = {f"q:{k}": v.clone(memory_format=torch.contiguous_format) for k, v in self.q.items()}
         out.update({f"residual:{k}": v.clone() for k, v in self.residual.items()})
         return out
 
