@@ -104,12 +104,6 @@ def _payload(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lossless: bool) 
     return pack(header, body)
 
 
-def _product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    # P Q^T against a contiguous r x m factor (a no-op copy when Q is the transpose view
-    # power_step returns), the memory order that writes the n x m result fastest.
-    return p @ q.T.contiguous()
-
-
 @register
 class PowerSGD(_Configured):
     """Stateless PowerSGD: one power step from a random Q, no warm start, no feedback.
@@ -156,7 +150,9 @@ class PowerSGD(_Configured):
         if not bound < 3.0e38:
             raise MalformedPayloadError(
                 f"decoded powersgd tensor could hold NaN or Inf: |P Q^T| up to {bound:.3g} overflows float32")
-        return _product(p, q).reshape(header.shape)
+        # Q arrives m x r row-major; P against its contiguous r x m transpose (a small
+        # copy) writes the n x m product in memory order.
+        return (p @ q.T.contiguous()).reshape(header.shape)
 
 
 def _derived_seed(seed: int, name: str) -> int:
