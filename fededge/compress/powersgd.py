@@ -36,7 +36,7 @@ from fededge.compress.codec import Codec, all_finite, register
 from fededge.compress.codecs import BF16, FP16, CodecConfig, Raw, _Configured, _f32s, _flat32, _generator, _need, _params
 from fededge.compress.wire import Header, MalformedPayloadError, pack
 
-__all__ = ["PowerSGDConfig", "PowerSGD", "PowerSGDEncoder"]
+__all__ = ["PowerSGDConfig", "PowerSGD", "PowerSGDEncoder", "reconstruct"]
 
 _FALLBACKS: dict[str, type[Codec]] = {"raw": Raw, "fp16": FP16, "bf16": BF16}
 
@@ -112,8 +112,9 @@ class PowerSGD(_Configured):
     error-feedback residual per tensor. Tensors must have two or more dimensions.
 
     Params: ``<H`` r. Body: P (n x r) then Q (m x r), float32 row-major, with (n, m) =
-    (shape[0], prod(shape[1:])). Decoded value: P @ Q^T in float32 (summation order may
-    differ between implementations by float32 rounding).
+    (shape[0], prod(shape[1:])). Decoded value: :func:`reconstruct`, P Q^T accumulated in
+    float64 in the order k = 0 .. r-1 and rounded once to float32, the same bits on every
+    machine and in every language (docs/wire-format.md).
     """
 
     name = "powersgd"
@@ -150,9 +151,45 @@ class PowerSGD(_Configured):
         if not bound < 3.0e38:
             raise MalformedPayloadError(
                 f"decoded powersgd tensor could hold NaN or Inf: |P Q^T| up to {bound:.3g} overflows float32")
-        # Q arrives m x r row-major; P against its contiguous r x m transpose (a small
-        # copy) writes the n x m product in memory order.
-        return (p @ q.T.contiguous()).reshape(header.shape)
+        return reconstruct(p, q).reshape(header.shape)
+
+
+def reconstruct(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P Q^T as the wire format defines it: the same float32 bits on every machine.
+
+    Element (i, j) is ``f32(((p[i,0] q[j,0] + p[i,1] q[j,1]) + p[i,2] q[j,2]) + ...)``: each
+    product of two float32 values is exact in float64 (48 significant bits of 53), the r
+    terms are added in float64 in the order k = 0 .. r-1 (the first term is the product
+    itself, so a -0.0 keeps its sign), and the sum is rounded once to float32 (to nearest,
+    ties to even). Every step is one IEEE operation on exact inputs, so a fused
+    multiply-add, the vector width and the thread count cannot change a bit, where a BLAS
+    matmul's summation order and FMA use depend on the CPU (an AVX-512 machine decoded the
+    old ``P @ Q^T`` one ulp away from an AVX2 one). At rank 1 the float64 sum is the single
+    product and float32's own multiply rounds it the same way, so rank 1 stays in float32.
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        n x r float32.
+    q : torch.Tensor
+        m x r float32 (as on the wire: row-major, one row per column of the matrix).
+    """
+    r = p.shape[1]
+    if r == 1:
+        return torch.outer(p[:, 0], q[:, 0])
+    # Rows in blocks of about 2^18 float64 elements (2 MiB): the accumulator stays in cache
+    # between the r passes, and memory stays at the float32 output plus one block.
+    n, m = p.shape[0], q.shape[0]
+    p64, q64 = p.double(), q.T.double().contiguous()  # r x m: each row a contiguous column of Q
+    out = torch.empty(n, m, dtype=torch.float32)
+    rows = max(1, (1 << 18) // max(m, 1))
+    for i in range(0, n, rows):
+        blk = p64[i:i + rows]
+        acc = torch.outer(blk[:, 0], q64[0])
+        for k in range(1, r):
+            acc.addcmul_(blk[:, k:k + 1], q64[k])
+        out[i:i + rows] = acc  # the one rounding to float32
+    return out
 
 
 def _derived_seed(seed: int, name: str) -> int:
@@ -219,8 +256,10 @@ class PowerSGDEncoder:
             raise ValueError(f"cannot encode tensor {name!r}: its update (plus the residual) holds NaN or Inf")
         self.q[name] = q
         # M - P Q^T, fused into one pass over M (addmm) and in place when M is a buffer of
-        # our own. It matches the decoder's P @ Q^T to float32 rounding: the invariant
-        # x + old residual == decoded + new residual holds to a few ulps (a test checks).
+        # our own. BLAS's P Q^T matches the decoder's exact reconstruct() to float32
+        # rounding, so x + old residual == decoded + new residual holds to a few ulps (a
+        # test checks); the residual is the client's own state, never on the wire, and
+        # the exact rule would cost a second pass here.
         qt = q.T.contiguous()
         self.residual[name] = mat.addmm_(p, qt, alpha=-1.0) if owned else torch.addmm(mat, p, qt, alpha=-1.0)
         return _payload(x, p, q, self.config.lossless)
