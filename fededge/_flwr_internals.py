@@ -20,7 +20,8 @@ Internals used (checked against flwr 1.41):
 - ``flwr.supercore.run.Run``: what ``Grid.run`` returns.
 - ``flwr.superlink.grid.http_grid.HttpGrid`` / ``inmemory_grid.InMemoryGrid``: which
   runtime a ServerApp's Grid belongs to (a deployment runs each node's messages in
-  order; Ray simulation may run two at once), for strategies that push rounds ahead.
+  order; Ray simulation may run two at once), for strategies that push rounds ahead,
+  and for the server's check of the clients' data split, done in simulation only.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "set_run_id",
     "task_identity",
     "empty_run",
+    "is_flower_simulation",
     "runs_messages_in_order",
     "wire_size",
 ]
@@ -172,6 +174,18 @@ def runs_messages_in_order(grid: object) -> bool | None:
     return None
 
 
+def is_flower_simulation(grid: object) -> bool:
+    """Whether ``grid`` is Flower's simulation grid (``InMemoryGrid``, the Ray runtime),
+    looking through wrappers with an ``inner`` grid."""
+    while hasattr(grid, "inner"):
+        grid = grid.inner
+    try:
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    except ImportError as err:  # pragma: no cover - exercised only on a changed Flower
+        raise _fail("flwr.superlink.grid.inmemory_grid.InMemoryGrid", err) from err
+    return isinstance(grid, InMemoryGrid)
+
+
 def check() -> None:
     """Exercise every internal above on a small message; raise FlowerInternalsChanged."""
     import numpy as np
@@ -199,7 +213,7 @@ def check() -> None:
         if empty_run(7).run_id != 7:
             raise AssertionError("run id not kept")
         name = "flwr.superlink.grid.{http_grid.HttpGrid, inmemory_grid.InMemoryGrid}"
-        if runs_messages_in_order(object()) is not None:
+        if runs_messages_in_order(object()) is not None or is_flower_simulation(object()):
             raise AssertionError("an unknown grid was classified")
     except FlowerInternalsChanged:
         raise

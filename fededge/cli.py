@@ -17,6 +17,12 @@
 - ``fededge certs --out DIR --hosts superlink,127.0.0.1 [--supernodes N] [--days D]
   [--force]``: a CA, the SuperLink's TLS certificate and SuperNode authentication keys
   (docs/deployment.md).
+
+A run that cannot work as configured (an unknown key, a data split the clients cannot
+make) ends with one line, ``fededge: configuration error: ...``: with exit status 2 and
+nothing started when ``fededge run`` or ``fededge simulate`` can tell up front, with 1
+when the error comes from inside Flower's runtime (as from any failed run, whose line
+is otherwise ``fededge: run failed: ...``).
 """
 
 from __future__ import annotations
@@ -61,27 +67,80 @@ def parse_run_config(text: str | None) -> dict[str, Any]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fededge.config import ConfigError
+    from fededge.server.experiment import NotEnoughNodesError, RoundFailedError
     from fededge.server.inprocess import run_inprocess
 
     try:
         overrides = parse_run_config(args.run_config)
         run_dir = run_inprocess(overrides, num_clients=args.num_clients)
-    except (ConfigError, ValueError) as err:
+    except ConfigError as err:
+        print(f"fededge: configuration error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
         print(f"fededge run: {err}", file=sys.stderr)
         return 2
+    except (RoundFailedError, NotEnoughNodesError) as err:
+        print(f"fededge: run failed: {err}", file=sys.stderr)
+        return 1
     print(f"results: {run_dir}")
     return 0
+
+
+def _fededge_app_config(app: str, overrides: dict[str, Any]) -> dict[str, Any] | None:
+    """The run config ``flwr run APP`` will hand fededge's ServerApp (the app's
+    ``[tool.flwr.app.config]`` with ``overrides`` on top), or None when APP is not an app
+    whose ServerApp is fededge's."""
+    try:
+        with open(Path(app) / "pyproject.toml", "rb") as f:
+            project = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    flwr_app = project.get("tool", {}).get("flwr", {}).get("app", {})
+    if flwr_app.get("components", {}).get("serverapp") != "fededge.server.app:app":
+        return None
+    return {**flwr_app.get("config", {}), **overrides}
+
+
+def _simulation_preflight(app: str, overrides: dict[str, Any], num_supernodes: int) -> None:
+    """Raise ConfigError, before anything starts, if fededge's app cannot run this config.
+
+    The ServerApp runs the same checks inside the simulation (so that ``flwr run`` gets
+    them too), but by then the SuperLink and Ray have started (tens of seconds) and
+    Flower logs the error with a traceback. Here it costs the run config's parse and the
+    clients' data split, once (exact: :func:`fededge.workload.check_partition`).
+    """
+    config = _fededge_app_config(app, overrides)
+    if config is None:
+        return
+    from fededge.config import ConfigError, RunConfig
+    from fededge.workload import check_partition
+
+    cfg = RunConfig.from_mapping(config)
+    try:
+        check_partition(cfg, num_supernodes)
+    except ConfigError:
+        raise
+    except (OSError, ValueError):
+        # The data cannot be read from here (say, a data-dir relative to where the
+        # simulation runs): the ServerApp checks the split inside the simulation.
+        return
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     import tempfile
 
+    from fededge.config import ConfigError
     from fededge.server.launch import flwr_run_local
 
     try:
         overrides = parse_run_config(args.run_config)
     except ValueError as err:
         print(f"fededge simulate: {err}", file=sys.stderr)
+        return 2
+    try:
+        _simulation_preflight(args.app, overrides, args.num_supernodes)
+    except ConfigError as err:
+        print(f"fededge: configuration error: {err}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="fededge-flwr-home-") as home:
         run = flwr_run_local(
@@ -93,6 +152,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           f"{run.wall_s:.1f} s; local SuperLink stopped")
     if run.leftover_pids:
         print(f"[fededge] warning: processes still alive: {run.leftover_pids}", file=sys.stderr)
+    failure = run.failure()
+    if failure:
+        print(f"fededge: {failure}", file=sys.stderr)
     return 0 if run.ok else 1
 
 

@@ -23,6 +23,10 @@ REPLY_NUM_PARTITIONS = "num-partitions"
 # and nothing else, at once; the server's grid turns the reply into an error (no answer)
 # and the simulated clock charges the round-timeout (fededge.server.metering).
 DROPPED_OUT = "dropped-out"
+# Start of the error reason of a reply from a client whose configuration cannot work (its
+# run config, node config or data split; fededge.clients.mods.config_error_mod). The
+# server stops the run on it, naming the client, instead of counting a failure per round.
+CONFIG_ERROR = "fededge-config-error"
 
 # Keys of the ConfigRecord the server sends with each train message.
 SERVER_ROUND = "server-round"

@@ -1,6 +1,15 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from fededge.cli import main, parse_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+# Issue 15's impossible split, scaled down: 100 clients cannot each get min-partition-size=10
+# of 1,600 training samples with Dirichlet alpha 0.5 (though 100 * 10 <= 1,600).
+IMPOSSIBLE = 'dataset="synthetic" synthetic-samples=2000 clients-per-round=5 num-rounds=3 model="mlp"'
 
 
 def test_parse_run_config_like_flwr():
@@ -30,6 +39,63 @@ def test_run_then_plot(tmp_path, capsys):
 def test_run_with_bad_key_exits_2_naming_it(capsys):
     assert main(["run", "--run-config", "num-round=2"]) == 2
     assert "unknown run-config key 'num-round'" in capsys.readouterr().err
+
+
+def _one_config_error_line(text: str) -> str:
+    (line,) = text.strip().splitlines()
+    assert line.startswith("fededge: configuration error: partition='dirichlet' cannot give each of the 100 ")
+    for needle in ("min-partition-size=10", "alpha=0.5", "1600 training samples", "raise alpha"):
+        assert needle in line
+    return line
+
+
+def test_run_that_cannot_split_the_data_prints_one_line_and_exits_2(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fededge.cli", "run", "--num-clients", "100", "--run-config",
+         f'{IMPOSSIBLE} results-dir="{tmp_path / "results"}"'],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stdout + out.stderr
+    assert out.stdout == ""
+    _one_config_error_line(out.stderr)
+    assert not (tmp_path / "results").exists()
+
+
+def test_simulate_checks_the_split_before_starting_flower(monkeypatch, capsys):
+    import fededge.server.launch as launch
+
+    def never(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("flwr run was started")
+
+    monkeypatch.setattr(launch, "flwr_run_local", never)
+    assert main(["simulate", str(ROOT), "--num-supernodes", "100", "--run-config", IMPOSSIBLE]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "Traceback" not in out.err
+    _one_config_error_line(out.err)
+    # A bad key is caught there too, before Flower starts.
+    assert main(["simulate", str(ROOT), "--run-config", "num-round=2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("fededge: configuration error: unknown run-config key 'num-round'")
+
+
+def test_simulate_reports_a_config_error_raised_inside_the_simulation(monkeypatch, capsys):
+    """The ServerApp checks too (for plain ``flwr run``); then the error comes from
+    Flower's run log, whose status details keep the message but not its type."""
+    import fededge.server.launch as launch
+
+    msg = "a client (node 7) reports: partition='dirichlet' cannot give ..."
+    output = ("INFO :      [ROUND 1/3]\nERROR :     Simulation raised an exception\n"
+              "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+              f"fededge.config.ConfigError: {msg}\n")
+    failed = launch.FlwrRun(0, output, "finished:failed", 1, 30.0, [],
+                            {"status-details": f"Simulation failed with exception: {msg}"})
+    monkeypatch.setattr(launch, "flwr_run_local", lambda *a, **k: failed)
+    assert main(["simulate", str(ROOT), "--num-supernodes", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"fededge: configuration error: {msg}"
+    other = launch.FlwrRun(0, "boom", "finished:failed", 1, 3.0, [],
+                           {"status-details": "Simulation failed with exception: boom"})
+    assert other.failure() == "run failed: Simulation failed with exception: boom"
+    assert launch.FlwrRun(0, "", "finished:completed", 1, 3.0, []).failure() is None
 
 
 def test_plot_of_missing_dir_exits_2(tmp_path, capsys):

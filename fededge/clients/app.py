@@ -27,7 +27,7 @@ from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, _apply, _choco_update, effective_row, mix_row,
 )
 from fededge.clients.device import resolve_device
-from fededge.clients.mods import bundle_record, compression_mod, decode_update_record
+from fededge.clients.mods import bundle_record, compression_mod, config_error_mod, decode_update_record
 from fededge.compress.update import UpdateEncoder, decode_update
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
@@ -37,7 +37,9 @@ from fededge.workload import client_data, dataset_for
 
 __all__ = ["app", "ClientWorkload", "client_workload"]
 
-app = ClientApp()
+# A configuration error (say, a data split that cannot give this node min-partition-size
+# samples) comes back to the server as a named error that stops the run.
+app = ClientApp(mods=[config_error_mod])
 
 
 @dataclass
@@ -311,6 +313,21 @@ def _choco_scale(cfg: RunConfig, numel: int) -> float:
     if cfg.choco_scale > 0:
         return cfg.choco_scale
     return 1.0 / (1.0 + cfg.update_config().variance_factor(numel))
+
+
+@app.query()
+def node_info(msg: Message, context: Context) -> Message:
+    """This node's place in the data split: ``partition-id`` and ``num-partitions``.
+
+    In Flower's simulation the server asks one node before round 1, so that it can check
+    the clients' partition (:func:`fededge.workload.check_partition`) once, itself. The
+    reply holds only what the node config has; no data is loaded.
+    """
+    nc = context.node_config
+    metrics = MetricRecord({reply: int(nc[node]) for reply, node in (
+        (keys.REPLY_PARTITION_ID, keys.PARTITION_ID), (keys.REPLY_NUM_PARTITIONS, keys.NUM_PARTITIONS))
+        if node in nc})
+    return Message(content=RecordDict({keys.METRICS: metrics}), reply_to=msg)
 
 
 @app.evaluate()

@@ -6,24 +6,35 @@ state (residuals, PowerSGD's Q, DGC's buffers) in ``context.state``. The compres
 payloads travel in a record named ``compressed`` instead of ``arrays``, so a server
 without :class:`fededge.strategies.compressed.Compressed` fails loudly rather than
 averaging bytes. The arithmetic is :mod:`fededge.compress.update`.
+
+:func:`config_error_mod` answers a message the client cannot run because of its
+configuration with a named error reply, which stops the run on the server.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fededge import keys
 from fededge.compress.bundle import pack_bundle, unpack_bundle
 from fededge.compress.update import UpdateEncoder, decode_update
-from fededge.config import RunConfig
+from fededge.config import ConfigError, RunConfig
+from fededge.data.partition import PartitionError
 
-__all__ = ["bundle_payloads", "bundle_record", "compression_mod", "decode_downlink",
+__all__ = ["bundle_payloads", "bundle_record", "compression_mod", "config_error_mod", "decode_downlink",
            "decode_update_record", "BUNDLE", "COMPRESSED", "COMPRESSED_DOWN", "UNCOMPRESSED"]
+
+log = logging.getLogger(__name__)
+
+#: ``flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (not public API): the
+#: code Flower's runtimes give a reply whose ClientApp raised.
+CLIENT_APP_RAISED_EXCEPTION = 2
 
 COMPRESSED = "compressed"  # record holding one uint8 array: the bundle of wire payloads
 COMPRESSED_DOWN = "compressed-down"  # the same, for the model the server broadcasts
@@ -126,3 +137,28 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     reply.content = content
     return reply
 
+
+def config_error_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Turn a configuration error of this client into an error reply the server recognises.
+
+    A :class:`~fededge.config.ConfigError` (a run config, node config or data split that
+    cannot work) or the partitioner's :class:`~fededge.data.PartitionError` raised while
+    handling ``msg`` becomes an error reply whose reason starts with
+    ``keys.CONFIG_ERROR``. :class:`fededge.server.metering.MeteredGrid` stops the run on
+    it with the client's message: every later round would fail the same way, so counting
+    it as one more failed client per round would only delay the news. Any other
+    exception passes through, and the runtime turns it into an ordinary failure.
+
+    No traceback is logged (a configuration error is not a bug) and the client logs it
+    at DEBUG only: the server reports it, naming the node.
+
+    Examples
+    --------
+    >>> app = ClientApp(mods=[config_error_mod])  # doctest: +SKIP
+    """
+    try:
+        return call_next(msg, context)
+    except (ConfigError, PartitionError) as err:
+        log.debug("configuration error, replied to the server: %s", err)
+        return Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=f"{keys.CONFIG_ERROR}: {err}"),
+                       reply_to=msg)

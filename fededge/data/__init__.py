@@ -7,12 +7,13 @@ non-IID the result is. See docs/data.md.
 """
 
 from .datasets import DATASETS, Dataset, ForbiddenGlobalError, load_dataset
-from .partition import PARTITIONS, label_distribution, label_skew, partition
+from .partition import PARTITIONS, PartitionError, label_distribution, label_skew, partition
 
 __all__ = [
     "DATASETS",
     "PARTITIONS",
     "Dataset",
+    "PartitionError",
     "ForbiddenGlobalError",
     "label_distribution",
     "label_skew",

@@ -17,9 +17,45 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PARTITIONS", "label_distribution", "label_skew", "partition"]
+__all__ = ["PARTITIONS", "PartitionError", "label_distribution", "label_skew", "partition"]
 
 PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards")
+
+
+class PartitionError(ValueError):
+    """The samples cannot be split as asked: too few for the clients, the shards or
+    ``min_partition_size``.
+
+    Every argument is valid on its own; together they ask for more than the data holds.
+    The message says which knob to turn; the attributes let a caller that knows its own
+    names for the knobs (fededge's run config) say it in those.
+
+    Attributes
+    ----------
+    scheme : str
+        The partition scheme asked for.
+    num_partitions, num_samples : int
+        Clients asked for, and samples (labels) there are to split.
+    needed : int or None
+        Samples the request needs outright (``num_partitions * min_partition_size``,
+        or one per shard or partition) when that alone exceeds ``num_samples``; None
+        when the request was possible in principle but no seeded draw met it.
+    smallest : int or None
+        ``"dirichlet"``, when every draw failed: the smallest client of the last draw.
+    draws : int or None
+        ``"dirichlet"``, when every draw failed: how many were made (``max_retries``).
+    """
+
+    def __init__(self, message: str, *, scheme: str, num_partitions: int, num_samples: int,
+                 needed: int | None = None, smallest: int | None = None,
+                 draws: int | None = None) -> None:
+        super().__init__(message)
+        self.scheme = scheme
+        self.num_partitions = num_partitions
+        self.num_samples = num_samples
+        self.needed = needed
+        self.smallest = smallest
+        self.draws = draws
 
 
 def partition(
@@ -81,9 +117,14 @@ def partition(
 
     Raises
     ------
+    PartitionError
+        (a ``ValueError``) Valid arguments that ask for more than the data holds: more
+        partitions than samples, more shards than samples, or a Dirichlet request that
+        could not meet ``min_partition_size`` (the message says which knob to turn).
+        Deterministic: the same arguments raise it on every machine, so a server can
+        run the same call once to know whether its clients' calls will fail.
     ValueError
-        Invalid argument, unknown ``scheme``, or a Dirichlet request that could not
-        meet ``min_partition_size`` (the message says which knob to turn).
+        Invalid argument or unknown ``scheme``.
 
     Examples
     --------
@@ -98,11 +139,6 @@ def partition(
         raise ValueError(f"labels must be a 1-D array, got shape {y.shape}")
     n = y.shape[0]
     _check_int("num_partitions", num_partitions, minimum=1)
-    if num_partitions > n:
-        raise ValueError(
-            f"num_partitions must be <= len(labels) = {n} so that no partition is "
-            f"empty, got {num_partitions}"
-        )
     _check_int("shards_per_partition", shards_per_partition, minimum=1)
     _check_int("seed", seed, minimum=0)
     _check_int("min_partition_size", min_partition_size, minimum=0)
@@ -114,6 +150,12 @@ def partition(
     if scheme not in PARTITIONS:
         raise ValueError(
             f"unknown partition scheme {scheme!r}; choose one of {PARTITIONS}"
+        )
+    if num_partitions > n:
+        raise PartitionError(
+            f"num_partitions must be <= len(labels) = {n} so that no partition is "
+            f"empty, got {num_partitions}",
+            scheme=scheme, num_partitions=num_partitions, num_samples=n, needed=num_partitions,
         )
 
     rng = np.random.default_rng(seed)
@@ -151,17 +193,21 @@ def _dirichlet(
 ) -> list[np.ndarray]:
     n = y.shape[0]
 
-    def impossible(detail: str) -> ValueError:
-        return ValueError(
+    def impossible(detail: str, **facts: int) -> PartitionError:
+        return PartitionError(
             f"dirichlet partition cannot give each of num_partitions={k} clients at "
             f"least min_partition_size={min_partition_size} of the {n} samples with "
             f"alpha={alpha}: {detail}. Raise alpha (more even splits), lower the "
             f"number of clients (num-clients / num_partitions) or lower "
-            f"min_partition_size."
+            f"min_partition_size.",
+            scheme="dirichlet", num_partitions=k, num_samples=n, **facts,
         )
 
+    # Necessary, and free to check; not sufficient: a request that passes it can still
+    # fail every draw below, and only running the draws tells.
     if k * min_partition_size > n:
-        raise impossible(f"that needs {k * min_partition_size} samples in total")
+        raise impossible(f"that needs {k * min_partition_size} samples in total",
+                         needed=k * min_partition_size)
 
     _, inverse = np.unique(y, return_inverse=True)
     inverse = inverse.reshape(-1)
@@ -183,7 +229,8 @@ def _dirichlet(
     else:
         raise impossible(
             f"after max_retries={max_retries} draws the smallest client still had "
-            f"{int(sizes.min())}"
+            f"{int(sizes.min())}",
+            smallest=int(sizes.min()), draws=max_retries,
         )
 
     chunks: list[list[np.ndarray]] = [[] for _ in range(k)]
@@ -199,11 +246,12 @@ def _shards(
     n = y.shape[0]
     num_shards = k * shards_per_partition
     if num_shards > n:
-        raise ValueError(
+        raise PartitionError(
             f"shards needs num_partitions * shards_per_partition = {k} * "
             f"{shards_per_partition} = {num_shards} shards of at least one sample, "
             f"but there are only {n} samples; lower shards_per_partition or "
-            f"num_partitions"
+            f"num_partitions",
+            scheme="shards", num_partitions=k, num_samples=n, needed=num_shards,
         )
     # Shuffle first so that the stable sort orders samples randomly within a class.
     perm = rng.permutation(n)

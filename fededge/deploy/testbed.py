@@ -1196,6 +1196,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     print(f"[fededge] flwr run: exit {result.returncode}, run {result.run_id} status {result.status}, "
           f"{result.wall_s:.1f} s")
+    failure = result.failure()
+    if failure:  # a client's configuration error stops the run by name (fededge.server.metering)
+        print(f"fededge: {failure}", file=sys.stderr)
     return 0 if result.ok else 1
 
 

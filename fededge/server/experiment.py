@@ -5,6 +5,16 @@ The round loop is Flower's own ``Strategy.start``; fededge adds around it a
 evaluation on the held-out test set (Flower's ``evaluate_fn``, called after every
 round) and the :class:`~fededge.server.results.RunRecorder`. Any strategy from
 ``flwr.serverapp.strategy`` can therefore be swapped in.
+
+Before round 1, in simulation, the server makes the clients' data split once itself
+(:func:`check_data_split`): a split that cannot work stops the run with one
+:class:`~fededge.config.ConfigError` instead of failing every client of every round.
+
+Each client problem of a round is reported once, in one line: "a client failed" (its
+ClientApp raised; an error reply) or "... was rejected" (its reply arrived but did not
+decode into a usable update). The strategies record the reasons; this module reports
+them. Flower's own strategies also log each error reply ("Received error in reply from
+node ..."), a line fededge cannot turn off through Flower's public API.
 """
 
 from __future__ import annotations
@@ -21,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.clients.device import resolve_device
 from fededge.clients.train import evaluate
@@ -34,6 +45,7 @@ from fededge.netem.assign import assign_links
 from fededge.algorithms.dga import DGAConfig, DGATimeline
 from fededge.algorithms.gossip import GossipTimeline, GossipWork
 from fededge.netem.clock import ClientRound, SimClock, clock_compute_s, synchronous_round
+from fededge.server.inprocess import InProcessGrid
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import Progress, RunRecorder, new_run_id
 from fededge.strategies.compressed import Compressed
@@ -41,11 +53,11 @@ from fededge.strategies.asyncfl import AsyncFL, AsyncRoundInfo, BackupWorkers
 from fededge.strategies.dga import DGA
 from fededge.strategies.gossip import Gossip, GossipRoundInfo
 from fededge.strategies.registry import build_strategy
-from fededge.workload import dataset_for, model_for
+from fededge.workload import check_partition, dataset_for, model_for
 
 __all__ = [
-    "ExperimentResult", "NotEnoughNodesError", "RoundFailedError", "run_experiment",
-    "train_config", "wait_for_nodes",
+    "ExperimentResult", "NotEnoughNodesError", "RoundFailedError", "check_data_split", "run_experiment",
+    "simulated_data_splits", "train_config", "wait_for_nodes",
 ]
 
 log = logging.getLogger("fededge")
@@ -82,6 +94,57 @@ def wait_for_nodes(grid: Grid, needed: int, timeout_s: float, *, poll_s: float =
                 "or start more SuperNodes (num-supernodes in simulation)"
             )
         time.sleep(poll_s)
+
+
+def simulated_data_splits(grid: Grid, timeout_s: float) -> list[tuple[int, str | None]]:
+    """The ``(num-partitions, data-dir)`` splits a simulation's clients will make; [] elsewhere.
+
+    fededge's in-process grid holds every node's config. Flower's simulation hands the
+    ServerApp no node configs, and its nodes register while the ServerApp starts, so
+    counting them could come too early: one node is asked instead, with a ``query``
+    message to fededge's ClientApp (:func:`fededge.clients.app.node_info`; not metered,
+    it is no part of training). No answer, or a ClientApp without that handler, leaves
+    the check to the clients. In a deployment each node has its own node config and
+    may have its own data, so the server does not guess: a client that cannot make its
+    split replies with a named configuration error, which stops the run
+    (:func:`fededge.clients.mods.config_error_mod`).
+    """
+    inner = grid
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    if isinstance(inner, InProcessGrid):
+        return inner.data_splits()
+    if not fi.is_flower_simulation(inner):
+        return []
+    node = next(iter(inner.get_node_ids()), None)
+    if node is None:
+        return []
+    msg = Message(RecordDict(), node, MessageType.QUERY, group_id="fededge-node-info")
+    replies = list(inner.send_and_receive([msg], timeout=timeout_s))
+    if not replies or replies[0].has_error() or keys.METRICS not in replies[0].content:
+        log.debug("no node config from node %d (%s); the clients check their own split", node,
+                  replies[0].error.reason if replies and replies[0].has_error() else "no usable reply")
+        return []
+    metrics = replies[0].content[keys.METRICS]
+    if keys.REPLY_NUM_PARTITIONS not in metrics:
+        return []
+    return [(int(metrics[keys.REPLY_NUM_PARTITIONS]), None)]
+
+
+def check_data_split(grid: Grid, cfg: RunConfig) -> float:
+    """In simulation, make the clients' data split once on the server; return its seconds.
+
+    Raises :class:`~fededge.config.ConfigError` (naming ``min-partition-size``, ``alpha``,
+    the sample count and the number of clients) when the clients could not make it:
+    exactly when, since it is the clients' own seeded partition
+    (:func:`fededge.workload.check_partition`). Without this, every client of round 1
+    would compute the same split only to fail, and the run would stop on a generic
+    "no client update could be used".
+    """
+    t0 = time.perf_counter()
+    for num_partitions, data_dir in simulated_data_splits(grid, cfg.round_timeout):
+        check_partition(cfg, num_partitions, data_dir)
+    return time.perf_counter() - t0
 
 
 class RoundClock:
@@ -325,6 +388,13 @@ def run_experiment(
         }
         return out
 
+    def report(text: str) -> None:
+        """One line per client problem: on the progress stream, or logged when it is off."""
+        if progress.mode == "off":
+            log.warning(text)
+        else:
+            progress.note(text)
+
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
         final["arrays"] = arrays
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -340,13 +410,15 @@ def run_experiment(
         info = strategy.take_round_info(rnd) if isinstance(strategy, DGA) else None
         ginfo = gossip.take_round_info(rnd) if gossip is not None else None
         extra: dict[str, Any] = {}
+        for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
+            report(f"round {rnd}: a client failed: {err}")
         for reason in info.reasons if info else []:
-            progress.note(f"round {rnd}: a client update was rejected and left out: {reason}")
+            report(f"round {rnd}: a client update was rejected and left out: {reason}")
         if ginfo is not None:
             round_sim_s = round_clock.gossip_round_duration(ginfo, rnd) if rnd else 0.0
             extra |= gossip_metrics(rnd, ginfo, acc, loss)
             for reason in ginfo.reasons:
-                progress.note(f"round {rnd}: a gossip message was rejected and left out: {reason}")
+                report(f"round {rnd}: a gossip message was rejected and left out: {reason}")
             if rnd:
                 extra["wait_s"] = None if round_clock.last_wait_s is None else round(round_clock.last_wait_s, 6)
         elif asyn is not None:
@@ -355,7 +427,7 @@ def run_experiment(
             if ainfo:
                 extra |= async_metrics(ainfo)
                 for reason in ainfo.reasons:
-                    progress.note(f"round {rnd}: a client update was rejected and left out: {reason}")
+                    report(f"round {rnd}: a client update was rejected and left out: {reason}")
         else:
             round_sim_s = round_clock.round_duration(traffic, rnd)
             if traffic.dropped:
@@ -376,10 +448,7 @@ def run_experiment(
                                 else round(round_clock.last_wait_s, 6)),
                      "pipelined": info.pipelined}
         for reason in comp.reasons if comp else []:
-            progress.note(f"round {rnd}: a compressed update was rejected and left out: {reason}")
-        for err in traffic.errors:
-            progress.note(f"round {rnd}: a client update was rejected and left out: {err}")
-            log.warning("round %d: a client update was rejected and left out: %s", rnd, err)
+            report(f"round {rnd}: a compressed update was rejected and left out: {reason}")
         # Gossip: what the relay carried for gossip; the CHOCO nodes' models sent only so
         # that the server can evaluate them are counted apart (bytes_eval_up).
         rec = recorder.record_round(
@@ -419,6 +488,8 @@ def run_experiment(
         # netem-file stops the run before any training.
         assign_links(cfg.netem, max(connected, 1), seed=cfg.seed, netem_file=cfg.netem_file,
                      speed=cfg.compute_speed)
+        split_s = check_data_split(grid, cfg)
+        log.debug("the clients' data split checked in %.3f s", split_s)
         with seeded_sampling(cfg.seed):
             result = strategy.start(
                 grid=metered, initial_arrays=initial, num_rounds=cfg.num_rounds,

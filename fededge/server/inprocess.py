@@ -12,7 +12,10 @@ shares memory with the server and the bytes counted are those of the real transp
 Semantics match a deployment's: messages to a node run one at a time, in the order they
 were pushed; a ServerApp may push several rounds ahead and pull later (execution
 happens when a reply is pulled). An exception in the ClientApp becomes an error reply,
-as Flower's runtimes do, and the strategy leaves that node out.
+as Flower's runtimes do, and the strategy leaves that node out. Its traceback is logged
+the first time that error (type and message) occurs in the grid; repeats, one per
+failing client and round, are logged at DEBUG, since the server reports every failure
+in one line anyway.
 
 Private Flower internals used here live in :mod:`fededge._flwr_internals`.
 """
@@ -35,6 +38,7 @@ from flwr.serverapp import Grid, ServerApp
 from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.config import ConfigError, RunConfig
+from fededge.workload import check_partition
 
 __all__ = ["InProcessGrid", "run_inprocess", "SERVER_RESULT_KEY"]
 
@@ -91,11 +95,11 @@ class InProcessGrid(Grid):
             raise ValueError(f"node_configs has {len(node_configs)} entries for {num_nodes} nodes")
         self.client_app = client_app
         rng = random.Random(seed)
-        ids: list[int] = []
+        ids: dict[int, None] = {}  # ordered, with O(1) membership: 10,000 nodes in ms, not seconds
         while len(ids) < num_nodes:
             nid = rng.getrandbits(63)
             if nid > SUPERLINK_NODE_ID and nid not in ids:
-                ids.append(nid)
+                ids[nid] = None
         self.contexts: dict[int, Context] = {}
         for i, nid in enumerate(ids):
             node_config = {keys.PARTITION_ID: i, keys.NUM_PARTITIONS: num_nodes}
@@ -110,6 +114,15 @@ class InProcessGrid(Grid):
         self._pending: OrderedDict[str, tuple[int, str, dict[str, bytes]]] = OrderedDict()
         self._replies: dict[str, Message] = {}
         self.messages_run = 0
+        self._errors_seen: set[str] = set()  # errors whose traceback was logged already
+
+    def data_splits(self) -> list[tuple[int, str | None]]:
+        """Every distinct ``(num-partitions, data-dir)`` of the nodes' configs (data-dir
+        None when a node has none of its own): the splits its clients will make."""
+        return sorted({
+            (int(c.node_config[keys.NUM_PARTITIONS]), str(c.node_config.get(keys.DATA_DIR, "")) or None)
+            for c in self.contexts.values() if keys.NUM_PARTITIONS in c.node_config
+        }, key=lambda s: (s[0], s[1] or ""))
 
     # -- Grid API ----------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001
@@ -170,8 +183,12 @@ class InProcessGrid(Grid):
         try:
             reply = self.client_app(msg, ctx)
         except Exception as err:  # noqa: BLE001 - becomes an error reply, as in Flower
-            log.error("ClientApp on node %d raised:\n%s", node_id, traceback.format_exc())
-            reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
+            reason = f"{type(err).__name__}: {err}"
+            first = reason not in self._errors_seen
+            self._errors_seen.add(reason)
+            log.log(logging.ERROR if first else logging.DEBUG, "ClientApp on node %d raised%s:\n%s", node_id,
+                    "" if first else " (again)", traceback.format_exc())
+            reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
         # The reply crosses the wire too.
         back = fi.message_from_objects(reply.object_id, fi.message_objects(reply))
         fi.set_message_id(back, reply.object_id)
@@ -214,6 +231,10 @@ def run_inprocess(
         client_app or default_client, num_nodes=num_clients, run_config=run_config,
         run_id=run_id, node_configs=node_configs, seed=cfg.seed,
     )
+    # A data split the clients cannot make stops the run here, before anything starts,
+    # with one ConfigError. The split is cached: the clients reuse it.
+    for num_partitions, data_dir in grid.data_splits():
+        check_partition(cfg, num_partitions, data_dir)
     server_ctx = Context(
         run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={},
         state=RecordDict(), run_config=dict(run_config),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,28 @@ class FlwrRun:
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and self.status == "finished:completed"
+
+    def failure(self) -> str | None:
+        """Why the run failed, in one line; None when it succeeded.
+
+        ``configuration error: ...`` when the ServerApp stopped on a
+        :class:`~fededge.config.ConfigError` (the last line of the traceback Flower logs
+        into the run's output: Flower's run status keeps the message but not the
+        exception's type), else ``run failed: `` and Flower's status details.
+        """
+        if self.ok:
+            return None
+        found = _CONFIG_ERROR_LINE.findall(self.output)
+        if found:
+            return f"configuration error: {found[-1].strip()}"
+        if self.returncode == 124:
+            return "run failed: flwr run timed out"
+        details = str(self.info.get("status-details", "") or "").strip()
+        return f"run failed: {details or f'status {self.status}, flwr run exit {self.returncode}'}"
+
+
+#: The last line of a traceback whose exception is fededge's ConfigError.
+_CONFIG_ERROR_LINE = re.compile(r"^(?:fededge\.config\.)?ConfigError: (.+)$", re.MULTILINE)
 
 
 def format_run_config(cfg: Mapping[str, Any]) -> str:

@@ -6,6 +6,11 @@ each message pushed to a node (downlink) and each reply pulled (uplink). It also
 collects what the replies report about themselves (compute time, errors), so the
 round recorder can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``.
 
+A reply that carries a client's configuration error (reason ``keys.CONFIG_ERROR``, from
+:func:`fededge.clients.mods.config_error_mod`) is counted like any failure and then
+stops the run: the grid raises :class:`~fededge.config.ConfigError` with the client's
+message, since every later round would fail the same way.
+
 Sizes are those of the message's object tree as Flower sends it (see
 ``fededge._flwr_internals.message_objects``), per message: a model broadcast to ten
 nodes counts ten times, because each node's link carries it once.
@@ -24,6 +29,7 @@ from flwr.serverapp import Grid
 
 from fededge import keys
 from fededge._flwr_internals import wire_size
+from fededge.config import ConfigError
 from fededge.strategies._replies import dropout_reason
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
@@ -120,8 +126,13 @@ class MeteredGrid(Grid):
                     node.bytes_down += n
 
     def _count_up(self, replies: list[Message]) -> list[Message]:
-        """Count the replies; return them with simulated dropouts turned into errors."""
+        """Count the replies; return them with simulated dropouts turned into errors.
+
+        Raises :class:`~fededge.config.ConfigError` once they are counted if any reply
+        is a client's configuration error.
+        """
         out = []
+        config_errors: list[str] = []
         for r in replies:
             n = wire_size(r)
             with self._lock:
@@ -131,6 +142,9 @@ class MeteredGrid(Grid):
                 if r.has_error():
                     t.failures += 1
                     t.errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
+                    if r.error.reason.startswith(keys.CONFIG_ERROR):
+                        detail = r.error.reason.removeprefix(keys.CONFIG_ERROR).removeprefix(": ")
+                        config_errors.append(f"a client (node {r.metadata.src_node_id}) reports: {detail}")
                     out.append(r)
                     continue
                 metrics = r.content[keys.METRICS] if keys.METRICS in r.content else {}
@@ -155,6 +169,10 @@ class MeteredGrid(Grid):
                         node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
                     if keys.REPLY_NUM_PARTITIONS in metrics:
                         node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
+        if config_errors:
+            more = len(config_errors) - 1
+            raise ConfigError(config_errors[0] + (f" ({more} more of the {len(replies)} replies "
+                                                  "reported a configuration error)" if more else ""))
         return out
 
     # -- Grid ----------------------------------------------------------------------

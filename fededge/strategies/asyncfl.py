@@ -371,9 +371,14 @@ class AsyncFL(_Loop):
                 if reply is not None and not reply.has_error():
                     pending.rejected += 1
                     pending.reasons.append(f"node {ev.client}: {why}")
-                if reply is None or not is_dropout(reply):
+                # An error or a rejected reply is reported once by the caller (the grid's
+                # metering, take_round_info().reasons); only a missing reply is logged here.
+                if reply is None:
                     log.warning("%s: node %d written off at sim %.1f s: %s", self.config.mode, ev.client,
                                 ev.time, why)
+                elif not is_dropout(reply):
+                    log.debug("%s: node %d written off at sim %.1f s: %s", self.config.mode, ev.client,
+                              ev.time, why)
                 return
             sched.finish(ev.client)
             streak["n"] = 0

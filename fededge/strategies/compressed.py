@@ -7,9 +7,10 @@ the global arrays it sent each round, decodes every reply back into full weights
 ``Compressed(FedAvg(...))`` and ``Compressed(FedAdam(...))`` both work unchanged.
 
 A reply that does not decode (truncated, unknown version or codec, shape mismatch, index
-out of range, NaN/Inf) is rejected. It is logged with the node and the reason and
-counted for ``metrics.jsonl``, and the round goes on without it: nothing is lost but
-that one client's update.
+out of range, NaN/Inf) is rejected. It is counted, with the node and the reason, in
+:meth:`Compressed.take_stats` (fededge's runner reports it, one line, and writes it to
+``metrics.jsonl``; here it is logged at DEBUG only), and the round goes on without it:
+nothing is lost but that one client's update.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Compressed(Strategy):
                 reason = f"node {r.metadata.src_node_id}: {err}"
                 self._stats.rejected += 1
                 self._stats.reasons.append(reason)
-                log.warning("round %d: rejected a client update: %s", server_round, reason)
+                log.debug("round %d: rejected a client update: %s", server_round, reason)
         return self.inner.aggregate_train(server_round, kept)
 
     def configure_evaluate(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201

@@ -251,7 +251,9 @@ class DGA(FedAvg):
             if not r.has_error():  # errors are counted by the grid's metering already
                 info.rejected += 1
                 info.reasons.append(f"node {node}: {why}")
-            log.warning("DGA round %d: node %d left out: %s", t, node, why)
+            # Reported once by the caller: errors from the grid's metering, rejections
+            # from take_round_info().reasons.
+            log.debug("DGA round %d: node %d left out: %s", t, node, why)
         stale = [int(m[keys.DGA_STALENESS]) for r in valid
                  for m in r.content.metric_records.values() if keys.DGA_STALENESS in m]
         if stale:

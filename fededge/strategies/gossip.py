@@ -310,7 +310,9 @@ class Gossip(FedAvg):
                 if not r.has_error():
                     info.rejected += 1
                     info.reasons.append(f"node {r.metadata.src_node_id} (gossip index {i}): {why}")
-                log.warning("gossip round %d: node %d (index %d) left out: %s", t, r.metadata.src_node_id, i, why)
+                # Reported once by the caller: errors from the grid's metering, rejections
+                # from take_round_info().reasons.
+                log.debug("gossip round %d: node %d (index %d) left out: %s", t, r.metadata.src_node_id, i, why)
                 continue
             sent[i] = rec
             metrics = r.content[keys.METRICS]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.datasets import load_digits
 
-from fededge.data import PARTITIONS, label_distribution, label_skew, partition
+from fededge.data import PARTITIONS, PartitionError, label_distribution, label_skew, partition
 
 DIGITS_Y = load_digits().target  # 1,797 labels, 10 classes of 174..183
 
@@ -135,6 +135,43 @@ def test_impossible_dirichlet_request_says_what_to_change(k, kw):
     for needle in ("alpha", "num-clients", "min_partition_size=10",
                    f"num_partitions={k}"):
         assert needle in msg
+
+
+@pytest.mark.parametrize(
+    "k,kw,needed,draws",
+    [
+        (1000, {"scheme": "dirichlet"}, 10_000, None),  # k * min_partition_size > n
+        (100, {"scheme": "dirichlet", "alpha": 0.05}, None, 20),  # every seeded draw fails
+        (1000, {"scheme": "shards", "shards_per_partition": 2}, 2000, None),
+        (1798, {"scheme": "iid"}, 1798, None),  # more partitions than samples
+    ],
+)
+def test_impossible_requests_raise_partition_error_with_the_facts(k, kw, needed, draws):
+    with pytest.raises(PartitionError) as err:
+        partition(DIGITS_Y, k, min_partition_size=10, max_retries=20, **kw)
+    e = err.value
+    assert isinstance(e, ValueError)  # callers catching ValueError keep working
+    assert (e.scheme, e.num_partitions, e.num_samples) == (kw["scheme"], k, len(DIGITS_Y))
+    assert (e.needed, e.draws) == (needed, draws)
+    assert (e.smallest is not None) == (draws is not None)
+    if draws is not None:
+        assert 0 <= e.smallest < 10
+
+
+def test_a_failed_dirichlet_request_fails_the_same_way_every_time():
+    """What lets a server run the clients' partition once and know their outcome."""
+    msgs = set()
+    for _ in range(3):
+        with pytest.raises(PartitionError) as err:
+            partition(DIGITS_Y, 100, scheme="dirichlet", alpha=0.05, seed=4, max_retries=20)
+        msgs.add((str(err.value), err.value.smallest))
+    assert len(msgs) == 1
+
+
+def test_invalid_arguments_are_not_partition_errors():
+    with pytest.raises(ValueError) as err:
+        partition(DIGITS_Y, 10, alpha=0.0)
+    assert not isinstance(err.value, PartitionError)
 
 
 def test_shards_give_each_client_about_two_classes():

@@ -63,6 +63,28 @@ def test_flwr_run_with_a_bad_value_fails_before_training(tmp_path):
     assert not results.exists()
 
 
+def test_flwr_run_stops_before_round_1_on_a_split_the_clients_cannot_make(tmp_path):
+    """Issue 15 on Ray: Flower's simulation shows the ServerApp no node configs, so it asks
+    one node its num-partitions (a query message), makes the clients' split itself and
+    stops with one ConfigError; no client trains. 100 * 10 <= 1,600 training samples, yet
+    no seeded Dirichlet draw (alpha 0.5) gives each of 100 clients 10."""
+    results = tmp_path / "results"
+    run = flwr_run_local(
+        ROOT, flwr_home=tmp_path / "flwr-home", num_supernodes=100, timeout_s=300,
+        run_config={"dataset": "synthetic", "synthetic-samples": 2000, "clients-per-round": 5,
+                    "model": "mlp", "results-dir": str(results)},
+    )
+    assert run.leftover_pids == []
+    assert run.status == "finished:failed", run.output[-3000:]
+    failure = run.failure()
+    assert failure.startswith("configuration error: partition='dirichlet' cannot give each of the 100 "), failure
+    for needle in ("min-partition-size=10", "alpha=0.5", "1600 training samples", "raise alpha"):
+        assert needle in failure
+    assert "[ROUND 1" not in run.output  # stopped before Flower's round loop began
+    (run_dir,) = list(results.iterdir())
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
 def test_flwr_run_with_compressed_uplink_and_downlink(tmp_path):
     """The client mod and the server wrapper under Flower's Ray runtime."""
     results = tmp_path / "results"

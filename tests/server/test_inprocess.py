@@ -242,7 +242,7 @@ def test_run_fails_loudly_when_every_client_fails(tmp_path):
     assert summary["total_failures"] == 3
 
 
-def test_one_bad_node_is_rejected_and_the_run_goes_on(tmp_path):
+def test_one_failing_node_is_left_out_and_the_run_goes_on(tmp_path):
     nodes = [{}, {"partition-id": 99}, {}]
     run_dir = run_inprocess({"num-rounds": 2, "local-steps": 3, "results-dir": str(tmp_path),
                              "progress": "off"}, num_clients=3, node_configs=nodes)
