@@ -5,7 +5,10 @@ build their workload here, so the three see the same data split and the same
 initial model for the same config.
 
 Caches are keyed on the config fields that determine the data only (:func:`data_key`),
-so a sweep over learning rates or local steps in one process shares one copy.
+so a sweep over learning rates or local steps in one process shares one copy. Across
+processes (a SuperNode starts one per message) the data set and each client's arrays
+are also kept on disk, memory-mapped (:mod:`fededge.nodecache`; off with
+``FEDEDGE_CACHE_DIR=off``): a fresh process maps them instead of rebuilding them.
 
 A split that cannot work (too few samples for the clients, or no seeded Dirichlet draw
 that gives every client ``min-partition-size``) raises :class:`~fededge.config.ConfigError`
@@ -14,20 +17,23 @@ in run-config terms; :func:`check_partition` lets a server find out before round
 
 from __future__ import annotations
 
+import importlib.util
 from functools import lru_cache
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from fededge.config import ConfigError, RunConfig
-from fededge.data.datasets import Dataset, load_dataset
+from fededge.data.datasets import CIFAR10_SUBDIR, CIFAR10_TEST_FILE, CIFAR10_TRAIN_FILES, MNIST_FILES, Dataset, load_dataset
 from fededge.data.partition import PartitionError, partition
 from fededge.models.zoo import build_model
+from fededge.nodecache import NodeCache, default_cache_dir, file_stats
 
-__all__ = ["DataKey", "check_partition", "client_data", "data_key", "dataset_for", "model_for",
-           "partition_indices"]
+__all__ = ["DataKey", "check_partition", "client_cache_fields", "client_data", "data_key", "dataset_files", "dataset_for", "model_for",
+           "node_cache", "partition_indices"]
 
 
 class DataKey(NamedTuple):
@@ -56,11 +62,60 @@ def dataset_for(cfg: RunConfig, data_dir: str | None = None) -> Dataset:
     return _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
 
 
+def node_cache() -> NodeCache | None:
+    """The on-disk cache of this process's environment (None when switched off)."""
+    root = default_cache_dir()
+    if root is None:
+        return None
+    if _CACHES.get(root) is None:
+        _CACHES[root] = NodeCache(root)
+    return _CACHES[root]
+
+
+_CACHES: dict[Path, NodeCache] = {}
+
+
+def dataset_files(name: str, data_dir: str | None) -> list[Path]:
+    """The files on disk that data set ``name`` is read from (for the cache's key)."""
+    if name == "digits":
+        spec = importlib.util.find_spec("sklearn")  # locates, does not import, scikit-learn
+        if spec is None or spec.origin is None:
+            return []
+        return [Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"]
+    if data_dir is None:
+        return []
+    d = Path(data_dir)
+    if name == "mnist":
+        return [base / (f + gz) for f in MNIST_FILES.values() for base in (d, d / "MNIST" / "raw")
+                for gz in ("", ".gz")]
+    if name == "cifar10":
+        return [base / f for f in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE) for base in (d, d / CIFAR10_SUBDIR)]
+    return []
+
+
+def _dataset_fields(name: str, data_dir: str | None, seed: int, synthetic_samples: int,
+                    synthetic_amplitude: float) -> dict[str, Any]:
+    return {"dataset": name, "data_dir": data_dir, "seed": seed, "synthetic_samples": synthetic_samples,
+            "synthetic_amplitude": synthetic_amplitude, "files": file_stats(dataset_files(name, data_dir))}
+
+
 @lru_cache(maxsize=2)
 def _dataset(name: str, data_dir: str | None, seed: int, synthetic_samples: int,
              synthetic_amplitude: float) -> Dataset:
-    return load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
-                        synthetic_amplitude=synthetic_amplitude)
+    def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        ds = load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
+                          synthetic_amplitude=synthetic_amplitude)
+        arrays = {k: getattr(ds, k).numpy() for k in ("x_train", "y_train", "x_test", "y_test")}
+        return arrays, {"name": ds.name, "num_classes": ds.num_classes}
+
+    cache = node_cache()
+    if cache is None:
+        return load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
+                            synthetic_amplitude=synthetic_amplitude)
+    arrays, meta = cache.get_or_build(
+        "dataset", _dataset_fields(name, data_dir, seed, synthetic_samples, synthetic_amplitude), build)
+    return Dataset(str(meta["name"]), *(torch.from_numpy(arrays[k]) for k in ("x_train", "y_train")),
+                   *(torch.from_numpy(arrays[k]) for k in ("x_test", "y_test")), num_classes=int(meta["num_classes"]))
 
 
 def partition_indices(cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> list[np.ndarray]:
@@ -87,7 +142,7 @@ def check_partition(cfg: RunConfig, num_partitions: int, data_dir: str | None = 
     >>> check_partition(cfg, 1000)
     Traceback (most recent call last):
     ...
-    fededge.config.ConfigError: partition='dirichlet' cannot give each of the 1000 clients ...
+    fededge.errors.ConfigError: partition='dirichlet' cannot give each of the 1000 clients ...
     """
     partition_indices(cfg, num_partitions, data_dir)
 
@@ -143,11 +198,28 @@ def client_data(
     return _client_tensors(data_key(cfg, data_dir), partition_id, num_partitions, str(device))
 
 
+def client_cache_fields(k: DataKey, partition_id: int, num_partitions: int) -> dict[str, Any]:
+    """What a client's cached arrays depend on: the data key, its place in the split, and the
+    data set's files (size and mtime)."""
+    return {**k._asdict(), "files": file_stats(dataset_files(k.dataset, k.data_dir)),
+            "partition_id": partition_id, "num_partitions": num_partitions}
+
+
 @lru_cache(maxsize=64)
 def _client_tensors(k: DataKey, pid: int, n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
-    idx = torch.from_numpy(_partition(k, n)[pid])
-    return ds.x_train.index_select(0, idx).to(device), ds.y_train.index_select(0, idx).to(device)
+    def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
+        idx = _partition(k, n)[pid]
+        t = torch.from_numpy(idx)
+        return {"index": idx, "x": ds.x_train.index_select(0, t).numpy(),
+                "y": ds.y_train.index_select(0, t).numpy()}, {}
+
+    cache = node_cache()
+    if cache is None:
+        arrays, _ = build()
+    else:
+        arrays, _ = cache.get_or_build("client", client_cache_fields(k, pid, n), build)
+    return torch.from_numpy(arrays["x"]).to(device), torch.from_numpy(arrays["y"]).to(device)
 
 
 def model_for(cfg: RunConfig, ds: Dataset) -> nn.Module:
