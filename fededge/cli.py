@@ -239,10 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--days", type=int, default=365, help="validity of the CA and server certificate")
     certs.add_argument("--force", action="store_true", help="replace existing files (all of them)")
     certs.set_defaults(func=_cmd_certs)
+
+    # Listed for --help; main() hands its arguments to fededge.clients.supernode untouched,
+    # since all but a few are flower-supernode's.
+    sub.add_parser("supernode", add_help=False,
+                   help="a warm fededge worker and flower-supernode ARGS, started and stopped together")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["supernode"]:
+        from fededge.clients.supernode import main as supernode_main
+
+        return supernode_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -170,8 +170,12 @@ def supernode_command(*, superlink: str, partition_id: int, num_partitions: int,
                       home: str | os.PathLike[str], node_config: Mapping[str, Any] | None = None,
                       runtime_host: str = HOST, runtime_port: int,
                       root_certificates: str | os.PathLike[str] | None = None,
-                      auth_key: str | os.PathLike[str] | None = None) -> list[str]:
+                      auth_key: str | os.PathLike[str] | None = None, warm: bool = False) -> list[str]:
     """``flower-supernode`` dialling ``superlink`` (``HOST:PORT``) for one partition.
+
+    With ``warm`` the command is ``fededge supernode ...`` with the same arguments: a
+    warm worker (:mod:`fededge.clients.worker`) started and stopped with the SuperNode,
+    which fededge's shim ClientApp (:mod:`fededge.clients.shim`) hands each message to.
 
     ``--node-config`` carries ``partition-id``, ``num-partitions``, the extra
     ``node_config`` keys and ``deploy-home=HOME`` (the marker on its command line);
@@ -191,7 +195,8 @@ def supernode_command(*, superlink: str, partition_id: int, num_partitions: int,
             security += ["--auth-supernode-private-key", str(auth_key)]
     config = {"partition-id": partition_id, "num-partitions": num_partitions, **(node_config or {}),
               MARKER_KEY: str(home)}
-    return [flower_bin("flower-supernode"), *security, "--superlink", superlink,
+    head = [flower_bin("fededge"), "supernode", "--grace", "5"] if warm else [flower_bin("flower-supernode")]
+    return [*head, *security, "--superlink", superlink,
             "--node-config", format_run_config(config), "--host", runtime_host, "--port", str(runtime_port)]
 
 
@@ -401,6 +406,11 @@ class LocalDeployment:
         (:attr:`node_ids`) before SuperNode ``i`` starts with ``--root-certificates`` and
         its private key. Through a ``profile`` the proxies forward the encrypted bytes.
         Costs about 1.5 s per SuperNode at start (one ``flwr`` call each).
+    warm : bool
+        False (default): each SuperNode is ``flower-supernode``. True: ``fededge
+        supernode`` (docs/deployment.md), a warm worker per node beside its SuperNode;
+        an app whose ClientApp is fededge's shim (``fededge.clients.shim:app``) then runs
+        its messages there instead of paying torch and the node's data in every process.
 
     The processes run with ``WORKDIR`` as working directory: give ``results-dir`` as an
     absolute path. :meth:`run` adds ``min-available-nodes=N`` to the run config unless it
@@ -425,7 +435,11 @@ class LocalDeployment:
         proxy_seed: int = 0,
         start_timeout_s: float = 60.0,
         secure: bool = False,
+        warm: bool = False,
     ) -> None:
+        if not isinstance(warm, bool):
+            raise TypeError(f"warm must be True or False, got {warm!r}")
+        self.warm = warm
         if not isinstance(secure, bool):
             raise TypeError(f"secure must be True or False, got {secure!r}")
         if not (isinstance(num_supernodes, int) and num_supernodes >= 1):
@@ -558,7 +572,7 @@ class LocalDeployment:
                 superlink=f"{HOST}:{target}", partition_id=i, num_partitions=self.num_supernodes,
                 home=self.home, node_config=self.node_config, runtime_port=_free_port(),
                 root_certificates=ca,
-                auth_key=None if self.certs is None else self.certs.supernode_keys[i][0]))
+                auth_key=None if self.certs is None else self.certs.supernode_keys[i][0], warm=self.warm))
         time.sleep(0.5)  # a SuperNode that cannot start (port taken, bad flag) exits at once
         self._check_alive()
 

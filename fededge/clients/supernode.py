@@ -1,0 +1,176 @@
+"""``fededge supernode``: a node's warm worker and ``flower-supernode``, started and stopped together.
+
+Every argument this command does not know is passed to ``flower-supernode`` unchanged::
+
+    fededge supernode --insecure --superlink 10.0.0.1:9092 \\
+        --node-config 'partition-id=0 num-partitions=4'
+
+1. It makes a private directory for the worker's socket (``mkdtemp``: mode 0700, under
+   ``$XDG_RUNTIME_DIR`` when set, else the temporary directory; or ``--worker-socket``,
+   whose directory must be the user's own and 0700) and starts the warm worker
+   (``python -m fededge.clients.worker``).
+2. It starts ``flower-supernode ARGS`` with ``FEDEDGE_WORKER_SOCKET`` (and, with
+   ``--cache-dir``, ``FEDEDGE_CACHE_DIR``) in its environment, which Flower passes on
+   to each ``flwr-clientapp`` process: fededge's shim ClientApp finds the worker there.
+3. It waits. SIGTERM, SIGINT and SIGHUP are forwarded to both; when
+   ``flower-supernode`` exits, the worker is stopped and this command exits with the
+   SuperNode's code. Each child runs in its own session, and stopping one signals its
+   whole process group (the SuperNode's SuperExec and ``flwr-clientapp`` children
+   included), SIGKILL after ``--grace`` seconds. Both children also get
+   ``PR_SET_PDEATHSIG``: if this command is killed outright, the kernel stops them.
+4. A worker that dies is logged, not restarted: the shim then runs messages cold
+   (in-process) until the node is restarted.
+
+``--cold`` starts ``flower-supernode`` alone (the shim then runs every message
+in-process), for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fededge.clients.shim import ENV_SOCKET
+from fededge.nodecache import ENV_CACHE_DIR
+
+__all__ = ["main", "parse_args"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> Any:
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+        except (OSError, AttributeError):  # not Linux: the signal forwarding still applies
+            pass
+    return preexec
+
+
+def _exe(name: str) -> str:
+    exe = Path(sys.executable).with_name(name)
+    return str(exe) if exe.exists() else (shutil.which(name) or name)
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        prog="fededge supernode", allow_abbrev=False,
+        description="Start a warm fededge worker and flower-supernode together; every other argument "
+                    "goes to flower-supernode (see flower-supernode --help).")
+    p.add_argument("--worker-socket", default=None,
+                   help="the worker's Unix socket (its directory must be yours, mode 0700); default: "
+                        "a fresh private directory, removed on exit")
+    p.add_argument("--cache-dir", default=None,
+                   help=f"the node's data cache (sets {ENV_CACHE_DIR}; 'off' disables it)")
+    p.add_argument("--cold", action="store_true", help="no worker: every message runs in its own process")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--worker-log", default=None, help="append the worker's log here (default: this stderr)")
+    return p.parse_known_args(list(argv))
+
+
+class _Children:
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(), **kw)
+        self.procs[name] = proc
+        return proc
+
+    def signal(self, sig: int) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, name: str | None = None) -> None:
+        procs = [self.procs[name]] if name else list(self.procs.values())
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, sig)  # the child's whole group: SuperExec, flwr-clientapp
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + self.grace
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+            if all(p.poll() is not None for p in procs):
+                break
+        for proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, flower_args = parse_args(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    if args.cache_dir is not None:
+        env[ENV_CACHE_DIR] = args.cache_dir
+    own_dir: Path | None = None
+    children = _Children(args.grace)
+    stop_signal: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop_signal.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    try:
+        if not args.cold:
+            from fededge.clients.worker import WorkerSecurityError, check_private_dir
+
+            if args.worker_socket:
+                sock = Path(args.worker_socket).resolve()
+            else:
+                base = os.environ.get("XDG_RUNTIME_DIR") or None
+                own_dir = Path(tempfile.mkdtemp(prefix="fededge-worker-", dir=base))
+                sock = own_dir / "worker.sock"
+            try:
+                check_private_dir(sock.parent)
+            except WorkerSecurityError as err:
+                print(f"fededge supernode: {err}", file=sys.stderr)
+                return 2
+            env[ENV_SOCKET] = str(sock)
+            log = open(args.worker_log, "ab") if args.worker_log else None  # noqa: SIM115
+            children.start("worker", [sys.executable, "-m", "fededge.clients.worker", "--socket", str(sock)],
+                           env, stdout=log or sys.stderr, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            print(f"fededge supernode: warm worker pid {children.procs['worker'].pid} on {sock}",
+                  file=sys.stderr, flush=True)
+        node = children.start("supernode", [_exe("flower-supernode"), *flower_args], env, stdin=subprocess.DEVNULL)
+        worker_told = False
+        while not stop_signal and node.poll() is None:
+            w = children.procs.get("worker")
+            if w is not None and w.poll() is not None and not worker_told:
+                worker_told = True
+                print(f"fededge supernode: the warm worker exited with code {w.returncode}; messages run "
+                      "cold (in their own processes) from now on", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        if stop_signal:
+            children.stop()
+            return 128 + stop_signal[0]
+        rc = node.returncode
+        children.stop()
+        return rc
+    finally:
+        children.stop()
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

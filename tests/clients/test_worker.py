@@ -1,0 +1,323 @@
+"""The warm worker and the shim ClientApp, without a SuperLink: same replies as the cold
+path bit for bit, an error (never a hang) when the worker dies, cold fallback, the socket
+closed to other users, and `fededge supernode` leaving nothing behind."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fededge import keys
+from fededge._flwr_internals import set_message_id, task_identity
+from fededge.clients.shim import WorkerError, WorkerShim
+from fededge.clients.workerwire import decode_records, encode_records
+
+RUN_ID, NODE_ID = 7, 11
+
+
+def _rd_equal(a: RecordDict, b: RecordDict) -> bool:
+    if list(a.keys()) != list(b.keys()):
+        return False
+    for name in a.keys():
+        ra, rb = a[name], b[name]
+        if type(ra) is not type(rb) or list(ra.keys()) != list(rb.keys()):
+            return False
+        for k in ra.keys():
+            va, vb = ra[k], rb[k]
+            if isinstance(va, Array):
+                if (va.dtype, tuple(va.shape), va.stype, va.data) != (vb.dtype, tuple(vb.shape), vb.stype, vb.data):
+                    return False
+            elif repr(va) != repr(vb) or type(va) is not type(vb):
+                return False
+    return True
+
+
+def test_wire_round_trip_is_exact():
+    rd = RecordDict({
+        "arrays": ArrayRecord({"w": Array(np.arange(6, dtype=np.float32).reshape(2, 3) / 7),
+                               "bits": Array(np.array([1, 255, 0], dtype=np.uint8)),
+                               "i": Array(np.array([-(2**40)], dtype=np.int64))}),
+        "config": ConfigRecord({"a": 1, "b": 0.1, "c": "x", "d": b"\x00\xff", "e": True, "f": [1.5, 2.5],
+                                "g": [b"p", b"q"], "h": float("nan"), "k": -math.inf, "s": ["u", "v"]}),
+        "metrics": MetricRecord({"loss": 1 / 3, "n": 5, "v": [0.25, 1e-300]}),
+    })
+    blobs: list[bytes] = []
+    items = encode_records(rd, blobs)
+    back = decode_records(items, blobs)
+    assert _rd_equal(rd, back)
+    assert back["arrays"]["w"].numpy().tobytes() == rd["arrays"]["w"].numpy().tobytes()
+
+
+def test_shim_imports_no_torch():
+    code = "import sys, fededge.clients.shim; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# ------------------------------------------------------------------ a real worker
+
+
+@pytest.fixture
+def worker(tmp_path, monkeypatch):
+    """A worker process on a socket in a private directory; stopped (and checked) afterwards."""
+    # Under /tmp itself, not pytest's tmp_path: its parents are 0700 root's, which would hide
+    # the socket from another user before the worker's own locks are tested.
+    d = Path(tempfile.mkdtemp(prefix="fededge-test-worker-"))
+    sock = d / "worker.sock"
+    monkeypatch.setenv("FEDEDGE_CACHE_DIR", str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "fededge.clients.worker", "--socket", str(sock)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "worker did not bind"
+            time.sleep(0.05)
+        yield proc, sock
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _train_message(model_arrays: ArrayRecord, *, steps: int = 3, rnd: int = 1) -> Message:
+    conf = ConfigRecord({keys.LOCAL_STEPS: steps, keys.SERVER_ROUND: rnd})
+    with task_identity(RUN_ID, NODE_ID, 0):
+        msg = Message(RecordDict({keys.ARRAYS: model_arrays, keys.CONFIG: conf}), dst_node_id=NODE_ID,
+                      message_type="train", group_id=str(rnd))
+        set_message_id(msg, f"m{rnd}")
+    return msg
+
+
+def _context(state: RecordDict | None = None) -> Context:
+    return Context(RUN_ID, NODE_ID, {keys.PARTITION_ID: 1, keys.NUM_PARTITIONS: 3}, state or RecordDict(),
+                   {"seed": 3, "batch-size": 16})
+
+
+def _initial() -> ArrayRecord:
+    from fededge.config import RunConfig
+    from fededge.workload import dataset_for, model_for
+
+    cfg = RunConfig.from_mapping({"seed": 3})
+    return ArrayRecord(model_for(cfg, dataset_for(cfg)).state_dict())
+
+
+def _rounds(app, n: int = 3) -> tuple[list[Message], RecordDict]:
+    ctx = _context()
+    arrays = _initial()
+    replies = []
+    for t in range(1, n + 1):
+        with task_identity(RUN_ID, NODE_ID, 0):
+            reply = app(_train_message(arrays, rnd=t), ctx)
+        assert not reply.has_error(), reply.error
+        replies.append(reply)
+        arrays = reply.content[keys.ARRAYS]
+    return replies, ctx.state
+
+
+def test_warm_replies_equal_cold_bit_for_bit(worker):
+    """Three rounds through the worker and three in-process: same weights, metrics
+    (but compute-s, a timing) and context.state, bit for bit."""
+    from fededge.clients.app import app as cold_app
+
+    _, sock = worker
+    shim = WorkerShim(socket_path=str(sock))
+    warm, warm_state = _rounds(shim)
+    assert shim.last_mode == "warm"
+    cold, cold_state = _rounds(cold_app)
+    for w, c in zip(warm, cold):
+        for rd in (w.content, c.content):
+            rd[keys.METRICS][keys.COMPUTE_S] = 0.0
+        assert _rd_equal(w.content, c.content)
+        assert w.metadata.reply_to_message_id == c.metadata.reply_to_message_id
+    assert _rd_equal(warm_state, cold_state) and len(warm_state.keys()) > 0
+
+
+def test_no_worker_falls_back_to_cold_and_says_so_once(tmp_path, caplog):
+    shim = WorkerShim(socket_path=str(tmp_path / "nothing.sock"))
+    with caplog.at_level(logging.WARNING, logger="fededge.shim"):
+        replies, _ = _rounds(shim, 2)
+    assert shim.last_mode == "cold" and len(replies) == 2
+    said = [r for r in caplog.records if "running cold" in r.getMessage()]
+    assert len(said) == 1 and "nothing.sock" in said[0].getMessage()
+
+
+def test_worker_dying_mid_message_is_an_error_not_a_hang(worker):
+    proc, sock = worker
+    shim = WorkerShim(socket_path=str(sock), timeout_s=120)
+    _rounds(shim, 1)  # the worker is loaded
+    msg = _train_message(_initial(), steps=200_000)  # long enough to be killed in the middle
+    killer = subprocess.Popen([sys.executable, "-c", f"import os,time;time.sleep(1.5);os.kill({proc.pid},9)"])
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="did not answer"):
+        with task_identity(RUN_ID, NODE_ID, 0):
+            shim(msg, _context())
+    killer.wait()
+    assert time.monotonic() - t0 < 30
+    assert proc.wait(5) == -signal.SIGKILL
+    # the next message finds no worker and runs cold
+    with task_identity(RUN_ID, NODE_ID, 0):
+        reply = shim(_train_message(_initial(), steps=1), _context())
+    assert shim.last_mode == "cold" and not reply.has_error()
+
+
+def test_hung_worker_times_out(tmp_path):
+    """A worker that takes the message and never answers: an error after the timeout."""
+    path = tmp_path / "s.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+    shim = WorkerShim(socket_path=str(path), timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="did not answer"):
+        with task_identity(RUN_ID, NODE_ID, 0):
+            shim(_train_message(_initial()), _context())
+    assert time.monotonic() - t0 < 10
+    srv.close()
+
+
+def test_worker_refuses_a_socket_directory_others_can_use(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    r = subprocess.run([sys.executable, "-m", "fededge.clients.worker", "--socket", str(d / "w.sock")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "0o755" in r.stderr and not (d / "w.sock").exists()
+
+
+_AS_NOBODY = """
+import os, pwd, socket, struct, sys
+nobody = pwd.getpwnam("nobody")
+os.setgid(nobody.pw_gid)
+os.setuid(nobody.pw_uid)
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("EACCES"); sys.exit(0)
+head = b'{"protocol": 1, "$blobs": []}'   # a frame as fededge.clients.workerwire writes it
+s.sendall(struct.pack("!QI", 4 + len(head), len(head)) + head)
+reply = b""
+while chunk := s.recv(65536):
+    reply += chunk
+print("REFUSED" if b'"refused"' in reply else "SERVED " + repr(reply[:200]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user (nobody)")
+def test_another_user_cannot_use_the_socket(worker):
+    """Two locks: the 0700 directory (connect fails), and, were it opened, SO_PEERCRED."""
+    _, sock = worker
+
+    def as_nobody() -> str:
+        r = subprocess.run([sys.executable, "-c", _AS_NOBODY, str(sock)], capture_output=True,
+                           text=True, timeout=120)
+        return r.stdout.strip() or r.stderr
+
+    assert as_nobody() == "EACCES"
+    os.chmod(sock.parent, 0o711)  # a careless admin opens the directory and the socket
+    os.chmod(sock, 0o666)
+    try:
+        assert as_nobody() == "REFUSED"
+    finally:
+        os.chmod(sock.parent, 0o700)
+        os.chmod(sock, 0o600)
+    shim = WorkerShim(socket_path=str(sock))  # its owner is still served
+    _rounds(shim, 1)
+    assert shim.last_mode == "warm"
+
+
+# ------------------------------------------------------------------ fededge supernode
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(p.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_fededge_supernode_starts_both_and_stops_both(tmp_path, sig):
+    """One command: the worker and flower-supernode (with its SuperExec) come up; a signal
+    to the command stops every one of them and removes the socket's directory."""
+    fededge = Path(sys.executable).with_name("fededge")
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(fededge), "supernode", "--grace", "3", "--insecure", "--superlink",
+                             "127.0.0.1:1", "--node-config", "partition-id=0 num-partitions=1",
+                             "--port", str(port)], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kids = _descendants(proc.pid)
+            cmds = " ".join(Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace") for k in kids
+                            if Path(f"/proc/{k}/cmdline").exists())
+            if "fededge.clients.worker" in cmds and "flower-superexec" in cmds:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"not all started: {cmds}")
+        socks = list(runtime.glob("fededge-worker-*/worker.sock"))
+        assert len(socks) == 1 and (socks[0].parent.stat().st_mode & 0o777) == 0o700
+        proc.send_signal(sig)
+        assert proc.wait(30) == 128 + sig
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(k) for k in kids):
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)], "orphans left"
+        assert list(runtime.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for k in kids | _descendants(proc.pid):
+            try:
+                os.kill(k, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.stderr.close()
