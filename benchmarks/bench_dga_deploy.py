@@ -59,7 +59,7 @@ CONTROLLED = ("strategy", "num-rounds", "local-steps", "dga-delay", "results-dir
               "progress", "save-model", "min-available-nodes")
 
 
-KINDS = ("clientapp", "serverapp", "superlink", "supernode", "superexec")
+KINDS = ("clientapp", "serverapp", "superlink", "supernode", "superexec", "worker")  # worker: fededge's warm one
 
 
 class CpuMeter:

@@ -111,8 +111,14 @@ def _mix(spec: str, num_clients: int, rng: np.random.Generator) -> list[str]:
 
 def assign_links(
     spec: str, num_clients: int, *, seed: int = 0, netem_file: str = "", speed: str = "1.0",
+    message_overhead_s: float = 0.0,
 ) -> list[ClientLink]:
-    """The :class:`ClientLink` of every partition id ``0 .. num_clients-1``."""
+    """The :class:`ClientLink` of every partition id ``0 .. num_clients-1``.
+
+    ``message_overhead_s``: every device's fixed seconds per message beyond its measured
+    compute (:class:`~fededge.netem.clock.ClientLink`; measured by
+    ``benchmarks/bench_deploy_overhead.py``, cold or warm).
+    """
     check_netem_spec(spec)
     check_speed_spec(speed)
     profiles: dict[str, LinkProfile] = load_profiles(netem_file or None)
@@ -140,7 +146,8 @@ def assign_links(
         speeds = [float(v) for v in np.exp(srng.normal(0.0, sigma, num_clients))]
     else:
         speeds = [float(speed)] * num_clients
-    return [ClientLink(profile=p, speed=s * (p.compute_speed if p is not None else 1.0))
+    return [ClientLink(profile=p, speed=s * (p.compute_speed if p is not None else 1.0),
+                       message_overhead_s=message_overhead_s)
             for p, s in zip(links, speeds)]
 
 

@@ -24,7 +24,14 @@ Randomness is per link direction, from ``SeedSequence([seed, client, direction])
 so a run is deterministic for a seed whatever the order in which clients are handled.
 
 Compute time is the client's measured compute divided by its speed factor (2.0: a device
-twice as fast as the machine that measured it).
+twice as fast as the machine that measured it), plus the device's fixed cost per message,
+``message_overhead_s`` (:class:`ClientLink`). On a real SuperNode each message pays
+seconds that the ClientApp's own ``compute-s`` never sees: Flower starts a
+``flwr-clientapp`` process for it, which imports Flower and torch and rebuilds the node's
+data and model unless a warm worker holds them. ``benchmarks/bench_deploy_overhead.py``
+measures it per device (its ``--clock`` table: wall seconds per message beyond the
+measured compute, cold and warm) so that ``sim_s`` predicts the testbed's real seconds.
+It is not scaled by the speed factor: it is the device's own measured figure.
 
 Strategies describe what their protocol waits for with three primitives,
 :meth:`SimClock.send_down`, :meth:`SimClock.compute` and :meth:`SimClock.send_up`, each
@@ -129,10 +136,14 @@ class ClientLink:
 
     profile: LinkProfile | None  # None: an ideal network (transfers take no time)
     speed: float = 1.0
+    message_overhead_s: float = 0.0  # the device's fixed seconds per message (process start, ...)
 
     def __post_init__(self) -> None:
         if not self.speed > 0:
             raise ValueError(f"compute speed factor must be > 0, got {self.speed}")
+        if not (math.isfinite(self.message_overhead_s) and self.message_overhead_s >= 0):
+            raise ValueError(f"message overhead must be a finite number of seconds >= 0, got "
+                             f"{self.message_overhead_s}; measure it with benchmarks/bench_deploy_overhead.py")
 
 
 @dataclass(frozen=True)
@@ -210,10 +221,12 @@ class SimClock:
         return 0.0 if link is None else link.busy_until
 
     def compute(self, client: int, measured_s: float, at: float) -> float:
-        """When computation measured at ``measured_s`` seconds, begun at ``at``, ends."""
+        """When computation measured at ``measured_s`` seconds, begun at ``at``, ends: the
+        device's fixed ``message_overhead_s``, then the compute scaled by its speed."""
         if measured_s < 0:
             raise ValueError(f"measured compute must be >= 0, got {measured_s}")
-        return at + measured_s / self.clients[client].speed
+        link = self.clients[client]
+        return at + link.message_overhead_s + measured_s / link.speed
 
     def stats(self) -> dict[str, int]:
         dirs = [d for d in self._dirs.values() if d is not None]

@@ -70,9 +70,9 @@ if TYPE_CHECKING:
     from fededge.deploy.certs import CertBundle
 
 __all__ = [
-    "DeploymentError", "DeploymentRun", "LocalDeployment",
+    "DeploymentError", "DeploymentRun", "LocalDeployment", "SHIM_CLIENTAPP",
     "flower_bin", "flower_env", "list_runs", "submit_run", "superlink_command", "supernode_command",
-    "wait_listening", "write_connection", "write_insecure_connection",
+    "wait_listening", "write_app_variant", "write_connection", "write_insecure_connection",
 ]
 
 HOST = "127.0.0.1"
@@ -102,6 +102,28 @@ class DeploymentRun(FlwrRun):
         """Status, return code, the tail of ``flwr run``'s output and of every log."""
         return (f"status={self.status} rc={self.returncode} run_id={self.run_id} "
                 f"wall={self.wall_s:.1f}s\n--- flwr run\n{self.output[-chars:]}\n{self.log_tails}")
+
+
+SHIM_CLIENTAPP = "fededge.clients.shim:app"
+
+
+def write_app_variant(app_dir: str | os.PathLike[str], dest: str | os.PathLike[str], *,
+                      clientapp: str = SHIM_CLIENTAPP) -> Path:
+    """A Flower app directory ``dest`` that is ``app_dir``'s app with another ClientApp.
+
+    Only ``pyproject.toml`` is written (its ``[tool.flwr.app.components] clientapp``
+    replaced, its ``fab-include``/``fab-exclude`` dropped): the components are imported from the installed packages, so the app is
+    the same code. Used to run fededge's shim (warm mode) beside the default app.
+    """
+    text = (Path(app_dir) / "pyproject.toml").read_text()
+    new, n = re.subn(r'(?m)^clientapp\s*=\s*"[^"]*"', f'clientapp = "{clientapp}"', text)
+    if n != 1:
+        raise ValueError(f"{app_dir}/pyproject.toml has {n} clientapp lines, expected one")
+    new = re.sub(r"(?m)^fab-(include|exclude)\s*=.*$", "", new)  # its patterns name files not copied
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pyproject.toml").write_text(new)
+    return out
 
 
 def _free_port() -> int:

@@ -250,3 +250,41 @@ def test_unknown_profile_stops_a_run_before_training(tmp_path):
     (run_dir,) = list(tmp_path.iterdir())
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
     assert (run_dir / "metrics.jsonl").read_text() == ""
+
+
+# ------------------------------------------------------------------ per-message overhead (issue 17)
+
+
+def test_message_overhead_is_a_fixed_cost_per_message_not_scaled_by_speed():
+    from fededge.netem.clock import ClientLink, ClientRound, SimClock, synchronous_round
+
+    base = SimClock([ClientLink(None, speed=2.0), ClientLink(None, speed=0.5)])
+    over = SimClock([ClientLink(None, speed=2.0, message_overhead_s=1.25),
+                     ClientLink(None, speed=0.5, message_overhead_s=1.25)])
+    assert over.compute(0, 3.0, 10.0) == 10.0 + 1.25 + 1.5
+    assert over.compute(1, 3.0, 10.0) == 10.0 + 1.25 + 6.0
+    rounds = [ClientRound(0, 100, 0.2, 100), ClientRound(1, 100, 0.4, 100)]
+    t0, t1 = synchronous_round(base, rounds), synchronous_round(over, rounds)
+    assert t1.duration == t0.duration + 1.25  # ideal network: the slowest client's compute + overhead
+
+
+def test_zero_overhead_is_the_old_clock_exactly():
+    from fededge.netem.assign import assign_links
+    from fededge.netem.clock import ClientRound, SimClock, synchronous_round
+
+    rounds = [ClientRound(i, 400_000, 0.05 * (i + 1), 400_000) for i in range(4)]
+    a = SimClock(assign_links("wifi:0.5,4g:0.25,3g:0.25", 4, seed=3), seed=3)
+    b = SimClock(assign_links("wifi:0.5,4g:0.25,3g:0.25", 4, seed=3, message_overhead_s=0.0), seed=3)
+    c = SimClock(assign_links("wifi:0.5,4g:0.25,3g:0.25", 4, seed=3, message_overhead_s=0.7), seed=3)
+    ta = [synchronous_round(a, rounds).duration for _ in range(3)]
+    assert ta == [synchronous_round(b, rounds).duration for _ in range(3)]
+    tc = [synchronous_round(c, rounds).duration for _ in range(3)]
+    assert all(y > x for x, y in zip(ta, tc))
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_message_overhead_is_validated(bad):
+    from fededge.netem.clock import ClientLink
+
+    with pytest.raises(ValueError, match="message overhead must be a finite number of seconds >= 0"):
+        ClientLink(None, message_overhead_s=bad)

@@ -15,6 +15,7 @@ from fededge.server.deploy import (
     LocalDeployment,
     superlink_command,
     supernode_command,
+    write_app_variant,
     write_connection,
     write_insecure_connection,
 )
@@ -168,3 +169,89 @@ def test_fedasync_uses_replies_in_real_arrival_order_on_a_real_superlink(tmp_pat
     assert all(r["staleness_max"] >= 1 for r in lines[1:] if r["contributors"] == [1]), lines
     (summary,) = results.rglob("summary.json")
     assert json.loads(summary.read_text())["status"] == "completed"
+
+
+# ------------------------------------------------------------------ warm mode (issue 17)
+
+
+def _final_model(results: Path) -> dict:
+    import torch
+
+    (path,) = list(results.glob("*/model.pt"))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _warm_run(tmp_path: Path, name: str, *, warm: bool, rounds: int = 3, during=None):
+    app = write_app_variant(ROOT, tmp_path / "shim-app")
+    results = tmp_path / f"results-{name}"
+    cfg = {"num-rounds": rounds, "local-steps": 2, "seed": 5, "fraction-evaluate": 0.0, "progress": "off",
+           "results-dir": str(results), "save-model": True}
+    env = {"FEDEDGE_CACHE_DIR": str(tmp_path / f"cache-{name}")}
+    with LocalDeployment(app, num_supernodes=2, workdir=tmp_path / f"dep-{name}", env=env, warm=warm) as dep:
+        extra = during(dep, results) if during is not None else None
+        run = dep.run(cfg, timeout_s=600)
+        assert run.ok, run.describe()
+        if extra is not None:
+            extra.join(timeout=60)
+        logs = dep.log_tails(20000)
+    assert dep.survivors == [] and processes_of(str(dep.home)) == []
+    return results, logs
+
+
+def _worker_pids(home: Path) -> list[int]:
+    from fededge.server.launch import cmdline
+
+    return [p for p in processes_of(str(home)) if "fededge.clients.worker" in cmdline(p)]
+
+
+@pytest.mark.slow
+def test_warm_deployment_trains_the_same_model_as_cold_bit_for_bit(tmp_path):
+    """The shim app on two SuperNodes: cold (no worker: every message in its own process)
+    and warm (fededge supernode): the same final model, bit for bit, for the same seed."""
+    import torch
+
+    cold, cold_logs = _warm_run(tmp_path, "cold", warm=False)
+    warm, warm_logs = _warm_run(tmp_path, "warm", warm=True)
+    assert "running cold" in cold_logs and "warm worker pid" in warm_logs
+    a, b = _final_model(cold), _final_model(warm)
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert [len(m["clients"]) for m in _metrics(warm)][-1] == 2
+
+
+@pytest.mark.slow
+def test_killing_the_worker_mid_run_falls_back_to_cold_and_leaves_nothing(tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    from fededge.server.launch import cmdline
+
+    killed: dict = {}
+
+    def during(dep, results):
+        def kill_after_round_1():
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline:
+                if list(results.glob("*/metrics.jsonl")) and _metrics(results):
+                    pids = _worker_pids(dep.home)
+                    if pids:
+                        killed["socket"] = [cmdline(p).split()[-1] for p in pids]
+                        os.kill(pids[0], signal.SIGKILL)
+                        killed["pid"] = pids[0]
+                    return
+                time.sleep(0.2)
+
+        t = threading.Thread(target=kill_after_round_1, daemon=True)
+        t.start()
+        return t
+
+    results, logs = _warm_run(tmp_path, "kill", warm=True, rounds=4, during=during)
+    assert "pid" in killed, "the worker was never found to kill"
+    assert "the warm worker exited" in logs and "running cold" in logs
+    rounds = _metrics(results)
+    assert [m["round"] for m in rounds][-1] == 4
+    for sock in killed["socket"]:  # fededge supernode made these directories; it removed them
+        assert Path(sock).parent.name.startswith("fededge-worker-") and not Path(sock).parent.exists()
