@@ -1,6 +1,7 @@
 #!/bin/sh
-# fededge SuperNode entrypoint: optional kernel link shaping, then flower-supernode with TLS
-# and node authentication, as the unprivileged user.
+# fededge SuperNode entrypoint: optional kernel link shaping, then `fededge supernode` (a warm
+# worker and flower-supernode, started and stopped together) with TLS and node
+# authentication, as the unprivileged user.
 #
 #   FEDEDGE_SUPERLINK       host:port the node dials (default superlink:9092); the host
 #                           must be a SAN of the server certificate (fededge certs --hosts)
@@ -13,6 +14,9 @@
 #   FEDEDGE_NETEM_DEV       interface to shape (default eth0)
 #   FEDEDGE_NETEM_DIRECTION egress | ingress | both (default both; ingress needs the
 #                           host's ifb module)
+#   FEDEDGE_WARM            1 (default): `fededge supernode`, a warm worker beside the node
+#                           (docs/deployment.md); 0: flower-supernode alone, every message
+#                           in a fresh process
 # Extra arguments are passed to flower-supernode.
 set -eu
 
@@ -22,6 +26,15 @@ key="${FEDEDGE_NODE_KEY:?set FEDEDGE_NODE_KEY to this node's key file in ${certs
 node_config="${FEDEDGE_NODE_CONFIG:?set FEDEDGE_NODE_CONFIG, e.g. partition-id=0 num-partitions=3}"
 shaping="${FEDEDGE_SHAPING:-none}"
 user="${FEDEDGE_USER:-fededge}"
+
+case "${FEDEDGE_WARM:-1}" in
+  1) node="fededge supernode" ;;
+  0) node="flower-supernode" ;;
+  *)
+    echo "fededge-supernode: FEDEDGE_WARM must be 1 or 0, got '${FEDEDGE_WARM}'" >&2
+    exit 2
+    ;;
+esac
 
 case "$shaping" in
   none|proxy) ;;
@@ -40,11 +53,13 @@ case "$shaping" in
     ;;
 esac
 
-set -- flower-supernode --superlink "$superlink" --root-certificates "$certs/ca.crt" \
+# $node is one or two words on purpose (unquoted): `fededge supernode` or `flower-supernode`.
+# shellcheck disable=SC2086
+set -- $node --superlink "$superlink" --root-certificates "$certs/ca.crt" \
   --auth-supernode-private-key "$certs/$key" --node-config "$node_config" "$@"
 
 if [ "$(id -u)" = 0 ]; then
-  # Root only to shape the link: run Flower (and the ClientApps it starts) as $user,
+  # Root only to shape the link: run Flower (its worker and the ClientApps it starts) as $user,
   # with no capabilities left (setuid from root to a non-root uid clears them).
   exec python - "$user" "$@" <<'PY'
 import os, pwd, sys

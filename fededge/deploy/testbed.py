@@ -193,6 +193,9 @@ class TestbedConfig:
         Kernel shaping: apply only the rates (tbf), not delay, jitter or loss.
     node_config : mapping
         Extra ``--node-config`` keys for every SuperNode (e.g. ``data-dir``).
+    warm : bool
+        True (default): each node runs ``fededge supernode`` (a warm worker beside its
+        SuperNode, docs/deployment.md); False (``--cold``): ``flower-supernode`` alone.
     """
 
     __test__ = False  # not a pytest class
@@ -207,6 +210,7 @@ class TestbedConfig:
     profiles_file: str | None = None
     rate_only: bool = False
     node_config: Mapping[str, Any] = field(default_factory=dict)
+    warm: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or self.clients < 1:
@@ -513,7 +517,7 @@ def plan_testbed(
             dial = f"{gateway}:{port}"
         supernode = ProcessSpec(f"supernode-{i}", tuple(supernode_command(
             superlink=dial, partition_id=i, num_partitions=n, home=home, node_config=config.node_config,
-            runtime_host=LOOPBACK, runtime_port=NODE_RUNTIME_PORT)), netns=ns)
+            runtime_host=LOOPBACK, runtime_port=NODE_RUNTIME_PORT, warm=config.warm)), netns=ns)
         nodes.append(NodePlan(index=i, netns=ns, host_veth=veth, address=addr,
                               profile=None if profile is None else profile.name, dial=dial,
                               shaping=tuple(steps), not_applied=tuple(dropped), proxy=proxy,
@@ -1141,7 +1145,7 @@ def _config_from_args(args: argparse.Namespace) -> TestbedConfig:
     return TestbedConfig(clients=args.clients, profiles=args.profiles, shaping=args.shaping, seed=args.seed,
                          subnet=args.subnet, state_dir=args.state_dir, app_dir=args.app_dir,
                          profiles_file=args.profiles_file, rate_only=args.rate_only,
-                         node_config=parse_run_config(args.node_config))
+                         node_config=parse_run_config(args.node_config), warm=not args.cold)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -1242,6 +1246,9 @@ def register_cli(sub: Any) -> None:
     u.add_argument("--app-dir", default=None, help="default Flower app for `fededge testbed run`")
     u.add_argument("--node-config", default=None, help='extra SuperNode node-config, e.g. "data-dir=\\"/data\\""')
     u.add_argument("--port", type=int, default=0, help="SuperLink port (default: a free one)")
+    u.add_argument("--cold", action="store_true",
+                   help="flower-supernode alone, no warm fededge worker beside it (every message in a fresh "
+                        "process)")
     u.add_argument("--wait", type=float, default=90.0,
                    help="seconds to wait for every SuperNode to come online (0: do not wait)")
     u.add_argument("--state-dir", default=default_state_dir(), type=Path, help=state_help)

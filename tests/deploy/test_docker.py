@@ -247,8 +247,8 @@ def test_entrypoint_kernel_shaping_applies_the_profile_then_drops_root(compose, 
     assert (args.netem_command, args.profile, args.dev, args.side, args.direction) == (
         "apply", env["FEDEDGE_NETEM_PROFILE"], "eth0", "client", "both")
     py = _args(log, "python")
-    assert py[:2] == ["-", "fededge"] and py[2] == "flower-supernode"
-    _check_supernode_cmd(py[2:], env)
+    assert py[:2] == ["-", "fededge"] and py[2:4] == ["fededge", "supernode"]  # warm by default
+    _check_supernode_cmd(py[4:], env)
 
 
 def test_entrypoint_refuses_kernel_shaping_without_root(compose, tmp_path):
@@ -261,8 +261,31 @@ def test_entrypoint_proxy_node_execs_flower_directly(compose, tmp_path):
     env = _env(compose["services"]["supernode-1"])
     proc, log = _run_entrypoint(tmp_path, env, as_uid="1000")
     assert proc.returncode == 0, proc.stderr
-    assert not (log / "fededge.args").exists()  # no kernel shaping
+    argv = _args(log, "fededge")  # the one fededge command: the warm node, no `netem apply`
+    assert argv[0] == "supernode" and not (log / "flower-supernode.args").exists()
+    _check_supernode_cmd(argv[1:], env)
+
+
+def test_entrypoint_cold_runs_flower_supernode_alone(compose, tmp_path):
+    env = {**_env(compose["services"]["supernode-1"]), "FEDEDGE_WARM": "0"}
+    proc, log = _run_entrypoint(tmp_path, env, as_uid="1000")
+    assert proc.returncode == 0, proc.stderr
+    assert not (log / "fededge.args").exists()
     _check_supernode_cmd(_args(log, "flower-supernode"), env)
+    (tmp_path / "bad").mkdir()
+    proc, _ = _run_entrypoint(tmp_path / "bad", {**env, "FEDEDGE_WARM": "yes"}, as_uid="1000")
+    assert proc.returncode == 2 and "FEDEDGE_WARM must be 1 or 0" in proc.stderr
+
+
+def test_fededge_supernode_passes_the_entrypoint_flags_to_flower():
+    """What the entrypoint gives `fededge supernode` reaches flower-supernode unchanged."""
+    from fededge.clients.supernode import parse_args
+
+    flags = ["--superlink", "superlink:9092", "--root-certificates", "/certs/ca.crt",
+             "--auth-supernode-private-key", "/certs/supernode-1.key", "--node-config",
+             "partition-id=1 num-partitions=3", "--max-retries", "3"]
+    args, rest = parse_args(flags)
+    assert rest == flags and not args.cold and args.worker_socket is None
 
 
 def test_entrypoint_rejects_an_unknown_shaping(tmp_path):
@@ -282,8 +305,10 @@ def test_entrypoint_really_drops_to_the_unprivileged_user(compose):
     try:
         proc, log = _run_entrypoint(base, env, as_uid=None, user="nobody")
         assert proc.returncode == 0, proc.stderr
-        assert (log / "flower-supernode.uid").read_text().strip() == str(pwd.getpwnam("nobody").pw_uid)
-        _check_supernode_cmd(_args(log, "flower-supernode"), env)
+        assert (log / "fededge.uid").read_text().strip() == str(pwd.getpwnam("nobody").pw_uid)
+        argv = _args(log, "fededge")
+        assert argv[0] == "supernode"
+        _check_supernode_cmd(argv[1:], env)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -87,7 +87,8 @@ def test_addresses_partitions_and_commands_of_each_supernode(tmp_path):
         assert node_config(node) == {"partition-id": i, "num-partitions": 3, "deploy-home": home}
         sn = node.supernode
         assert sn.netns == node.netns and sn.command()[:4] == ["ip", "netns", "exec", node.netns]
-        assert Path(sn.argv[0]).name == "flower-supernode" and "--insecure" in sn.argv
+        # warm by default: `fededge supernode` (worker + flower-supernode), the same flags
+        assert Path(sn.argv[0]).name == "fededge" and sn.argv[1] == "supernode" and "--insecure" in sn.argv
         assert flag(sn.argv, "--superlink") == node.dial
         # its own loopback in its own namespace: the same runtime port on every node
         assert (flag(sn.argv, "--host"), flag(sn.argv, "--port")) == ("127.0.0.1", "9094")
@@ -234,7 +235,15 @@ def test_commands_list_links_then_shaping_then_processes(tmp_path):
     first_proc = next(i for i, x in enumerate(lines) if x.endswith(" &"))
     assert all(x.startswith("ip ") for x in lines[:first_tc])
     assert first_tc < first_proc and "flower-superlink" in lines[first_proc]
-    assert sum("flower-supernode" in x for x in lines) == 2
+    assert sum("fededge supernode" in x for x in lines) == 2
+
+
+def test_cold_nodes_run_flower_supernode_alone(tmp_path):
+    warm = plan_testbed(config(tmp_path), superlink_port=9092)
+    cold = plan_testbed(config(tmp_path, warm=False), superlink_port=9092)
+    for w, c in zip(warm.nodes, cold.nodes):
+        assert Path(c.supernode.argv[0]).name == "flower-supernode"
+        assert list(w.supernode.argv[2:]) == ["--grace", "5", *c.supernode.argv[1:]]
 
 
 def test_teardown_removes_exactly_what_up_adds_namespaces_first_bridge_last(tmp_path):
@@ -489,7 +498,7 @@ def test_up_then_down_with_kernel_shaping_leaves_nothing_behind(machine):
             assert kernel.read_state(node["host_veth"]).root_handle == kernel.ROOT_HANDLE  # downlink
             # The SuperNode really runs inside its namespace, and reaches the SuperLink from there.
             (rec,) = [r for r in state["processes"] if r["name"] == f"supernode-{node['index']}"]
-            assert tb._is_recorded(rec) and "flower-supernode" in cmdline(rec["pid"])
+            assert tb._is_recorded(rec) and "fededge supernode" in cmdline(rec["pid"])
             assert os.stat(f"/proc/{rec['pid']}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino
             host, port = state["superlink_address"].rsplit(":", 1)
             assert _in_netns(CONNECT, ns, host, port).stdout.startswith("open")
