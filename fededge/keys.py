@@ -1,8 +1,12 @@
-"""Every message, record and node-config key fededge uses, in one place.
+"""Every message, record, node-config and ``context.state`` name fededge uses, in one place.
 
 Keys are kebab-case, as Flower's own are. The record names ``arrays`` / ``config`` /
 ``metrics`` and the weight key ``num-examples`` are the defaults of Flower's
 ``flwr.serverapp.strategy`` classes, so fededge's ClientApp answers any of them.
+
+Plain strings, no Flower: the client mods, the server strategies and a client written in
+another language (docs/wire-format.md) read the same names. The helpers that build and
+read the records these names label are :mod:`fededge.protocol`.
 """
 
 # Record names inside a Message's RecordDict (Flower's strategy defaults).
@@ -26,7 +30,14 @@ DROPPED_OUT = "dropped-out"
 # Start of the error reason of a reply from a client whose configuration cannot work (its
 # run config, node config or data split; fededge.clients.mods.config_error_mod). The
 # server stops the run on it, naming the client, instead of counting a failure per round.
+# fededge.protocol.config_error_reason / config_error_detail write and read it.
 CONFIG_ERROR = "fededge-config-error"
+
+# Compressed updates (fededge.clients.mods.CompressionMod, fededge.strategies.compressed).
+COMPRESSED = "compressed"  # reply record: one uint8 array, the bundle of wire payloads
+COMPRESSED_DOWN = "compressed-down"  # the same, for the model the server broadcasts
+BUNDLE = "bundle"  # the array's name in those records
+UNCOMPRESSED = "arrays-uncompressed"  # non-float tensors (BatchNorm's counters), as they are
 
 # Keys of the ConfigRecord the server sends with each train message.
 SERVER_ROUND = "server-round"
@@ -45,6 +56,7 @@ DATA_DIR = "data-dir"
 # Names of the records fededge keeps in a node's ``context.state``.
 STATE_SAMPLER = "fededge.sampler"
 STATE_DGA = "fededge.dga"  # DGA: the client's local model and its updates in flight
+STATE_COMPRESS = "fededge.compress"  # the update encoder's state (residuals, PowerSGD's Q, DGC)
 
 # Delayed Gradient Averaging (fededge.strategies.dga): train config the server sends ...
 DGA_GLOBAL_ROUND = "dga-global-round"  # g: the round of the global model the client holds
@@ -67,4 +79,3 @@ GOSSIP_HAT = "gossip-hat/"
 GOSSIP_MESSAGE = "gossip"
 GOSSIP_EVAL_ARRAYS = "gossip-eval"
 STATE_GOSSIP = "fededge.gossip"  # the node's trained model, CHOCO estimates, own q
-STATE_GOSSIP_ROUND = "fededge.gossip-round"  # ConfigRecord: the last round it completed

@@ -103,6 +103,21 @@ class UpdateConfig:
             raise ValueError(f"dgc clip norm must be >= 0 (0 = no clipping), got {self.dgc_clip_norm}")
         self.build_codec()  # validates the codec's own knobs now, not at the first round
 
+    def wire_codecs(self) -> tuple[str, ...]:
+        """The codecs this config's payloads name in their headers, the main one first:
+        the compressor's (``dgc`` sends top-k payloads), then ``small_codec`` (small
+        tensors, and PowerSGD's 1-D ones). Empty for ``none``: the update is not encoded.
+
+        Examples
+        --------
+        >>> UpdateConfig(compressor="dgc").wire_codecs()
+        ('topk', 'raw')
+        """
+        if self.compressor == "none":
+            return ()
+        main = "topk" if self.compressor == "dgc" else self.compressor
+        return tuple(dict.fromkeys((main, self.small_codec)))
+
     def variance_factor(self, numel: int) -> float:
         """omega of the codec a tensor of ``numel`` elements goes with:
         ``E||Q(x) - x||^2 <= omega ||x||^2`` for the unbiased codecs, 0 for the others

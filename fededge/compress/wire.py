@@ -39,7 +39,7 @@ import torch
 
 __all__ = [
     "MAGIC", "VERSION", "CODEC_IDS", "DTYPES", "MAX_ELEMENTS", "MalformedPayloadError",
-    "Header", "pack", "unpack", "pack_bits", "unpack_bits", "decode_limit",
+    "Header", "pack", "unpack", "peek_codec", "pack_bits", "unpack_bits", "decode_limit",
 ]
 
 MAGIC = b"FE"
@@ -131,13 +131,8 @@ def unpack(payload: bytes, *, max_body: int | None = None) -> tuple[Header, byte
     buf = memoryview(payload)
     if len(buf) < 7:
         raise MalformedPayloadError(f"payload of {len(buf)} bytes is shorter than the 7-byte header")
-    magic, version, codec_id, flags, dtype_id, ndim = struct.unpack_from("<2sBBBBB", buf, 0)
-    if magic != MAGIC:
-        raise MalformedPayloadError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a fededge payload")
-    if version != VERSION:
-        raise MalformedPayloadError(f"unknown wire-format version {version}; this decoder reads version {VERSION}")
-    if codec_id not in CODEC_NAMES:
-        raise MalformedPayloadError(f"unknown codec id {codec_id}; known: {sorted(CODEC_NAMES)}")
+    codec = peek_codec(bytes(buf[:4]))  # magic, version, codec id
+    flags, dtype_id, ndim = struct.unpack_from("<BBB", buf, 4)
     if flags & ~FLAG_ZLIB:
         raise MalformedPayloadError(f"unknown flag bits 0x{flags & ~FLAG_ZLIB:02x}")
     if dtype_id not in DTYPE_OF:
@@ -178,7 +173,32 @@ def unpack(payload: bytes, *, max_body: int | None = None) -> tuple[Header, byte
             raise MalformedPayloadError("zlib body is truncated or larger than the codec can need")
         if d.unused_data:
             raise MalformedPayloadError(f"{len(d.unused_data)} bytes follow the end of the zlib stream")
-    return Header(CODEC_NAMES[codec_id], DTYPE_OF[dtype_id], tuple(shape), params, zl), body
+    return Header(codec, DTYPE_OF[dtype_id], tuple(shape), params, zl), body
+
+
+def peek_codec(payload: bytes) -> str:
+    """The codec a payload names in its header, without reading the body.
+
+    A receiver that expects one codec checks it before decoding, so that a client and a
+    server configured differently fail by name rather than by a decoded tensor that
+    happens to fit. Raises :class:`MalformedPayloadError` for a short buffer, a wrong
+    magic, an unknown version or codec id; :func:`unpack` validates everything else.
+
+    Examples
+    --------
+    >>> peek_codec(pack(Header("fp16", torch.float32, (2,), b""), b"\x00" * 4))
+    'fp16'
+    """
+    if len(payload) < 4:
+        raise MalformedPayloadError(f"payload of {len(payload)} bytes is shorter than the 7-byte header")
+    magic, version, codec_id = payload[:2], payload[2], payload[3]
+    if magic != MAGIC:
+        raise MalformedPayloadError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a fededge payload")
+    if version != VERSION:
+        raise MalformedPayloadError(f"unknown wire-format version {version}; this decoder reads version {VERSION}")
+    if codec_id not in CODEC_NAMES:
+        raise MalformedPayloadError(f"unknown codec id {codec_id}; known: {sorted(CODEC_NAMES)}")
+    return CODEC_NAMES[codec_id]
 
 
 def pack_bits(bits: torch.Tensor) -> bytes:

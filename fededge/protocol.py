@@ -1,0 +1,121 @@
+"""The records fededge's client mods and server strategies exchange, built and read in one place.
+
+Both sides of a compressed or decentralized run agree on more than names: a compressed
+update is one ``uint8`` array holding a bundle of wire payloads (docs/wire-format.md), a
+cast downlink model travels as such a bundle plus the tensors that were not cast, and a
+client whose configuration cannot work answers with an error whose reason starts with a
+marker. This module holds those record formats: the client mods
+(:mod:`fededge.clients.mods`) and the strategies (:mod:`fededge.strategies`) both import
+it, and neither imports the other.
+
+The names themselves (``compressed``, ``compressed-down``, ``bundle``, the config and
+metric keys) are plain strings in :mod:`fededge.keys`, which has no Flower dependency.
+
+Examples
+--------
+>>> import torch
+>>> from fededge.compress import build_codec
+>>> rec = bundle_record({"w": build_codec("fp16").encode(torch.ones(3))})
+>>> decode_update_record(rec, max_elements=3)["w"]
+tensor([1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from fededge import keys
+from fededge.compress import build_codec, decode_any
+from fededge.compress.bundle import pack_bundle, unpack_bundle
+from fededge.compress.update import decode_update
+
+__all__ = [
+    "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "bundle_record", "cast_downlink",
+    "config_error_detail", "config_error_reason", "decode_downlink", "decode_update_record",
+]
+
+#: ``flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (not public API): the
+#: code Flower's runtimes give a reply whose ClientApp raised.
+CLIENT_APP_RAISED_EXCEPTION = 2
+
+
+def bundle_record(payloads: dict[str, bytes]) -> ArrayRecord:
+    """Every payload in one uint8 array named ``bundle``: Flower's per-object framing is
+    paid once, not once per tensor."""
+    return ArrayRecord({keys.BUNDLE: Array(np.frombuffer(pack_bundle(payloads), dtype=np.uint8))})
+
+
+def bundle_payloads(record: ArrayRecord) -> dict[str, bytes]:
+    """The payloads :func:`bundle_record` packed."""
+    return unpack_bundle(record[keys.BUNDLE].numpy().tobytes())
+
+
+def decode_update_record(record: ArrayRecord, *, max_elements: int) -> dict[str, torch.Tensor]:
+    """An update record (a :func:`bundle_record` of wire payloads, or raw float arrays)
+    -> its tensors. ``max_elements`` bounds any one decoded tensor (the receiver's
+    largest), so a forged header cannot make it allocate without bound."""
+    if list(record.keys()) == [keys.BUNDLE]:
+        return decode_update(bundle_payloads(record), max_elements=max_elements)
+    return dict(record.to_torch_state_dict())
+
+
+def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
+    """A model cast by the ``downlink`` codec (``fp16``, ``bf16``), as the records a
+    message carries instead of ``arrays``: the bundle of its float tensors' payloads
+    (``compressed-down``) and its other tensors as they are (``arrays-uncompressed``, only
+    if there are any). :func:`decode_downlink` turns them back into ``arrays``."""
+    codec = build_codec(downlink)
+    payloads, raw = {}, {}
+    for name, t in arrays.to_torch_state_dict().items():
+        if t.is_floating_point():
+            payloads[name] = codec.encode(t)
+        else:
+            raw[name] = Array(t.numpy())
+    records = {keys.COMPRESSED_DOWN: bundle_record(payloads)}
+    if raw:
+        records[keys.UNCOMPRESSED] = ArrayRecord(raw)
+    return records
+
+
+def decode_downlink(content: RecordDict) -> RecordDict:
+    """A message content whose model came cast (:func:`cast_downlink`) -> the same content
+    with the model in ``arrays``, decoded exactly as every client decodes it."""
+    payloads = bundle_payloads(content[keys.COMPRESSED_DOWN])
+    arrays = {k: decode_any(p).numpy() for k, p in payloads.items()}
+    if keys.UNCOMPRESSED in content:
+        arrays.update({k: v.numpy() for k, v in content[keys.UNCOMPRESSED].to_torch_state_dict().items()})
+    out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+    for name in content.keys():
+        if name not in (keys.COMPRESSED_DOWN, keys.UNCOMPRESSED):
+            out[name] = content[name]
+    return out
+
+
+def config_error_reason(err: Exception) -> str:
+    """The error reason of a reply from a client whose configuration cannot work: the
+    ``fededge-config-error`` marker, then the error's message.
+
+    Examples
+    --------
+    >>> config_error_reason(ValueError("lower min-partition-size"))
+    'fededge-config-error: lower min-partition-size'
+    """
+    return f"{keys.CONFIG_ERROR}: {err}"
+
+
+def config_error_detail(reason: str) -> str | None:
+    """What the client said, if ``reason`` (an error reply's) is a configuration error
+    (:func:`config_error_reason`); None for any other failure.
+
+    Examples
+    --------
+    >>> config_error_detail("fededge-config-error: lower min-partition-size")
+    'lower min-partition-size'
+    >>> config_error_detail("RuntimeError: a bug") is None
+    True
+    """
+    if not reason.startswith(keys.CONFIG_ERROR):
+        return None
+    return reason.removeprefix(keys.CONFIG_ERROR).removeprefix(": ")
