@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from fededge.compress.update import UpdateConfig
 
 from fededge.data.datasets import DATASETS
+from fededge.errors import ConfigError  # raised here for the run config; defined apart for the library
 from fededge.data.partition import PARTITIONS
 from fededge.models.zoo import MODELS
 from fededge.netem.assign import check_netem_spec, check_speed_spec
@@ -58,13 +59,6 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PROGRESS: tuple[str, ...] = ("auto", "bar", "lines", "off")
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-class ConfigError(ValueError):
-    """A run-config key is unknown or its value is not allowed.
-
-    The message names the key and says what would be accepted.
-    """
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,7 +478,9 @@ class RunConfig:
                 "sends whole models (compressing them without CHOCO's estimates drifts); use "
                 "gossip-algorithm='choco' for compressed gossip, or compressor='none'")
         if self.gossip_algorithm == "choco":
-            if self.compressor in ("dgc", "powersgd"):
+            from fededge.algorithms.gossip import CHOCO_STATEFUL  # torch is loaded already (update_config)
+
+            if self.compressor in CHOCO_STATEFUL:
                 raise ConfigError(
                     f"run-config key 'compressor': {self.compressor!r} keeps encoder state of its "
                     "own and is not supported by gossip-algorithm='choco'; use a stateless codec "

@@ -86,7 +86,7 @@ def test_simulate_reports_a_config_error_raised_inside_the_simulation(monkeypatc
     msg = "a client (node 7) reports: partition='dirichlet' cannot give ..."
     output = ("INFO :      [ROUND 1/3]\nERROR :     Simulation raised an exception\n"
               "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-              f"fededge.config.ConfigError: {msg}\n")
+              f"fededge.errors.ConfigError: {msg}\n")
     failed = launch.FlwrRun(0, output, "finished:failed", 1, 30.0, [],
                             {"status-details": f"Simulation failed with exception: {msg}"})
     monkeypatch.setattr(launch, "flwr_run_local", lambda *a, **k: failed)

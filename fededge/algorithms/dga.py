@@ -55,15 +55,17 @@ global-model history, and the timeline on the simulated clock (fededge.netem.clo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence, TypeVar
 
 import torch
 
 from fededge.netem.clock import ClientRound, SimClock
 
-__all__ = ["DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average", "last_arrived"]
+__all__ = ["DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average", "last_arrived",
+           "round_delta"]
 
 Weights = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,7 +214,7 @@ class DGAClient:
     def state_dict(self) -> Weights:
         out = {f"model/{k}": v for k, v in self.model.items()}
         for rnd, d in self.in_flight.items():
-            out.update({f"inflight/{rnd}/{k}": v for k, v in d.items()})
+            out.update({f"{_inflight(rnd)}{k}": v for k, v in d.items()})
         out["meta/global_round"] = torch.tensor(self.global_round, dtype=torch.int64)
         return out
 
@@ -233,6 +235,22 @@ class DGAClient:
             else:
                 raise ValueError(f"unknown DGA state key {key!r}")
         return cls(config, model, in_flight, global_round)
+
+
+def _inflight(rnd: int) -> str:
+    return f"inflight/{rnd}/"
+
+
+def round_delta(state: Mapping[str, T], rnd: int) -> dict[str, T]:
+    """Round ``rnd``'s own change Δ(rnd) from a :meth:`DGAClient.state_dict` (or any
+    mapping with its keys, such as the ``ArrayRecord`` kept in ``context.state``), without
+    reading the model and the other rounds. Empty if that round is not in flight.
+
+    A compressor of DGA's replies encodes this: the reply is ``G(g) + Δ(rnd)``, and the
+    server, which holds ``G(g)``, needs only ``Δ(rnd)``.
+    """
+    prefix = _inflight(rnd)
+    return {k[len(prefix):]: state[k] for k in state.keys() if k.startswith(prefix)}
 
 
 class DGAServer:

@@ -51,6 +51,7 @@ from fededge.compress.codec import Codec
 from fededge.netem.clock import SimClock
 
 __all__ = [
+    "CHOCO_STATEFUL",
     "ChocoConfig",
     "ChocoNode",
     "Compressor",
@@ -241,6 +242,13 @@ def compress_model(delta: Weights, compressor: Compressor) -> Weights:
 
 
 # ------------------------------------------------------------------ CHOCO-SGD
+#: Compressors that keep encoder state of their own (DGC's buffers, PowerSGD's Q): CHOCO's
+#: ``q`` must be a stateless function of ``x - x̂``, whose estimates already carry what
+#: the compressor dropped (so error feedback is refused too). The run config and
+#: :class:`fededge.clients.mods.GossipMod` both refuse them.
+CHOCO_STATEFUL: tuple[str, ...] = ("dgc", "powersgd")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChocoConfig:
     """CHOCO-SGD's knob.
@@ -260,17 +268,6 @@ class ChocoConfig:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
 
 
-def _choco_update(x: Weights, hats: Mapping[int, Weights], row: Mapping[int, float], own: int,
-                  gamma: float) -> Weights:
-    """``x_i + gamma * sum_j W[i, j] (x̂_j - x̂_i)`` (the diagonal term is zero)."""
-    mine = hats[own]
-    out = dict(x)
-    for k in mine:
-        drift = sum((hats[j][k] - mine[k]) * float(wij) for j, wij in row.items() if j != own)
-        out[k] = x[k] + gamma * drift
-    return out
-
-
 def _apply(hat: Weights, q: Weights) -> Weights:
     if set(hat) != set(q):
         raise GossipError(f"a CHOCO message has tensors {sorted(q)[:5]}, the estimate "
@@ -280,12 +277,19 @@ def _apply(hat: Weights, q: Weights) -> Weights:
 
 class ChocoNode:
     """One node's CHOCO-SGD state: its public estimates ``x̂_j`` of itself and the nodes
-    it hears.
+    it hears. The one implementation of CHOCO's arithmetic: :func:`choco_step`, the Flower
+    client mod (:class:`fededge.clients.mods.GossipMod`) and the relay's evaluation
+    (:class:`fededge.strategies.gossip.Gossip`) all drive it.
 
     Per round, after the local steps give ``x``: ``q = node.message(x, compressor)`` goes
     to the neighbours; once it has every neighbour's ``q_j`` (and its own),
     ``x = node.step(x, messages, row)``. ``state_dict()`` is what goes in
     ``context.state``.
+
+    A runtime where a message can be lost, or where the node encodes ``q`` itself as wire
+    payloads, uses the parts of a round: :meth:`difference` (what ``Q`` compresses),
+    :meth:`receive` (apply the ``q_j`` that arrived; a lost one is a zero update, which
+    keeps every copy of ``x̂_j`` equal) and :meth:`mix` (the consensus step).
 
     Parameters
     ----------
@@ -320,10 +324,49 @@ class ChocoNode:
         start = {k: v.detach().clone() for k, v in init.items() if _floating(v)}
         self.hats: dict[int, Weights] = {j: {k: v.clone() for k, v in start.items()} for j in nodes}
 
+    @classmethod
+    def from_estimates(cls, config: ChocoConfig, index: int, hats: Mapping[int, Mapping[str, torch.Tensor]]
+                       ) -> ChocoNode:
+        """A node holding the given estimates ``x̂_j`` (its own included), as they are:
+        one node's share of shared copies, or the relay's copies after a lost message."""
+        if int(index) not in hats:
+            raise GossipError(f"the CHOCO state has no estimate of node {index} itself (it holds "
+                              f"{sorted(hats)}); it belongs to another node")
+        node = cls(config, index=index, neighbours=[], init={})
+        node.hats = {int(j): dict(h) for j, h in hats.items()}
+        return node
+
+    def difference(self, x: Weights) -> Weights:
+        """``x_i - x̂_i`` over the floating-point tensors: what ``Q`` compresses."""
+        return {k: x[k] - v for k, v in self.hats[self.index].items()}
+
     def message(self, x: Weights, compressor: Compressor) -> Weights:
         """``q_i = Q(x_i - x̂_i)``: what this node sends. Does not change the state."""
+        return compress_model(self.difference(x), compressor)
+
+    def receive(self, messages: Mapping[int, Weights]) -> None:
+        """``x̂_j <- x̂_j + q_j`` for every message given (its own ``q_i`` among them).
+
+        A node it hears that sent nothing keeps its estimate: a lost ``q_j`` is a zero
+        update, the same at every node that holds a copy of ``x̂_j``. A message from a
+        node it does not hear is refused.
+        """
+        stray = sorted(set(messages) - set(self.hats))
+        if stray:
+            raise GossipError(f"node {self.index} got messages from {stray}, which it does not hear "
+                              f"(it holds estimates of {sorted(self.hats)})")
+        self.hats = {j: _apply(h, messages[j]) if j in messages else h for j, h in self.hats.items()}
+
+    def mix(self, x: Weights, row: Mapping[int, float]) -> Weights:
+        """The consensus step ``x_i + gamma * sum_j W[i, j] (x̂_j - x̂_i)`` (the diagonal
+        term is zero), with row ``index`` of W as ``{node: weight}``."""
+        self._check_row(row)
         mine = self.hats[self.index]
-        return compress_model({k: x[k] - v for k, v in mine.items()}, compressor)
+        out = dict(x)
+        for k in mine:
+            drift = sum((self.hats[j][k] - mine[k]) * float(wij) for j, wij in row.items() if j != self.index)
+            out[k] = x[k] + self.config.gamma * drift
+        return out
 
     def step(self, x: Weights, messages: Mapping[int, Weights], row: Mapping[int, float]) -> Weights:
         """Apply every ``q_j`` to ``x̂_j`` and return the mixed model.
@@ -341,12 +384,15 @@ class ChocoNode:
             raise GossipError(f"node {self.index} needs the messages of {sorted(self.hats)} (its own "
                               f"included), got {sorted(messages)}; relay each neighbour's message "
                               f"every round")
+        self._check_row(row)
+        self.receive(messages)
+        return self.mix(x, row)
+
+    def _check_row(self, row: Mapping[int, float]) -> None:
         stray = sorted(set(row) - set(self.hats))
         if stray:
             raise GossipError(f"node {self.index}'s mixing row weights {stray}, which it does not hear; "
                               f"build the row from the same topology as the neighbours")
-        self.hats = {j: _apply(h, messages[j]) for j, h in self.hats.items()}
-        return _choco_update(x, self.hats, row, self.index, self.config.gamma)
 
     def state_dict(self) -> Weights:
         return {f"hat/{j}/{k}": v for j, h in self.hats.items() for k, v in h.items()}
@@ -360,12 +406,7 @@ class ChocoNode:
             if kind != "hat" or not j.isdigit() or not name:
                 raise GossipError(f"unknown CHOCO state key {key!r}; expected 'hat/<node>/<tensor>'")
             hats.setdefault(int(j), {})[name] = v
-        if index not in hats:
-            raise GossipError(f"the CHOCO state has no estimate of node {index} itself; it belongs "
-                              f"to another node")
-        node = cls(config, index=index, neighbours=[], init={})
-        node.hats = hats
-        return node
+        return cls.from_estimates(config, index, hats)
 
 
 def choco_step(models: Sequence[Weights], hats: Sequence[Weights], w: np.ndarray, *, gamma: float,
@@ -375,18 +416,19 @@ def choco_step(models: Sequence[Weights], hats: Sequence[Weights], w: np.ndarray
     ``hats[j]`` is the public estimate ``x̂_j``, the same at every node that hears j, so
     one copy per node suffices here. Returns the mixed models and the new estimates;
     the inputs are not modified. Start ``hats`` at zeros or at the common initial model.
-    Equal, tensor for tensor, to driving one :class:`ChocoNode` per node.
+    Each node is a :class:`ChocoNode` holding its share of the copies, so this is
+    driving one ChocoNode per node, tensor for tensor.
     """
-    ChocoConfig(gamma=gamma)  # validates gamma
+    config = ChocoConfig(gamma=gamma)
     n = len(models)
     w = _check_w(w, n)
     if len(hats) != n:
         raise GossipError(f"{len(hats)} estimates for {n} models; keep one x̂ per node")
-    qs = [compress_model({k: models[i][k] - v for k, v in hats[i].items()}, compressor)
-          for i in range(n)]
-    new_hats = [_apply(h, q) for h, q in zip(hats, qs)]
-    table = dict(enumerate(new_hats))
-    return [_choco_update(models[i], table, mixing_row(w, i), i, gamma) for i in range(n)], new_hats
+    rows = [mixing_row(w, i) for i in range(n)]
+    nodes = [ChocoNode.from_estimates(config, i, {j: hats[j] for j in sorted({i, *rows[i]})}) for i in range(n)]
+    qs = [node.message(models[i], compressor) for i, node in enumerate(nodes)]
+    mixed = [node.step(models[i], {j: qs[j] for j in node.hats}, rows[i]) for i, node in enumerate(nodes)]
+    return mixed, [node.hats[i] for i, node in enumerate(nodes)]
 
 
 # ------------------------------------------------------------------ push-sum

@@ -1,164 +1,470 @@
-"""Client mods: Flower's hook around the ClientApp's functions.
+"""Client mods: fededge's client side as Flower mods for any ClientApp.
 
-:func:`compression_mod` turns a train reply into a compressed update. It keeps the
-delta from the weights the client received, encoded tensor by tensor, with the encoder's
-state (residuals, PowerSGD's Q, DGC's buffers) in ``context.state``. The compressed
-payloads travel in a record named ``compressed`` instead of ``arrays``, so a server
-without :class:`fededge.strategies.compressed.Compressed` fails loudly rather than
-averaging bytes. The arithmetic is :mod:`fededge.compress.update`.
+A Flower mod wraps the ClientApp's train function: it may change the message on the way
+in and the reply on the way out (Flower's ``LocalDpMod`` is one). Each mod here is
+configured by its constructor and keeps its state in ``context.state``; none reads the
+run config, so a user's app keeps its own run-config keys. The user's train function
+stays plain local training: load ``arrays``, train, reply ``arrays`` and ``metrics``
+with ``num-examples``.
 
-:func:`config_error_mod` answers a message the client cannot run because of its
-configuration with a named error reply, which stops the run on the server.
+- :class:`CompressionMod`: decodes a cast downlink model; replaces the train reply's
+  weights by the compressed delta from the weights received (record ``compressed``).
+  Server side: :class:`fededge.strategies.compressed.Compressed`.
+- :class:`DGAMod`: the client of Delayed Gradient Averaging (Zhu et al., 2021). Server
+  side: :class:`fededge.strategies.dga.DGA`.
+- :class:`GossipMod`: a node of D-PSGD (Lian et al., 2017) or CHOCO-SGD (Koloskova et
+  al., 2019). Server side (a relay): :class:`fededge.strategies.gossip.Gossip`.
+- :func:`config_error_mod`: a configuration error of the client becomes a named error
+  reply, on which fededge's server stops the run.
+
+**Order.** Flower runs ``mods=[a, b]`` as ``a(b(train))``: the first is outermost.
+Put :class:`CompressionMod` before :class:`DGAMod` and :class:`GossipMod`::
+
+    ClientApp(mods=[config_error_mod, CompressionMod(update), DGAMod(), GossipMod(update)])
+
+CompressionMod must see the downlink before DGA reads ``G(g)`` from it, and DGA's reply
+after DGA made it: it then encodes DGA's own in-flight Δ(t), which the server rebuilds on
+its exact ``G(g)``. A gossip reply carries no ``arrays`` (GossipMod encodes CHOCO's ``q``
+itself), so CompressionMod leaves it alone. DGAMod and GossipMod act on their own
+strategy's messages only and pass any other message through untouched, so both may be
+registered at once. A mod in the wrong order fails at the first message, by name.
+
+The record formats are :mod:`fededge.protocol`; the arithmetic is pure torch
+(:mod:`fededge.compress.update`, :mod:`fededge.algorithms.dga`,
+:mod:`fededge.algorithms.gossip`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fededge import keys
-from fededge.compress.bundle import pack_bundle, unpack_bundle
-from fededge.compress.update import UpdateEncoder, decode_update
-from fededge.config import ConfigError, RunConfig
+from fededge.algorithms.dga import DGAClient, DGAConfig, round_delta
+from fededge.algorithms.gossip import (
+    CHOCO_STATEFUL, ChocoConfig, ChocoNode, GossipError, Weights, effective_row, mix_row,
+)
+from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
+from fededge.errors import ConfigError
+from fededge.protocol import (
+    CLIENT_APP_RAISED_EXCEPTION, bundle_record, config_error_reason, decode_downlink, decode_update_record,
+)
 
-__all__ = ["bundle_payloads", "bundle_record", "compression_mod", "config_error_mod", "decode_downlink",
-           "decode_update_record", "BUNDLE", "COMPRESSED", "COMPRESSED_DOWN", "UNCOMPRESSED"]
+__all__ = ["CompressionMod", "DGAMod", "GossipMod", "ModOrderError", "config_error_mod"]
 
 log = logging.getLogger(__name__)
 
-#: ``flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (not public API): the
-#: code Flower's runtimes give a reply whose ClientApp raised.
-CLIENT_APP_RAISED_EXCEPTION = 2
-
-COMPRESSED = "compressed"  # record holding one uint8 array: the bundle of wire payloads
-COMPRESSED_DOWN = "compressed-down"  # the same, for the model the server broadcasts
-BUNDLE = "bundle"  # the array's name in those records
-UNCOMPRESSED = "arrays-uncompressed"  # non-float tensors (BatchNorm's counters), as they are
-STATE_KEY = "fededge.compress"
+class ModOrderError(RuntimeError):
+    """Mods registered in an order in which they cannot work (see the module docstring)."""
 
 
-def bundle_record(payloads: dict[str, bytes]) -> ArrayRecord:
-    """Every payload in one uint8 array: Flower's per-object framing is paid once."""
-    return ArrayRecord({BUNDLE: Array(np.frombuffer(pack_bundle(payloads), dtype=np.uint8))})
+def _train_config(msg: Message) -> ConfigRecord | None:
+    """The config record of a train message; None for other messages."""
+    if not msg.metadata.message_type.startswith("train") or keys.CONFIG not in msg.content:
+        return None
+    return msg.content[keys.CONFIG]
 
 
-def bundle_payloads(record: ArrayRecord) -> dict[str, bytes]:
-    """The payloads :func:`bundle_record` packed."""
-    return unpack_bundle(record[BUNDLE].numpy().tobytes())
-
-
-def decode_update_record(record: ArrayRecord, *, max_elements: int) -> dict[str, torch.Tensor]:
-    """An update record (a :func:`bundle_record` of wire payloads, or raw float arrays)
-    -> its tensors."""
-    if list(record.keys()) == [BUNDLE]:
-        return decode_update(bundle_payloads(record), max_elements=max_elements)
-    return dict(record.to_torch_state_dict())
-
-
-def decode_downlink(content: RecordDict) -> RecordDict:
-    """A message content whose model came compressed -> the same with ``arrays``."""
-    from fededge.compress import decode_any
-
-    payloads = bundle_payloads(content[COMPRESSED_DOWN])
-    arrays = {k: decode_any(p).numpy() for k, p in payloads.items()}
-    if UNCOMPRESSED in content:
-        arrays.update({k: v.numpy() for k, v in content[UNCOMPRESSED].to_torch_state_dict().items()})
-    out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+def _with_arrays(content: RecordDict, arrays: Weights, *, drop: tuple[str, ...] = ()) -> RecordDict:
+    """``content`` with ``arrays`` replaced, and records whose name starts with one of
+    ``drop`` left out: the message a user's train function sees."""
+    out = RecordDict({keys.ARRAYS: ArrayRecord(arrays)})
     for name in content.keys():
-        if name not in (COMPRESSED_DOWN, UNCOMPRESSED):
+        if name != keys.ARRAYS and not any(name.startswith(prefix) for prefix in drop):
             out[name] = content[name]
     return out
 
 
-def _dga_round_delta(msg: Message, context: Context) -> dict[str, torch.Tensor] | None:
-    """For a DGA train message: the client's change Δ(t) over this round's K steps.
-
-    A DGA reply is ``G(g) + Δ(t)``, and the message may carry no arrays (the client
-    already holds G(g)), so the update to compress is Δ(t) itself, which the DGA state
-    keeps in flight (``inflight/t/...``). None for any other message."""
-    conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else None
-    if conf is None or keys.DGA_GLOBAL_ROUND not in conf or keys.STATE_DGA not in context.state:
+def _trained(reply: Message, mod: str) -> dict[str, torch.Tensor] | None:
+    """The weights a train function replied with; None for an error reply or a reply
+    without ``arrays`` (fededge's dropout reply), which the mod passes back as it is."""
+    if reply.has_error():
         return None
-    prefix = f"inflight/{int(conf[keys.SERVER_ROUND])}/"
-    state = context.state[keys.STATE_DGA]  # only this round's arrays, not the model and older rounds
-    return {k[len(prefix):]: torch.from_numpy(state[k].numpy()) for k in state.keys() if k.startswith(prefix)}
+    if keys.COMPRESSED in reply.content:
+        raise ModOrderError(f"{mod} got a compressed reply: CompressionMod runs inside it. Register "
+                            f"CompressionMod before {mod} (mods=[CompressionMod(...), {mod}(...)])")
+    if keys.ARRAYS not in reply.content:
+        return None
+    return dict(reply.content[keys.ARRAYS].to_torch_state_dict())
 
 
-def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Decode a compressed downlink model; compress the reply of a train message when the
-    run config names a compressor."""
-    if COMPRESSED_DOWN in msg.content:
-        msg.content = decode_downlink(msg.content)
-    reply = call_next(msg, context)
-    if not msg.metadata.message_type.startswith("train") or reply.has_error():
-        return reply
-    cfg = RunConfig.from_mapping(context.run_config)
-    if cfg.compressor == "none" or keys.ARRAYS not in reply.content:
-        # No model weights in the reply (a gossip message, already encoded by its own
-        # path): nothing to take a delta of.
-        return reply
-    t0 = time.perf_counter()
-    trained = reply.content[keys.ARRAYS].to_torch_state_dict()
-    own = _dga_round_delta(msg, context)
-    received = msg.content[keys.ARRAYS].to_torch_state_dict() if own is None else {}
-    delta, raw = {}, {}
-    for name, new in trained.items():
-        if not new.is_floating_point():
-            raw[name] = new
-        elif own is not None:  # DGA: its own K-step change, the reply minus G(g)
-            delta[name] = own[name].float()
-        else:
-            delta[name] = new.float() - received[name].float()
-    pid = int(context.node_config.get(keys.PARTITION_ID, 0))
-    encoder = UpdateEncoder(cfg.update_config(), stream=pid)
-    if STATE_KEY in context.state:
-        encoder.load_state_dict(context.state[STATE_KEY].to_torch_state_dict())
-    rnd = int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 1)) if keys.CONFIG in msg.content else 1
-    payloads = encoder.encode(delta, round=rnd - 1)
-    state = encoder.state_dict()
-    if state:
-        context.state[STATE_KEY] = ArrayRecord({k: Array(v.numpy()) for k, v in state.items()})
-    content = RecordDict({
-        COMPRESSED: bundle_record(payloads),
-        keys.METRICS: reply.content[keys.METRICS],
-    })
-    if raw:
-        content[UNCOMPRESSED] = ArrayRecord({k: Array(v.numpy()) for k, v in raw.items()})
-    # Encoding is the client's work too: it counts in the compute the clock sees.
-    metrics = content[keys.METRICS]
+def _metrics(reply: Message) -> MetricRecord:
+    if keys.METRICS not in reply.content:
+        reply.content[keys.METRICS] = MetricRecord()
+    return reply.content[keys.METRICS]
+
+
+def _add_compute(metrics: MetricRecord, seconds: float) -> None:
+    # A mod's encoding is the client's work too: it counts in the compute the clock sees.
     if keys.COMPUTE_S in metrics:
-        metrics[keys.COMPUTE_S] = float(metrics[keys.COMPUTE_S]) + (time.perf_counter() - t0)
-    reply.content = content
-    return reply
+        metrics[keys.COMPUTE_S] = float(metrics[keys.COMPUTE_S]) + seconds
+
+
+def _stream(context: Context) -> int:
+    """Separates this client's random streams from the others': its partition id, else
+    its node id (in 31 bits, as the encoders' seeds take it)."""
+    return int(context.node_config.get(keys.PARTITION_ID, context.node_id % 2**31))
+
+
+def _encoder(update: UpdateConfig, stream: int, state: ArrayRecord | None) -> UpdateEncoder:
+    encoder = UpdateEncoder(update, stream=stream)
+    if state is not None:
+        encoder.load_state_dict(state.to_torch_state_dict())
+    return encoder
+
+
+class CompressionMod:
+    """Compress a client's train reply: the delta from the weights it received, encoded
+    tensor by tensor (docs/compression.md).
+
+    On the way in it decodes a cast downlink model (``compressed-down``, from
+    ``Compressed(strategy, downlink="fp16")``) into ``arrays``. On the way out, for a
+    train reply with ``arrays``, it sends instead one ``compressed`` record, the bundle
+    of every floating-point tensor's wire payload, each naming its codec in its header;
+    other tensors (BatchNorm's counters) go as they are in ``arrays-uncompressed``. The
+    encoder's state (error-feedback residuals, PowerSGD's Q, DGC's buffers) stays in
+    ``context.state`` between rounds. For a DGA message it encodes the client's own Δ(t)
+    of that round (:class:`DGAMod` must run inside it). Error replies, gossip replies
+    and replies without ``arrays`` pass through.
+
+    The server must wrap its strategy in :class:`fededge.strategies.compressed.Compressed`
+    (give it the same ``UpdateConfig`` to have a mismatch refused by name): a plain
+    strategy finds no ``arrays`` in the reply and fails loudly rather than averaging
+    bytes.
+
+    Parameters
+    ----------
+    update : UpdateConfig, optional
+        The codec and its knobs (:class:`fededge.compress.update.UpdateConfig`: ``topk``
+        with ``topk_ratio``, ``qsgd`` with ``qsgd_levels``, ``error_feedback``, ...).
+        ``compressor="none"`` only decodes the downlink. ``seed`` seeds the stochastic
+        codecs, per client (partition id, else node id) and round.
+    **kwargs
+        Instead of ``update``: its fields, e.g. ``compressor="topk", topk_ratio=0.1``.
+
+    Examples
+    --------
+    >>> from flwr.clientapp import ClientApp
+    >>> app = ClientApp(mods=[CompressionMod(compressor="signsgd", error_feedback=True)])
+    """
+
+    def __init__(self, update: UpdateConfig | None = None, **kwargs: Any) -> None:
+        if update is not None and kwargs:
+            raise ValueError(f"give CompressionMod an UpdateConfig or its fields, not both (got update and "
+                             f"{sorted(kwargs)})")
+        self.update = update if update is not None else UpdateConfig(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"CompressionMod({self.update!r})"
+
+    def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        if keys.COMPRESSED_DOWN in msg.content:
+            msg.content = decode_downlink(msg.content)
+        conf = _train_config(msg)
+        # The weights received, before an inner mod (DGAMod, GossipMod) swaps the message's.
+        received = msg.content[keys.ARRAYS] if keys.ARRAYS in msg.content else None
+        reply = call_next(msg, context)
+        if (self.update.compressor == "none" or not msg.metadata.message_type.startswith("train")
+                or reply.has_error() or keys.ARRAYS not in reply.content):
+            # No weights in the reply (a gossip message, already encoded by GossipMod; a
+            # dropout): nothing to take a delta of.
+            return reply
+        t0 = time.perf_counter()
+        rnd = int(conf.get(keys.SERVER_ROUND, 1)) if conf is not None else 1
+        own = self._dga_delta(conf, context, rnd)
+        if own is None and received is None:
+            raise ValueError(f"CompressionMod: the train message brought no '{keys.ARRAYS}' record to take "
+                             f"the delta from (it has {list(msg.content.keys())})")
+        base = received.to_torch_state_dict() if own is None else {}
+        delta, raw = {}, {}
+        for name, new in reply.content[keys.ARRAYS].to_torch_state_dict().items():
+            if not new.is_floating_point():
+                raw[name] = new
+            elif own is not None:  # DGA: its own K-step change; the reply is G(g) + own
+                delta[name] = own[name].float()
+            else:
+                delta[name] = new.float() - base[name].float()
+        state = context.state[keys.STATE_COMPRESS] if keys.STATE_COMPRESS in context.state else None
+        encoder = _encoder(self.update, _stream(context), state)
+        payloads = encoder.encode(delta, round=rnd - 1)
+        kept = encoder.state_dict()
+        if kept:
+            context.state[keys.STATE_COMPRESS] = ArrayRecord({k: Array(v.numpy()) for k, v in kept.items()})
+        content = RecordDict({keys.COMPRESSED: bundle_record(payloads)})
+        if raw:
+            content[keys.UNCOMPRESSED] = ArrayRecord({k: Array(v.numpy()) for k, v in raw.items()})
+        for name in reply.content.keys():
+            if name != keys.ARRAYS:
+                content[name] = reply.content[name]
+        reply.content = content
+        _add_compute(_metrics(reply), time.perf_counter() - t0)
+        return reply
+
+    @staticmethod
+    def _dga_delta(conf: ConfigRecord | None, context: Context, rnd: int) -> dict[str, torch.Tensor] | None:
+        """For a DGA train message: the client's change Δ(t) over this round's steps, from
+        the DGA state DGAMod has just written. None for any other message."""
+        if conf is None or keys.DGA_GLOBAL_ROUND not in conf:
+            return None
+        own = round_delta(context.state[keys.STATE_DGA], rnd) if keys.STATE_DGA in context.state else {}
+        if not own:
+            raise ModOrderError(f"CompressionMod got a reply to DGA round {rnd}, but the DGA state holds no "
+                                f"update of that round: register DGAMod inside CompressionMod "
+                                f"(mods=[CompressionMod(...), DGAMod()])")
+        return {k: torch.from_numpy(v.numpy()) for k, v in own.items()}
+
+
+class DGAMod:
+    """The client side of Delayed Gradient Averaging (Zhu et al., NeurIPS 2021), for any
+    train function.
+
+    A DGA train message (its config has ``dga-global-round``; from
+    :class:`fededge.strategies.dga.DGA`) carries the global model ``G(g)``, or nothing when
+    the client already holds it. The mod brings the client's DGA state (kept in
+    ``context.state``) up to ``G(g)`` and hands the train function a message whose
+    ``arrays`` is the client's current model ``G(g) + (own updates in flight)``. The
+    train function trains it as usual and replies; the mod turns the reply into DGA's,
+    ``G(g) + Δ(t)`` (:meth:`fededge.algorithms.dga.DGAClient.train_round`), and adds the
+    ``dga-staleness`` metric (its own rounds still in flight). Every knob (delay,
+    correction, warm-up) is the server's: the correction travels in the message.
+
+    Any other message passes through untouched. An error reply leaves the state as it
+    was. Put :class:`CompressionMod`, if any, before it.
+
+    Examples
+    --------
+    >>> from flwr.clientapp import ClientApp
+    >>> app = ClientApp(mods=[DGAMod()])
+    """
+
+    def __repr__(self) -> str:
+        return "DGAMod()"
+
+    def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        conf = _train_config(msg)
+        if conf is None or keys.DGA_GLOBAL_ROUND not in conf:
+            return call_next(msg, context)
+        config = DGAConfig(correction=bool(conf.get(keys.DGA_CORRECTION, True)))
+        if keys.STATE_DGA in context.state:
+            dga = DGAClient.from_state_dict(config, context.state[keys.STATE_DGA].to_torch_state_dict())
+        else:
+            dga = DGAClient(config, {}, global_round=-1)  # holds nothing yet: the first message must bring G(g)
+        arrays = msg.content[keys.ARRAYS] if keys.ARRAYS in msg.content else ArrayRecord()
+        dga.sync(int(conf[keys.DGA_GLOBAL_ROUND]), arrays.to_torch_state_dict() if len(arrays) else None)
+        staleness = dga.staleness()  # before this round: its own rounds still in flight
+        original = msg.content
+        msg.content = _with_arrays(original, dga.model)
+        try:
+            reply = call_next(msg, context)
+        finally:
+            msg.content = original  # the outer mods see the message as it came
+        if reply.has_error():
+            return reply
+        trained = _trained(reply, "DGAMod")
+        if trained is not None:
+            reply.content[keys.ARRAYS] = ArrayRecord(dga.train_round(int(conf[keys.SERVER_ROUND]), trained))
+            _metrics(reply)[keys.DGA_STALENESS] = staleness
+        # Also after a reply without weights (a dropout): the client did receive G(g).
+        context.state[keys.STATE_DGA] = ArrayRecord(dga.state_dict())
+        return reply
+
+
+@dataclass
+class _GossipRound:
+    """A gossip node's round: who it is, the model it trains from, its CHOCO state."""
+
+    index: int
+    round: int
+    algorithm: str
+    x: Weights
+    node: ChocoNode | None = None
+
+
+class GossipMod:
+    """A node of decentralized training, D-PSGD (Lian et al., 2017) or CHOCO-SGD
+    (Koloskova, Stich & Jaggi, ICML 2019), for any train function.
+
+    A gossip train message (its config has ``gossip-index``; from
+    :class:`fededge.strategies.gossip.Gossip`, which only relays) brings the neighbours'
+    messages of the previous round. The mod first finishes that round's mixing (D-PSGD:
+    ``x_i = sum_j W_ij y_j``; CHOCO: apply each ``q_j`` to the estimates and take the
+    consensus step, with :class:`fededge.algorithms.gossip.ChocoNode`), hands the train
+    function a message whose ``arrays`` is ``x_i``, and turns the trained ``y_i`` into the
+    node's gossip message (D-PSGD: ``y_i``; CHOCO: ``q_i = Q(scale * (y_i - x̂_i))``
+    encoded with ``update``'s codec). The algorithm, gamma and the mixing row come from the
+    server; the codec is the node's. State (``y_i``, the estimates, its own ``q``) stays in
+    ``context.state`` and is written only when the round succeeds.
+
+    Any other message passes through untouched.
+
+    Parameters
+    ----------
+    update : UpdateConfig, optional
+        CHOCO's compressor ``Q`` (``compressor="none"``, the default, sends ``y_i - x̂_i``
+        uncompressed; the scaled sign ``signsgd`` is about 1 bit per weight). Stateless
+        codecs only, without error feedback: CHOCO's estimates already carry what ``Q``
+        dropped. D-PSGD ignores it.
+    choco_scale : float
+        What the difference is scaled by before it is encoded, in [0, 1]. 0 (default):
+        ``1 / (1 + omega)`` per tensor for the unbiased codecs (qsgd, randk, terngrad),
+        which makes ``Q`` the contraction CHOCO's analysis needs, and 1 for the others.
+
+    Examples
+    --------
+    >>> from flwr.clientapp import ClientApp
+    >>> from fededge.compress.update import UpdateConfig
+    >>> app = ClientApp(mods=[GossipMod(UpdateConfig(compressor="signsgd"))])
+    """
+
+    def __init__(self, update: UpdateConfig | None = None, *, choco_scale: float = 0.0) -> None:
+        update = update if update is not None else UpdateConfig()
+        if update.compressor in CHOCO_STATEFUL:
+            raise ValueError(f"GossipMod: compressor {update.compressor!r} keeps encoder state of its own, which "
+                             "CHOCO-SGD does not support; use a stateless codec (topk, signsgd, qsgd, ...)")
+        if update.error_feedback:
+            raise ValueError("GossipMod: error_feedback must be False: CHOCO's public estimates already carry "
+                             "what the compressor dropped into the next round")
+        if not 0.0 <= choco_scale <= 1.0:
+            raise ValueError(f"GossipMod: choco_scale must be in [0, 1] (0: automatic), got {choco_scale}")
+        self.update = update
+        self.choco_scale = choco_scale
+
+    def __repr__(self) -> str:
+        return f"GossipMod({self.update!r}, choco_scale={self.choco_scale})"
+
+    def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        conf = _train_config(msg)
+        if conf is None or keys.GOSSIP_INDEX not in conf:
+            return call_next(msg, context)
+        rnd = self._start(msg, context, conf)
+        original = msg.content
+        msg.content = _with_arrays(original, rnd.x, drop=(keys.GOSSIP_FROM, keys.GOSSIP_HAT))
+        try:
+            reply = call_next(msg, context)
+        finally:
+            msg.content = original
+        trained = _trained(reply, "GossipMod")
+        if trained is None:
+            return reply
+        return self._reply(reply, context, conf, rnd, trained)
+
+    def _start(self, msg: Message, context: Context, conf: ConfigRecord) -> _GossipRound:
+        """Finish the previous round's gossip with the neighbours' messages this one brings.
+
+        The node's own trained model (and, for CHOCO, its estimates and its own last q) are
+        in ``context.state``; a node that holds none starts from the message's ``arrays``.
+        See :mod:`fededge.strategies.gossip` for the message layout.
+        """
+        i, t = int(conf[keys.GOSSIP_INDEX]), int(conf[keys.SERVER_ROUND])
+        algorithm = str(conf[keys.GOSSIP_ALGORITHM])
+        row = {int(j): float(w) for j, w in zip(conf.get(keys.GOSSIP_ROW_NODES, []),
+                                                 conf.get(keys.GOSSIP_ROW_WEIGHTS, []))}
+        state = (context.state[keys.STATE_GOSSIP].to_torch_state_dict()
+                 if keys.STATE_GOSSIP in context.state else {})
+        y = {k[2:]: v for k, v in state.items() if k.startswith("x/")}
+        if not y:
+            if keys.ARRAYS not in msg.content:
+                raise GossipError(f"gossip node {i} holds no model and round {t}'s message brings none; "
+                                  f"the relay sends '{keys.ARRAYS}' until a node has completed a round")
+            y = dict(msg.content[keys.ARRAYS].to_torch_state_dict())
+        c = msg.content
+        received = {int(name[len(keys.GOSSIP_FROM):]): c[name] for name in c.keys()
+                    if name.startswith(keys.GOSSIP_FROM)}
+        if algorithm == "dpsgd":
+            if t == 1:
+                return _GossipRound(i, t, algorithm, y)
+            w = effective_row(row, received, own=i)
+            models = {j: dict(received[j].to_torch_state_dict()) for j in w if j != i}
+            models[i] = y
+            return _GossipRound(i, t, algorithm, mix_row(models, w, own=i))
+
+        config = ChocoConfig(gamma=float(conf[keys.GOSSIP_GAMMA]))
+        resync = {int(name[len(keys.GOSSIP_HAT):]): dict(c[name].to_torch_state_dict()) for name in c.keys()
+                  if name.startswith(keys.GOSSIP_HAT)}
+        if resync:  # the relay's estimates already hold every q up to the last round
+            node = ChocoNode.from_estimates(config, i, resync)
+        elif any(k.startswith("hat/") for k in state):
+            node = ChocoNode.from_state_dict(config, i, {k: v for k, v in state.items() if k.startswith("hat/")})
+            limit = max(v.numel() for v in y.values())
+            messages = {j: decode_update_record(rec, max_elements=limit) for j, rec in received.items()}
+            own_q = {k[2:]: v for k, v in state.items() if k.startswith("q/")}
+            if own_q:
+                messages[i] = own_q
+            node.receive(messages)
+        else:  # round 1: every estimate starts at the common initial model
+            node = ChocoNode(config, index=i, neighbours=list(row), init=y)
+        return _GossipRound(i, t, algorithm, y if t == 1 else node.mix(y, row), node)
+
+    def _reply(self, reply: Message, context: Context, conf: ConfigRecord, rnd: _GossipRound,
+               trained: Weights) -> Message:
+        """The node's round message (D-PSGD: its model; CHOCO: its encoded q); the state is
+        written only now, so a failed message leaves the node as it was."""
+        t0 = time.perf_counter()
+        y = {k: v.detach().clone() for k, v in trained.items()}
+        state = {f"x/{k}": v for k, v in y.items()}
+        content = RecordDict()
+        if rnd.node is None:
+            content[keys.GOSSIP_MESSAGE] = ArrayRecord(y)
+        else:
+            delta = {k: d * self._scale(d.numel()) for k, d in rnd.node.difference(y).items()}
+            if self.update.compressor == "none":
+                q = delta
+                content[keys.GOSSIP_MESSAGE] = ArrayRecord(q)
+            else:
+                payloads = UpdateEncoder(self.update, stream=rnd.index).encode(delta, round=rnd.round - 1)
+                content[keys.GOSSIP_MESSAGE] = bundle_record(payloads)
+                # What the neighbours will add to their x̂_i, decoded exactly as they decode it.
+                q = decode_update(payloads, max_elements=max(v.numel() for v in delta.values()))
+                q = {k: v.to(dtype=delta[k].dtype) for k, v in q.items()}
+            state |= rnd.node.state_dict()
+            state |= {f"q/{k}": v for k, v in q.items()}
+        if bool(conf.get(keys.GOSSIP_EVAL, False)):  # for the server's evaluation only
+            content[keys.GOSSIP_EVAL_ARRAYS] = ArrayRecord(y)
+        for name in reply.content.keys():
+            if name != keys.ARRAYS:
+                content[name] = reply.content[name]
+        reply.content = content
+        _add_compute(_metrics(reply), time.perf_counter() - t0)
+        context.state[keys.STATE_GOSSIP] = ArrayRecord(state)
+        return reply
+
+    def _scale(self, numel: int) -> float:
+        """What a CHOCO node scales a tensor's difference by before compressing it."""
+        if self.choco_scale > 0:
+            return self.choco_scale
+        return 1.0 / (1.0 + self.update.variance_factor(numel))
 
 
 def config_error_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Turn a configuration error of this client into an error reply the server recognises.
 
-    A :class:`~fededge.config.ConfigError` (a run config, node config or data split that
+    A :class:`~fededge.errors.ConfigError` (a run config, node config or data split that
     cannot work) or the partitioner's :class:`~fededge.data.PartitionError` raised while
     handling ``msg`` becomes an error reply whose reason starts with
-    ``keys.CONFIG_ERROR``. :class:`fededge.server.metering.MeteredGrid` stops the run on
-    it with the client's message: every later round would fail the same way, so counting
-    it as one more failed client per round would only delay the news. Any other
-    exception passes through, and the runtime turns it into an ordinary failure.
+    ``keys.CONFIG_ERROR`` (:func:`fededge.protocol.config_error_reason`).
+    fededge's :class:`~fededge.server.metering.MeteredGrid` stops the run on it with the
+    client's message: every later round would fail the same way, so counting it as one
+    more failed client per round would only delay the news. Any other exception passes
+    through, and the runtime turns it into an ordinary failure. A user's app raises
+    ``ConfigError`` for its own settings to get the same.
 
     No traceback is logged (a configuration error is not a bug) and the client logs it
     at DEBUG only: the server reports it, naming the node.
 
     Examples
     --------
-    >>> app = ClientApp(mods=[config_error_mod])  # doctest: +SKIP
+    >>> from flwr.clientapp import ClientApp
+    >>> app = ClientApp(mods=[config_error_mod])
     """
     try:
         return call_next(msg, context)
     except (ConfigError, PartitionError) as err:
         log.debug("configuration error, replied to the server: %s", err)
-        return Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=f"{keys.CONFIG_ERROR}: {err}"),
-                       reply_to=msg)
+        return Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=config_error_reason(err)), reply_to=msg)

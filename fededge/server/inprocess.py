@@ -38,14 +38,14 @@ from flwr.serverapp import Grid, ServerApp
 from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.config import ConfigError, RunConfig
+from fededge.protocol import CLIENT_APP_RAISED_EXCEPTION
 from fededge.workload import check_partition
 
-__all__ = ["InProcessGrid", "run_inprocess", "SERVER_RESULT_KEY"]
+__all__ = ["InProcessGrid", "run_inprocess", "run_server", "SERVER_RESULT_KEY"]
 
 log = logging.getLogger(__name__)
 
 SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID
-CLIENT_APP_RAISED_EXCEPTION = 2  # flwr.common.constant.ErrorCode
 #: Where fededge's ServerApp leaves the run directory in the server Context's state.
 SERVER_RESULT_KEY = "fededge.result"
 
@@ -64,7 +64,7 @@ class InProcessGrid(Grid):
         num-partitions=num_nodes`` (as in Flower's simulation) merged with
         ``node_configs[i]`` if given.
     run_config : mapping
-        The run config every node's Context carries.
+        The run config every node's Context carries (any keys: the grid reads none).
     run_id : int
         The run id messages and Contexts carry.
     seed : int
@@ -94,6 +94,7 @@ class InProcessGrid(Grid):
         if node_configs is not None and len(node_configs) != num_nodes:
             raise ValueError(f"node_configs has {len(node_configs)} entries for {num_nodes} nodes")
         self.client_app = client_app
+        self.run_config = dict(run_config)
         rng = random.Random(seed)
         ids: dict[int, None] = {}  # ordered, with O(1) membership: 10,000 nodes in ms, not seconds
         while len(ids) < num_nodes:
@@ -235,16 +236,33 @@ def run_inprocess(
     # with one ConfigError. The split is cached: the clients reuse it.
     for num_partitions, data_dir in grid.data_splits():
         check_partition(cfg, num_partitions, data_dir)
+    server_ctx = run_server(server_app or default_server, grid)
+    if SERVER_RESULT_KEY in server_ctx.state:
+        return Path(str(server_ctx.state[SERVER_RESULT_KEY]["run-dir"]))
+    return None
+
+
+def run_server(server_app: ServerApp, grid: InProcessGrid) -> Context:
+    """Run any ServerApp on an in-process grid, as a SuperLink would; return its Context.
+
+    For a user's own app (its own run-config keys, which fededge never parses): the
+    server's Context carries the grid's run config, and its ``state`` holds whatever the
+    ServerApp left there.
+
+    Examples
+    --------
+    >>> grid = InProcessGrid(my_client_app, num_nodes=4, run_config={"num-server-rounds": 3})  # doctest: +SKIP
+    >>> context = run_server(my_server_app, grid)  # doctest: +SKIP
+    """
+    run_id = grid.run.run_id
     server_ctx = Context(
         run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-        state=RecordDict(), run_config=dict(run_config),
+        state=RecordDict(), run_config=dict(grid.run_config),
     )
     threads = torch.get_num_threads()  # the ClientApp may set its own; restore ours
     try:
         with fi.task_identity(run_id=run_id, node_id=SUPERLINK_NODE_ID, task_id=run_id):
-            (server_app or default_server)(grid, server_ctx)
+            server_app(grid, server_ctx)
     finally:
         torch.set_num_threads(threads)
-    if SERVER_RESULT_KEY in server_ctx.state:
-        return Path(str(server_ctx.state[SERVER_RESULT_KEY]["run-dir"]))
-    return None
+    return server_ctx

@@ -52,7 +52,7 @@ class FlwrRun:
         """Why the run failed, in one line; None when it succeeded.
 
         ``configuration error: ...`` when the ServerApp stopped on a
-        :class:`~fededge.config.ConfigError` (the last line of the traceback Flower logs
+        :class:`~fededge.errors.ConfigError` (the last line of the traceback Flower logs
         into the run's output: Flower's run status keeps the message but not the
         exception's type), else ``run failed: `` and Flower's status details.
         """
@@ -68,7 +68,7 @@ class FlwrRun:
 
 
 #: The last line of a traceback whose exception is fededge's ConfigError.
-_CONFIG_ERROR_LINE = re.compile(r"^(?:fededge\.config\.)?ConfigError: (.+)$", re.MULTILINE)
+_CONFIG_ERROR_LINE = re.compile(r"^(?:fededge\.(?:errors|config)\.)?ConfigError: (.+)$", re.MULTILINE)
 
 
 def format_run_config(cfg: Mapping[str, Any]) -> str:

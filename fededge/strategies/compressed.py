@@ -1,16 +1,21 @@
 """``Compressed(strategy)``: decode compressed client updates for any Flower strategy.
 
-The client's :func:`fededge.clients.mods.compression_mod` sends, instead of its weights,
+The client's :class:`fededge.clients.mods.CompressionMod` sends, instead of its weights,
 one wire payload per tensor (the delta from the weights it received). This wrapper keeps
 the global arrays it sent each round, decodes every reply back into full weights
 (sent + decoded delta), and hands the inner strategy ordinary replies. So
 ``Compressed(FedAvg(...))`` and ``Compressed(FedAdam(...))`` both work unchanged.
 
 A reply that does not decode (truncated, unknown version or codec, shape mismatch, index
-out of range, NaN/Inf) is rejected. It is counted, with the node and the reason, in
-:meth:`Compressed.take_stats` (fededge's runner reports it, one line, and writes it to
-``metrics.jsonl``; here it is logged at DEBUG only), and the round goes on without it:
-nothing is lost but that one client's update.
+out of range, NaN/Inf) is rejected. So is, when the wrapper is given the clients'
+:class:`~fededge.compress.update.UpdateConfig`, a reply in another codec
+(:class:`CodecMismatchError`: "client sent codec 'topk', this server expects
+'signsgd'"), or uncompressed. A rejected update is counted, with the node and the
+reason, in :meth:`Compressed.take_stats`, and the round goes on without it: nothing is
+lost but that one client's update. A caller that takes the stats (fededge's runner)
+reports them, one line each; otherwise the wrapper logs each rejection as a warning. A
+round in which every update was refused for a codec mismatch stops the run with the
+:class:`CodecMismatchError`: every later round would be refused the same way.
 """
 
 from __future__ import annotations
@@ -27,19 +32,23 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.clients.mods import (
-    BUNDLE, COMPRESSED, COMPRESSED_DOWN, UNCOMPRESSED, bundle_payloads, bundle_record, decode_downlink,
-)
-from fededge.compress import MalformedPayloadError, build_codec
-from fededge.compress.update import decode_update
+from fededge.compress import MalformedPayloadError
+from fededge.compress.update import UpdateConfig, decode_update
+from fededge.compress.wire import peek_codec
+from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
 
-__all__ = ["Compressed", "CompressionStats", "DOWNLINK", "cast_downlink", "decode_compressed"]
+__all__ = ["CodecMismatchError", "Compressed", "CompressionStats", "DOWNLINK", "decode_compressed"]
 
 #: Downlink codecs: stateless casts of the broadcast model. Delta-coded downlinks would
 #: need per-client state kept in step for clients that sat rounds out; not built.
 DOWNLINK = ("none", "fp16", "bf16")
 
 log = logging.getLogger(__name__)
+
+
+class CodecMismatchError(ValueError):
+    """A client's update is in another codec than the server expects: the client's
+    compression mod and the server's wrapper are configured differently."""
 
 
 @dataclass
@@ -51,6 +60,7 @@ class CompressionStats:
     payload_bytes: int = 0  # the payloads' own bytes
     dense_bytes: int = 0  # what the same tensors weigh as float32
     reasons: list[str] = field(default_factory=list)
+    mismatched: int = 0  # of the rejected: in another codec than expected
 
     @property
     def ratio(self) -> float | None:
@@ -60,6 +70,8 @@ class CompressionStats:
 class Compressed(Strategy):
     """Wrap a strategy so that it receives decoded, full-weight client updates.
 
+    Pair it with :class:`fededge.clients.mods.CompressionMod` on the clients.
+
     Parameters
     ----------
     inner : Strategy
@@ -67,24 +79,34 @@ class Compressed(Strategy):
     downlink : str
         ``none``, ``fp16`` or ``bf16``: cast the model the server broadcasts for training
         (halves ``bytes_down``). Evaluation messages go uncompressed.
+    update : UpdateConfig, optional
+        The clients' compression, to check their updates against: a payload whose header
+        names another codec than ``update.wire_codecs()``, or an uncompressed reply when
+        ``update`` compresses, is rejected with a :class:`CodecMismatchError` that names
+        both. None (default) accepts any codec the decoder knows.
 
     Examples
     --------
-    >>> strategy = Compressed(FedAvg(fraction_train=1.0))
+    >>> from flwr.serverapp.strategy import FedAdam
+    >>> strategy = Compressed(FedAdam(), update=UpdateConfig(compressor="topk", topk_ratio=0.1))
     """
 
-    def __init__(self, inner: Strategy, *, downlink: str = "none") -> None:
+    def __init__(self, inner: Strategy, *, downlink: str = "none", update: UpdateConfig | None = None) -> None:
         if downlink not in DOWNLINK:
             raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
         self.inner = inner
         self.downlink = downlink
+        self.update = update
         # round -> the weights sent that round, as tensors: converted once per round, not
         # once per reply (each conversion deserialises the whole model)
         self._sent: dict[int, dict[str, torch.Tensor]] = {}
         self._stats = CompressionStats()
+        self._reported = False  # someone takes the stats (and reports the rejections)
 
     def take_stats(self) -> CompressionStats:
-        """The counts since the previous call (one round, when called once a round)."""
+        """The counts since the previous call (one round, when called once a round). A
+        caller of this reports the rejections itself: the wrapper then logs them at DEBUG."""
+        self._reported = True
         s, self._stats = self._stats, CompressionStats()
         return s
 
@@ -110,21 +132,32 @@ class Compressed(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
         base = self._sent.get(server_round)
-        kept = []
+        kept, mismatches = [], []
         for r in replies:
-            if r.has_error() or COMPRESSED not in r.content:
-                kept.append(r)  # errors and uncompressed replies: the inner strategy decides
+            if r.has_error():
+                kept.append(r)  # errors: the inner strategy leaves them out
                 continue
-            if base is None:
-                raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
             try:
-                r.content = decode_compressed(r.content, base, self._stats)
+                if keys.COMPRESSED in r.content:
+                    if base is None:
+                        raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
+                    r.content = decode_compressed(r.content, base, self._stats, expect=self.update)
+                else:
+                    _check_uncompressed(self.update)
                 kept.append(r)
-            except MalformedPayloadError as err:
+            except (MalformedPayloadError, CodecMismatchError) as err:
                 reason = f"node {r.metadata.src_node_id}: {err}"
                 self._stats.rejected += 1
                 self._stats.reasons.append(reason)
-                log.debug("round %d: rejected a client update: %s", server_round, reason)
+                if isinstance(err, CodecMismatchError):
+                    self._stats.mismatched += 1
+                    mismatches.append(err)
+                log.log(logging.DEBUG if self._reported else logging.WARNING,
+                        "round %d: rejected a client update: %s", server_round, reason)
+        if mismatches and not any(not r.has_error() for r in kept):
+            raise CodecMismatchError(
+                f"round {server_round}: every client update was refused: {mismatches[0]}. Give the "
+                f"clients' CompressionMod and the server's Compressed(..., update=...) the same UpdateConfig")
         return self.inner.aggregate_train(server_round, kept)
 
     def configure_evaluate(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201
@@ -137,17 +170,22 @@ class Compressed(Strategy):
         self.inner.summary()
 
 
-def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats: CompressionStats) -> RecordDict:
+def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats: CompressionStats, *,
+                      expect: UpdateConfig | None = None) -> RecordDict:
     """A reply whose ``compressed`` record holds the update's payloads -> the same reply
     with full weights in ``arrays``: ``sent`` (the weights the update is a delta from) plus
     the decoded delta. Counts it in ``stats``. Raises MalformedPayloadError for anything
-    that does not decode or does not fit the model."""
-    rec = content[COMPRESSED]
+    that does not decode or does not fit the model, and :class:`CodecMismatchError` for
+    a payload in a codec ``expect`` does not send (None: any codec)."""
+    rec = content[keys.COMPRESSED]
     largest = max((math.prod(v.shape) for v in sent.values()), default=1)
-    if list(rec.keys()) != [BUNDLE]:
-        raise MalformedPayloadError(f"compressed record must hold one array '{BUNDLE}', has {list(rec.keys())[:5]}")
+    if list(rec.keys()) != [keys.BUNDLE]:
+        raise MalformedPayloadError(f"compressed record must hold one array '{keys.BUNDLE}', has "
+                                    f"{list(rec.keys())[:5]}")
     payloads = bundle_payloads(rec)
-    raw = content[UNCOMPRESSED].to_torch_state_dict() if UNCOMPRESSED in content else {}
+    if expect is not None:
+        _check_codecs(payloads, expect)
+    raw = content[keys.UNCOMPRESSED].to_torch_state_dict() if keys.UNCOMPRESSED in content else {}
     deltas = decode_update(payloads, max_elements=largest)
     full: dict[str, np.ndarray] = {}
     for name, old in sent.items():
@@ -167,24 +205,32 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
     stats.payload_bytes += sum(len(p) for p in payloads.values())
     stats.dense_bytes += sum(4 * d.numel() for d in deltas.values())
     stats.decoded += 1
-    metrics = content[keys.METRICS] if keys.METRICS in content else MetricRecord()
-    return RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
-                       keys.METRICS: metrics})
+    out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
+                      keys.METRICS: content[keys.METRICS] if keys.METRICS in content else MetricRecord()})
+    for name in content.keys():  # anything else the client replied with, as it came
+        if name not in out and name not in (keys.COMPRESSED, keys.UNCOMPRESSED):
+            out[name] = content[name]
+    return out
 
 
-def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
-    """A model cast by the ``downlink`` codec, as the records a message carries instead of
-    ``arrays``: the bundle of its float tensors' payloads (``compressed-down``) and its
-    other tensors as they are (``arrays-uncompressed``, only if there are any).
-    :func:`fededge.clients.mods.decode_downlink` turns them back into ``arrays``."""
-    codec = build_codec(downlink)
-    payloads, raw = {}, {}
-    for name, t in arrays.to_torch_state_dict().items():
-        if t.is_floating_point():
-            payloads[name] = codec.encode(t)
-        else:
-            raw[name] = Array(t.numpy())
-    records = {COMPRESSED_DOWN: bundle_record(payloads)}
-    if raw:
-        records[UNCOMPRESSED] = ArrayRecord(raw)
-    return records
+def _expected(update: UpdateConfig) -> str:
+    codecs = update.wire_codecs()
+    if not codecs:
+        return "uncompressed updates (compressor 'none')"
+    more = f" ({codecs[1]!r} for tensors under {update.min_numel} elements)" if len(codecs) > 1 else ""
+    return f"{codecs[0]!r}{more}"
+
+
+def _check_codecs(payloads: dict[str, bytes], expect: UpdateConfig) -> None:
+    allowed = expect.wire_codecs()
+    for name, payload in payloads.items():
+        codec = peek_codec(payload)
+        if codec not in allowed:
+            raise CodecMismatchError(f"client sent codec {codec!r} (tensor {name!r}), this server expects "
+                                     f"{_expected(expect)}")
+
+
+def _check_uncompressed(expect: UpdateConfig | None) -> None:
+    if expect is not None and expect.wire_codecs():
+        raise CodecMismatchError(f"client sent an uncompressed update ('{keys.ARRAYS}'), this server expects "
+                                 f"{_expected(expect)}; add CompressionMod to the ClientApp")

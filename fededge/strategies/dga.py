@@ -48,10 +48,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order
 from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
-from fededge.clients.mods import COMPRESSED
 from fededge.compress import MalformedPayloadError
+from fededge.protocol import cast_downlink
 from fededge.strategies._replies import fixed_participants, usable_reply
-from fededge.strategies.compressed import DOWNLINK, CompressionStats, cast_downlink, decode_compressed
+from fededge.strategies.compressed import DOWNLINK, CompressionStats, decode_compressed
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
 
@@ -276,9 +276,9 @@ class DGA(FedAvg):
         self._info[t] = info
 
     def _decode(self, reply: Message, g: int) -> str | None:
-        """A compressed reply carries Δ(t) (fededge.clients.mods): rebuild G(g) + Δ(t) in
+        """A compressed reply carries Δ(t) (fededge.clients.mods.CompressionMod): rebuild G(g) + Δ(t) in
         place. Returns why it does not decode (the reply is then left out), else None."""
-        if COMPRESSED not in reply.content:
+        if keys.COMPRESSED not in reply.content:
             return None
         try:
             reply.content = decode_compressed(reply.content, self._server.global_model(g), self._stats)

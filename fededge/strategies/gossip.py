@@ -16,7 +16,7 @@ at the start; ``min-available-nodes`` waits for N of them.
   ``gossip-row-weights``), the weights of the mixing it must finish;
 - ``gossip/<j>`` for each in-neighbour j whose round t-1 message arrived: D-PSGD, j's
   trained model (an ArrayRecord); CHOCO, j's compressed difference q_j (one uint8 bundle
-  of fededge wire payloads, :func:`fededge.clients.mods.bundle_record`; raw float arrays
+  of fededge wire payloads, :func:`fededge.protocol.bundle_record`; raw float arrays
   when ``compressor="none"``);
 - ``arrays`` in round 1 only (the seeded initial model every node starts from), and to a
   node that has never completed a round;
@@ -62,15 +62,15 @@ from fededge import keys
 from fededge._flwr_internals import wire_size
 from fededge.algorithms.gossip import (
     ChocoConfig,
+    ChocoNode,
     Weights,
-    _choco_update,
     consensus_distance,
     effective_row,
     mean_model,
     mix_row,
     mixing_row,
 )
-from fededge.clients.mods import decode_update_record
+from fededge.protocol import decode_update_record
 from fededge.topology import Topology, build_topology
 
 __all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
@@ -358,8 +358,8 @@ class Gossip(FedAvg):
                 w = effective_row(row, avail, own=i)
                 out[i] = mix_row({j: trained[j] for j in w}, w, own=i)
             else:
-                hats = {j: self._hats[j] for j in row}
-                out[i] = _choco_update(y, hats, row, i, self.choco.gamma)
+                node = ChocoNode.from_estimates(self.choco, i, {j: self._hats[j] for j in row})
+                out[i] = node.mix(y, row)
         return out
 
     # Flower's per-round hooks are not how gossip runs: start() drives it.

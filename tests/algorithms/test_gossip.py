@@ -194,6 +194,38 @@ def test_choco_nodes_equal_the_all_nodes_step():
             assert all(torch.equal(h[k], hats[j][k]) for k in h)
 
 
+def test_a_lost_choco_message_is_a_zero_update_for_every_copy():
+    """The Flower relay's case: node 3's message of a round never arrives. Every node
+    that hears 3 keeps its x̂_3 (receive), so all copies of every estimate still agree,
+    and receive + mix is step when nothing is lost."""
+    n, lost = 6, 3
+    topo = build_topology("ring", n)
+    w = topo.mixing()
+    cfg = ChocoConfig(gamma=0.5)
+    init = _models(1)[0]
+    nodes = [ChocoNode(cfg, index=i, neighbours=topo.in_neighbours(i), init=init) for i in range(n)]
+    twins = [ChocoNode.from_estimates(cfg, i, node.hats) for i, node in enumerate(nodes)]
+    xs = _models(n, seed=3)
+    q = codec_compressor(build_codec("topk", ratio=0.5))
+    for rnd in range(3):
+        msgs = [node.message(x, q) for node, x in zip(nodes, xs)]
+        mixed = []
+        for i, (node, twin) in enumerate(zip(nodes, twins)):
+            got = {j: msgs[j] for j in node.hats if rnd != 1 or j != lost}
+            node.receive(got)
+            mixed.append(node.mix(xs[i], mixing_row(w, i)))
+            if rnd != 1:  # nothing lost: the two halves are step, bit for bit
+                stepped = twin.step(xs[i], got, mixing_row(w, i))
+                assert all(torch.equal(stepped[k], mixed[i][k]) for k in stepped)
+            twin.hats = dict(node.hats)
+        xs = mixed
+        for j in range(n):
+            copies = [node.hats[j] for node in nodes if j in node.hats]
+            assert all(torch.equal(c[k], copies[0][k]) for c in copies for k in c)
+    with pytest.raises(GossipError, match=r"node 0 got messages from \[3\], which it does not hear"):
+        nodes[0].receive({3: msgs[3]})
+
+
 def test_choco_node_state_round_trips_and_is_checked():
     cfg = ChocoConfig(gamma=0.5)
     node = ChocoNode(cfg, index=2, neighbours=[1, 3], init=_models(1)[0])

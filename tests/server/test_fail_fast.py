@@ -18,7 +18,9 @@ from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.clients.app import app as fededge_client
 from fededge.clients.app import train as fededge_train
-from fededge.clients.mods import COMPRESSED, compression_mod, config_error_mod
+from fededge.clients.app import run_config_mods
+from fededge.clients.mods import config_error_mod
+from fededge.keys import COMPRESSED
 from fededge.config import ConfigError, RunConfig
 from fededge.server.app import app as fededge_server
 from fededge.server.inprocess import InProcessGrid, run_inprocess
@@ -240,7 +242,7 @@ def _corrupting(partition: int):
 def test_an_undecodable_update_is_rejected_once_per_round_and_the_run_goes_on(tmp_path, capsys, caplog):
     caplog.set_level(logging.DEBUG, logger="fededge")
     app = ClientApp(mods=[config_error_mod])
-    app.train(mods=[_corrupting(1), compression_mod])(fededge_train)
+    app.train(mods=[_corrupting(1), run_config_mods])(fededge_train)
     run_dir = run_inprocess({"num-rounds": 2, "local-steps": 3, "partition": "iid", "compressor": "topk",
                              "results-dir": str(tmp_path), "progress": "lines"}, num_clients=3, client_app=app)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

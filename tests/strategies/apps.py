@@ -4,14 +4,16 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fededge import keys
+from fededge.clients.app import run_config_mods
 from fededge.clients.app import train as fededge_train
 
 
 def failing_once(partition: int, at_round: int) -> ClientApp:
-    """fededge's ClientApp, except that ``partition`` raises in round ``at_round``."""
+    """fededge's ClientApp (its train function with the mods the run config asks for),
+    except that ``partition`` raises in round ``at_round``."""
     app = ClientApp()
 
-    @app.train()
+    @app.train(mods=[run_config_mods])
     def train(msg: Message, context: Context) -> Message:
         conf = msg.content[keys.CONFIG]
         if int(context.node_config[keys.PARTITION_ID]) == partition and int(conf[keys.SERVER_ROUND]) == at_round:

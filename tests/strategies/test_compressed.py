@@ -9,7 +9,8 @@ from flwr.app import Array, Context, Message
 from flwr.clientapp import ClientApp
 
 from fededge.clients.app import train as fededge_train
-from fededge.clients.mods import COMPRESSED, compression_mod
+from fededge.clients.app import run_config_mods
+from fededge.keys import COMPRESSED
 from fededge.compress.update import COMPRESSORS, UNBIASED
 from fededge.server.inprocess import run_inprocess
 
@@ -65,7 +66,7 @@ def _corrupting(partition: int):
 
 def test_a_malformed_update_is_rejected_logged_and_counted(tmp_path):
     app = ClientApp()
-    app.train(mods=[_corrupting(1), compression_mod])(fededge_train)
+    app.train(mods=[_corrupting(1), run_config_mods])(fededge_train)
     run_dir = run_inprocess({**BASE, "compressor": "topk", "results-dir": str(tmp_path)},
                             num_clients=3, client_app=app)
     lines = _lines(run_dir)
@@ -80,7 +81,7 @@ def test_every_update_malformed_fails_the_run_by_name(tmp_path):
     from fededge.server.experiment import RoundFailedError
 
     app = ClientApp()
-    app.train(mods=[_corrupting(0), compression_mod])(fededge_train)
+    app.train(mods=[_corrupting(0), run_config_mods])(fededge_train)
     with pytest.raises(RoundFailedError, match=r"1 rejected.*tensor .* body length|1 rejected.*truncated|1 rejected"):
         run_inprocess({**BASE, "compressor": "topk", "results-dir": str(tmp_path)},
                       num_clients=1, client_app=app)
@@ -108,7 +109,7 @@ def test_encoder_state_lives_in_context_state(tmp_path):
         return reply
 
     app = ClientApp()
-    app.train(mods=[spy, compression_mod])(fededge_train)
+    app.train(mods=[spy, run_config_mods])(fededge_train)
     run_inprocess({**BASE, "compressor": "onebit", "error-feedback": True, "results-dir": str(tmp_path)},
                   num_clients=2, client_app=app)
     assert all("fededge.compress" in keys for keys in seen.values()), seen
@@ -154,7 +155,7 @@ def test_update_that_decodes_to_nan_is_rejected(tmp_path):
         return reply
 
     app = ClientApp()
-    app.train(mods=[nan_payload, compression_mod])(fededge_train)
+    app.train(mods=[nan_payload, run_config_mods])(fededge_train)
     run_dir = run_inprocess({**BASE, "num-rounds": 1, "compressor": "fp16", "results-dir": str(tmp_path)},
                             num_clients=2, client_app=app)
     assert _lines(run_dir)[-1]["rejected"] == 1 and _lines(run_dir)[-1]["num_clients"] == 1
@@ -172,7 +173,7 @@ def test_client_with_nan_weights_fails_its_reply(tmp_path):
         return reply
 
     app = ClientApp()
-    app.train(mods=[compression_mod, nan_weights])(fededge_train)  # NaN first, then compression
+    app.train(mods=[run_config_mods, nan_weights])(fededge_train)  # NaN first, then compression
     run_dir = run_inprocess({**BASE, "num-rounds": 1, "compressor": "fp16", "results-dir": str(tmp_path)},
                             num_clients=2, client_app=app)
     last = _lines(run_dir)[-1]

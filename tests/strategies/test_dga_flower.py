@@ -158,7 +158,8 @@ def test_a_malformed_dga_update_is_rejected_and_the_client_rejoins(tmp_path):
     from flwr.clientapp import ClientApp
 
     from fededge.clients.app import train as fededge_train
-    from fededge.clients.mods import COMPRESSED, compression_mod
+    from fededge.clients.app import run_config_mods
+    from fededge.keys import COMPRESSED
 
     def corrupt_round_3(msg: Message, context: Context, call_next):  # noqa: ANN001, ANN202
         reply = call_next(msg, context)
@@ -170,7 +171,7 @@ def test_a_malformed_dga_update_is_rejected_and_the_client_rejoins(tmp_path):
         return reply
 
     app = ClientApp()
-    app.train(mods=[corrupt_round_3, compression_mod])(fededge_train)
+    app.train(mods=[corrupt_round_3, run_config_mods])(fededge_train)
     run_dir = run_inprocess({**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 1, "compressor": "topk",
                              "topk-ratio": 0.1, "error-feedback": True, "results-dir": str(tmp_path)},
                             num_clients=3, client_app=app)

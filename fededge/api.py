@@ -1,0 +1,59 @@
+"""fededge as a library: the pieces any Flower app (Message API) can add.
+
+A user's app keeps its own model, data, train function and run-config keys; fededge's
+pieces take their settings as constructor arguments and never read the run config.
+On the client, mods (order: see :mod:`fededge.clients.mods`); on the server, a wrapper or
+a strategy that pairs with them; the config objects both take.
+
+========================  =====================================  ================================
+client mod                server side                            what
+========================  =====================================  ================================
+``CompressionMod``        ``Compressed(strategy, update=...)``   compressed updates, any strategy
+``DGAMod``                ``DGA``                                Delayed Gradient Averaging
+``GossipMod``             ``Gossip``                             D-PSGD / CHOCO-SGD, server relays
+(none)                    ``FedAvgOuter``                        FedAvg + outer Nesterov step
+(none)                    ``AsyncFL``, ``BackupWorkers``         asynchronous / backup workers
+``config_error_mod``      (fededge's runner stops the run)       a named configuration error
+========================  =====================================  ================================
+
+Importing this module imports neither fededge's own ClientApp nor its run-config
+parsing (:mod:`fededge.config`).
+
+Examples
+--------
+>>> from flwr.clientapp import ClientApp
+>>> from flwr.serverapp.strategy import FedAdam
+>>> from fededge.api import CompressionMod, Compressed, UpdateConfig
+>>> update = UpdateConfig(compressor="topk", topk_ratio=0.1, error_feedback=True)
+>>> client = ClientApp(mods=[CompressionMod(update)])   # then @client.train() as usual
+>>> strategy = Compressed(FedAdam(), update=update)     # then strategy.start(grid=..., ...)
+"""
+
+from fededge.algorithms.asyncfl import AsyncConfig, StalenessFunction
+from fededge.algorithms.dga import DGAConfig
+from fededge.algorithms.gossip import ChocoConfig
+from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, ModOrderError, config_error_mod
+from fededge.compress.update import UpdateConfig
+from fededge.errors import ConfigError
+from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+from fededge.strategies.compressed import CodecMismatchError, Compressed
+from fededge.strategies.dga import DGA
+from fededge.strategies.gossip import Gossip
+from fededge.strategies.outer import FedAvgOuter
+
+# ----------------------------------------------------------------------------------
+# RESERVED for the server-side measurement and asynchronous strategies being added
+# (the per-mode classes FedAsync / FedBuff / SSP, and the Experiment wrapper): import
+# them here and add their names to __all__ below, in the "server" group.
+# ----------------------------------------------------------------------------------
+
+__all__ = [
+    # client mods
+    "CompressionMod", "DGAMod", "GossipMod", "config_error_mod",
+    # server strategies and wrappers
+    "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAvgOuter", "Gossip",
+    # config objects
+    "AsyncConfig", "ChocoConfig", "DGAConfig", "StalenessFunction", "UpdateConfig",
+    # errors
+    "CodecMismatchError", "ConfigError", "ModOrderError",
+]

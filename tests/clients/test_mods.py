@@ -1,0 +1,165 @@
+"""The client mods as library pieces: configured by their constructors, blind to the run
+config, inert on other strategies' messages, refusing a wrong order by name; and
+fededge's own ClientApp is exactly these mods around plain local SGD."""
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from fededge import _flwr_internals as fi
+from fededge import keys
+from fededge.api import CompressionMod, ConfigError, DGAMod, GossipMod, ModOrderError, UpdateConfig, config_error_mod
+from fededge.protocol import cast_downlink, config_error_detail
+from tests.clients.userapp import client_app, initial_arrays, run
+
+TOPK = UpdateConfig(compressor="topk", topk_ratio=0.25, error_feedback=True)
+DGA_CONFIG = {keys.SERVER_ROUND: 1, keys.DGA_GLOBAL_ROUND: 0, keys.DGA_CORRECTION: True}
+CHOCO_CONFIG = {keys.SERVER_ROUND: 1, keys.GOSSIP_INDEX: 0, keys.GOSSIP_ALGORITHM: "choco", keys.GOSSIP_GAMMA: 0.5,
+                keys.GOSSIP_ROW_NODES: [0, 1], keys.GOSSIP_ROW_WEIGHTS: [0.5, 0.5], keys.GOSSIP_EVAL: True}
+
+
+class Untouchable(dict):
+    """A run config that fails any test that reads it."""
+
+    def _no(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a mod read the run config")
+
+    __getitem__ = __contains__ = __iter__ = __len__ = get = keys = items = values = _no
+
+
+def _step(msg: Message, context: Context) -> Message:
+    """A train function that reads nothing but its message: one fixed step on the weights."""
+    arrays = {k: v + 0.01 for k, v in msg.content[keys.ARRAYS].to_torch_state_dict().items()}
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.COMPUTE_S: 0.0})
+    return Message(RecordDict({keys.ARRAYS: ArrayRecord(arrays), keys.METRICS: metrics}), reply_to=msg)
+
+
+def _call(mods, content: dict, *, train=_step, context: Context | None = None) -> tuple[Message, Context]:
+    app = ClientApp()
+    app.train(mods=list(mods))(train)
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        msg = Message(RecordDict(content), 7, "train")
+    fi.set_message_id(msg, "m1")
+    context = context or Context(run_id=1, node_id=7, node_config={keys.PARTITION_ID: 0}, state=RecordDict(),
+                                 run_config=Untouchable())
+    return app(msg, context), context
+
+
+def _config(d: dict) -> ConfigRecord:
+    return ConfigRecord(dict(d))
+
+
+# ----------------------------------------------------------------- no run config
+
+
+def test_compression_mod_decodes_the_downlink_and_compresses_without_the_run_config():
+    content = {**cast_downlink(initial_arrays(), "fp16"), keys.CONFIG: _config({keys.SERVER_ROUND: 1})}
+    reply, context = _call([CompressionMod(TOPK)], content)
+    assert keys.COMPRESSED in reply.content and keys.ARRAYS not in reply.content
+    assert keys.STATE_COMPRESS in context.state  # error feedback's residuals
+
+
+def test_dga_mod_runs_a_round_without_the_run_config():
+    reply, context = _call([DGAMod()], {keys.ARRAYS: initial_arrays(), keys.CONFIG: _config(DGA_CONFIG)})
+    assert reply.content[keys.METRICS][keys.DGA_STALENESS] == 0
+    # D = 0 round 1: the reply is the trained model itself (G(0) + its change).
+    for k, v in reply.content[keys.ARRAYS].to_torch_state_dict().items():
+        assert torch.equal(v, initial_arrays().to_torch_state_dict()[k] + 0.01)
+    assert keys.STATE_DGA in context.state
+
+
+def test_gossip_mod_runs_a_choco_round_without_the_run_config():
+    reply, context = _call([GossipMod(UpdateConfig(compressor="signsgd"))],
+                           {keys.ARRAYS: initial_arrays(), keys.CONFIG: _config(CHOCO_CONFIG)})
+    assert {keys.GOSSIP_MESSAGE, keys.GOSSIP_EVAL_ARRAYS, keys.METRICS} == set(reply.content.keys())
+    assert keys.STATE_GOSSIP in context.state
+
+
+def test_config_error_mod_names_a_users_config_error_without_the_run_config():
+    def bad(msg, context):  # noqa: ANN001, ANN202
+        raise ConfigError("run-config key 'my-lr' must be > 0")
+
+    reply, _ = _call([config_error_mod], {keys.CONFIG: _config({})}, train=bad)
+    assert config_error_detail(reply.error.reason) == "run-config key 'my-lr' must be > 0"
+
+
+# ----------------------------------------------------------------- other messages, failures, order
+
+
+def test_dga_and_gossip_mods_leave_other_strategies_messages_untouched():
+    """FedAvg through the user's app with DGAMod and GossipMod is FedAvg, bit for bit,
+    and they keep no state."""
+    plain, _ = run(lambda c: FedAvg(fraction_evaluate=0.0, min_available_nodes=4), client_app())
+    modded, grid = run(lambda c: FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+                       client_app([DGAMod(), GossipMod()]))
+    assert plain == modded
+    assert all(len(ctx.state) == 0 for ctx in grid.contexts.values())
+
+
+@pytest.mark.parametrize("mod, config", [(DGAMod(), DGA_CONFIG), (GossipMod(), CHOCO_CONFIG)], ids=["dga", "gossip"])
+def test_a_failed_train_leaves_the_state_as_it_was(mod, config):
+    def broken(msg, context):  # noqa: ANN001, ANN202
+        raise RuntimeError("out of memory")
+
+    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _call([mod], {keys.ARRAYS: initial_arrays(), keys.CONFIG: _config(config)}, train=broken, context=context)
+    assert len(context.state) == 0
+
+
+@pytest.mark.parametrize("mods, config, match", [
+    # CompressionMod, inside, finds no DGA update of the round and says so first.
+    ([DGAMod(), CompressionMod(TOPK)], DGA_CONFIG, r"no update of that round: register DGAMod inside CompressionMod"),
+    ([GossipMod(), CompressionMod(TOPK)], CHOCO_CONFIG, r"GossipMod got a compressed reply.*Register CompressionMod"),
+    ([CompressionMod(TOPK)], DGA_CONFIG, r"DGA state holds no update of that round: register DGAMod inside"),
+], ids=["dga-outside", "gossip-outside", "dga-missing"])
+def test_mods_in_an_order_that_cannot_work_fail_by_name(mods, config, match):
+    with pytest.raises(ModOrderError, match=match):
+        _call(mods, {keys.ARRAYS: initial_arrays(), keys.CONFIG: _config(config)})
+
+
+def test_constructors_validate_their_arguments():
+    with pytest.raises(ValueError, match="an UpdateConfig or its fields, not both"):
+        CompressionMod(TOPK, compressor="topk")
+    with pytest.raises(ValueError, match="compressor must be one of"):
+        CompressionMod(compressor="zip")
+    assert CompressionMod(compressor="topk", topk_ratio=0.25, error_feedback=True).update == TOPK
+    with pytest.raises(ValueError, match="'dgc' keeps encoder state"):
+        GossipMod(UpdateConfig(compressor="dgc"))
+    with pytest.raises(ValueError, match="error_feedback must be False"):
+        GossipMod(TOPK)
+    with pytest.raises(ValueError, match=r"choco_scale must be in \[0, 1\]"):
+        GossipMod(choco_scale=2.0)
+
+
+# ----------------------------------------------------------------- fededge's app is a user of the mods
+
+HAND = {  # the run config's knobs, and the same pieces assembled by hand
+    "fedavg-topk": ({"compressor": "topk", "topk-ratio": 0.1, "error-feedback": True},
+                    lambda: [CompressionMod(compressor="topk", topk_ratio=0.1, error_feedback=True)]),
+    "dga-signsgd": ({"strategy": "dga", "dga-delay": 1, "compressor": "signsgd", "error-feedback": True},
+                    lambda: [CompressionMod(compressor="signsgd", error_feedback=True), DGAMod()]),
+    "choco-signsgd": ({"strategy": "gossip", "gossip-algorithm": "choco", "gossip-gamma": 0.8,
+                       "compressor": "signsgd"},
+                      lambda: [GossipMod(UpdateConfig(compressor="signsgd"))]),
+}
+
+
+@pytest.mark.parametrize("case", list(HAND))
+def test_fededge_app_and_the_pieces_assembled_by_hand_train_the_same_model(tmp_path, case):
+    from fededge.clients.app import client_mods
+    from fededge.clients.app import train as fededge_train
+    from fededge.config import RunConfig
+    from fededge.server.inprocess import run_inprocess
+
+    over, mods = HAND[case]
+    over = {**over, "num-rounds": 3, "local-steps": 3, "model": "mlp", "progress": "off"}
+    assert [type(m) for m in client_mods(RunConfig.from_mapping(over))] == [type(m) for m in mods()]
+    own = run_inprocess({**over, "results-dir": str(tmp_path / "own")}, num_clients=3)
+    hand = ClientApp(mods=[config_error_mod])
+    hand.train(mods=mods())(fededge_train)  # fededge's train: plain local SGD
+    built = run_inprocess({**over, "results-dir": str(tmp_path / "hand")}, num_clients=3, client_app=hand)
+    a, b = torch.load(own / "model.pt"), torch.load(built / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
