@@ -21,11 +21,13 @@ Internals used (checked against flwr 1.41):
 - ``flwr.superlink.grid.http_grid.HttpGrid`` / ``inmemory_grid.InMemoryGrid``: which
   runtime a ServerApp's Grid belongs to (a deployment runs each node's messages in
   order; Ray simulation may run two at once), for strategies that push rounds ahead,
-  and for the server's check of the clients' data split, done in simulation only.
+  and for the server's check of the clients' data split, done in simulation only; and
+  whether replies arrive in real time (a SuperLink), for the asynchronous strategies.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +41,7 @@ __all__ = [
     "set_run_id",
     "task_identity",
     "empty_run",
+    "is_deployment",
     "is_flower_simulation",
     "runs_messages_in_order",
     "wire_size",
@@ -162,28 +165,35 @@ def runs_messages_in_order(grid: object) -> bool | None:
     own = getattr(type(grid), "runs_messages_in_order", None)
     if isinstance(own, bool):
         return own
-    try:
-        from flwr.superlink.grid.http_grid import HttpGrid
-        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
-    except ImportError as err:  # pragma: no cover - exercised only on a changed Flower
-        raise _fail("flwr.superlink.grid.{http_grid.HttpGrid, inmemory_grid.InMemoryGrid}", err) from err
-    if isinstance(grid, HttpGrid):
+    if is_deployment(grid):
         return True
-    if isinstance(grid, InMemoryGrid):
+    if is_flower_simulation(grid):
         return False
     return None
+
+
+def _is_grid(grid: object, module: str, name: str) -> bool:
+    """Whether ``grid`` (or the grid it wraps, as ``inner``) is Flower's ``module.name``."""
+    while hasattr(grid, "inner"):
+        grid = grid.inner
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:  # pragma: no cover - exercised only on a changed Flower
+        raise _fail(f"{module}.{name}", err) from err
+    return isinstance(grid, cls)
+
+
+def is_deployment(grid: object) -> bool:
+    """Whether ``grid`` is Flower's deployment grid (``HttpGrid``: a SuperLink, where
+    replies arrive when real devices send them), looking through wrappers with an
+    ``inner`` grid."""
+    return _is_grid(grid, "flwr.superlink.grid.http_grid", "HttpGrid")
 
 
 def is_flower_simulation(grid: object) -> bool:
     """Whether ``grid`` is Flower's simulation grid (``InMemoryGrid``, the Ray runtime),
     looking through wrappers with an ``inner`` grid."""
-    while hasattr(grid, "inner"):
-        grid = grid.inner
-    try:
-        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
-    except ImportError as err:  # pragma: no cover - exercised only on a changed Flower
-        raise _fail("flwr.superlink.grid.inmemory_grid.InMemoryGrid", err) from err
-    return isinstance(grid, InMemoryGrid)
+    return _is_grid(grid, "flwr.superlink.grid.inmemory_grid", "InMemoryGrid")
 
 
 def check() -> None:
@@ -213,7 +223,7 @@ def check() -> None:
         if empty_run(7).run_id != 7:
             raise AssertionError("run id not kept")
         name = "flwr.superlink.grid.{http_grid.HttpGrid, inmemory_grid.InMemoryGrid}"
-        if runs_messages_in_order(object()) is not None or is_flower_simulation(object()):
+        if runs_messages_in_order(object()) is not None or is_flower_simulation(object()) or is_deployment(object()):
             raise AssertionError("an unknown grid was classified")
     except FlowerInternalsChanged:
         raise

@@ -85,10 +85,13 @@ def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
     from fededge.strategies.gossip import Gossip
     from fededge.strategies.outer import FedAvgOuter
 
-    from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+    from fededge.strategies.backup import BackupWorkers
+    from fededge.strategies.fedasync import FedAsync
+    from fededge.strategies.fedbuff import FedBuff
+    from fededge.strategies.ssp import SSP
 
-    expected.update({"dga": DGA, "diloco": FedAvgOuter, "gossip": Gossip, "fedasync": AsyncFL,
-                     "fedbuff": AsyncFL, "ssp": AsyncFL, "backup": BackupWorkers})
+    expected.update({"dga": DGA, "diloco": FedAvgOuter, "gossip": Gossip, "fedasync": FedAsync,
+                     "fedbuff": FedBuff, "ssp": SSP, "backup": BackupWorkers})
     assert set(expected) == set(STRATEGIES)
     for name, cls in expected.items():
         assert type(build_strategy(RunConfig(strategy=name))) is cls, name

@@ -3,8 +3,11 @@
 :class:`MeteredGrid` forwards every call to the real Grid (Flower's simulation grid,
 the deployment grid, or fededge's in-process grid) and counts the serialised size of
 each message pushed to a node (downlink) and each reply pulled (uplink). It also
-collects what the replies report about themselves (compute time, errors), so the
-round recorder can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``.
+collects what the replies report about themselves (compute time, local steps, partition
+id, errors) and the real time from each message's push to its reply's pull, so the
+experiment can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``
+(:class:`fededge.server.measure.Experiment`). It works on any Grid and with any
+ClientApp; what a ClientApp does not report is simply not collected.
 
 A reply that carries a client's configuration error (reason ``keys.CONFIG_ERROR``, from
 :func:`fededge.clients.mods.config_error_mod`) is counted like any failure and then
@@ -21,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,10 +47,13 @@ class NodeTraffic:
 
     bytes_down: int = 0
     bytes_up: int = 0
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # the reported compute-s (0 if none reported)
     partition_id: int | None = None
     num_partitions: int | None = None
     replied: bool = False
+    reported_compute: bool = False  # whether its replies carried compute-s
+    steps: int | None = None  # local-steps-done, if reported
+    wall_s: float = 0.0  # real seconds from the push of its message to the pull of its reply
 
 
 @dataclass
@@ -78,6 +85,9 @@ class RoundTraffic:
             mine.bytes_down += n.bytes_down
             mine.bytes_up += n.bytes_up
             mine.compute_s += n.compute_s
+            mine.reported_compute = mine.reported_compute or n.reported_compute
+            mine.steps = n.steps if mine.steps is None else mine.steps + (n.steps or 0)
+            mine.wall_s += n.wall_s
             mine.partition_id = n.partition_id if n.partition_id is not None else mine.partition_id
             mine.num_partitions = n.num_partitions if n.num_partitions is not None else mine.num_partitions
             mine.replied = mine.replied or n.replied
@@ -95,6 +105,7 @@ class MeteredGrid(Grid):
         self.inner = inner
         self._lock = threading.Lock()
         self._traffic: dict[str, RoundTraffic] = {}
+        self._pushed_at: dict[str, float] = {}  # message id -> when it was pushed (monotonic)
         self.partition_of: dict[int, int] = {}  # node id -> partition id, from its replies
 
     # -- accounting ----------------------------------------------------------------
@@ -125,17 +136,20 @@ class MeteredGrid(Grid):
                     node = t.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
                     node.bytes_down += n
 
-    def _count_up(self, replies: list[Message]) -> list[Message]:
+    def _count_up(self, replies: list[Message], sent_at: float | None = None) -> list[Message]:
         """Count the replies; return them with simulated dropouts turned into errors.
+        ``sent_at``: when their messages were pushed, if not recorded per message.
 
         Raises :class:`~fededge.config.ConfigError` once they are counted if any reply
         is a client's configuration error.
         """
         out = []
         config_errors: list[str] = []
+        now = time.monotonic()
         for r in replies:
             n = wire_size(r)
             with self._lock:
+                pushed = self._pushed_at.pop(r.metadata.reply_to_message_id, sent_at)
                 t = self._group(r)
                 t.bytes_up += n
                 t.replies += 1
@@ -162,9 +176,13 @@ class MeteredGrid(Grid):
                     node = t.nodes.setdefault(r.metadata.src_node_id, NodeTraffic())
                     node.bytes_up += n
                     node.replied = True
+                    node.wall_s += 0.0 if pushed is None else now - pushed
                     if keys.COMPUTE_S in metrics:
                         t.compute_s.append(float(metrics[keys.COMPUTE_S]))
                         node.compute_s += float(metrics[keys.COMPUTE_S])
+                        node.reported_compute = True
+                    if keys.LOCAL_STEPS_DONE in metrics:
+                        node.steps = (node.steps or 0) + int(metrics[keys.LOCAL_STEPS_DONE])
                     if keys.REPLY_PARTITION_ID in metrics:
                         node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
                     if keys.REPLY_NUM_PARTITIONS in metrics:
@@ -195,7 +213,11 @@ class MeteredGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
         self._count_down(messages)
-        return self.inner.push_messages(messages)
+        ids = list(self.inner.push_messages(messages))
+        now = time.monotonic()
+        with self._lock:
+            self._pushed_at.update((mid, now) for mid in ids)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self._count_up(list(self.inner.pull_messages(message_ids)))
@@ -203,7 +225,8 @@ class MeteredGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
         self._count_down(messages)
-        replies = self._count_up(list(self.inner.send_and_receive(messages, timeout=timeout)))
+        sent_at = time.monotonic()
+        replies = self._count_up(list(self.inner.send_and_receive(messages, timeout=timeout)), sent_at)
         answered = {r.metadata.src_node_id for r in replies}
         with self._lock:  # no reply at all within the timeout: the node dropped out
             for m in messages:

@@ -46,11 +46,14 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fededge import keys
-from fededge._flwr_internals import runs_messages_in_order
-from fededge.algorithms.dga import DGAConfig, DGAServer, last_arrived
+from fededge._flwr_internals import runs_messages_in_order, wire_size
+from fededge.algorithms.dga import DGAConfig, DGAServer, DGATimeline, last_arrived
 from fededge.compress import MalformedPayloadError
 from fededge.protocol import cast_downlink
+from fededge.netem.clock import ClientRound
+from fededge.netem.runclock import RunClock
 from fededge.strategies._replies import fixed_participants, usable_reply
+from fededge.strategies.report import RoundReport
 from fededge.strategies.compressed import DOWNLINK, CompressionStats, decode_compressed
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
@@ -117,6 +120,13 @@ class DGA(FedAvg):
         self.participants: list[int] = []
         self.pipelined = False
         self._stats = CompressionStats()
+        # The simulated clock (attach_clock): each round's per-client work, on DGA's timeline.
+        self._clock: RunClock | None = None
+        self._timeline: DGATimeline | None = None
+        self._bytes_down: dict[int, dict[int, int]] = {}  # round -> node -> bytes of its message
+        self._work: dict[int, list[tuple[int, int | None, ClientRound]]] = {}  # round -> (pid, n, work)
+        self._wait_s: float | None = None
+        self._local_steps: int | None = None
 
     def take_round_info(self, rnd: int) -> DGARoundInfo | None:
         """The round's :class:`DGARoundInfo` (once; the experiment records it)."""
@@ -126,6 +136,70 @@ class DGA(FedAvg):
         """Compressed replies decoded and rejected since the previous call (one round)."""
         s, self._stats = self._stats, CompressionStats()
         return s
+
+    def attach_clock(self, clock: RunClock) -> None:
+        """Time the rounds on ``clock`` with DGA's overlap (:class:`DGATimeline`)."""
+        self._clock = clock
+
+    def round_report(self, server_round: int) -> RoundReport:
+        """Round ``server_round``: its own messages (others are in flight), its duration
+        on DGA's timeline, the updates left out, and the delay and staleness it ran with."""
+        info = self.take_round_info(server_round)
+        comp = self.take_stats()
+        report = RoundReport(
+            groups=(str(server_round),), sim_s=self._round_sim_s(server_round),
+            rejected=comp.rejected + (info.rejected if info else 0),
+            reasons=[*(f"a client update was rejected and left out: {r}" for r in (info.reasons if info else [])),
+                     *(f"a compressed update was rejected and left out: {r}" for r in comp.reasons)],
+            payload_bytes=comp.payload_bytes, dense_bytes=comp.dense_bytes)
+        if info is not None:
+            steps = None if info.staleness_mean is None or self._local_steps is None \
+                else info.staleness_mean * self._local_steps
+            report.metrics = {
+                "dga_delay": info.delay, "dga_global_round": info.global_round,
+                "staleness": info.staleness_mean, "staleness_max": info.staleness_max, "staleness_steps": steps,
+                "wait_s": None if self._wait_s is None else round(self._wait_s, 6), "pipelined": info.pipelined}
+        return report
+
+    def _round_sim_s(self, t: int) -> float | None:
+        """Round t on the clock: from the previous round's average to this one's (DGA's
+        rounds overlap); None without a clock (the caller times it synchronously)."""
+        if self._clock is None:
+            return None
+        work = self._work.pop(t, [])
+        if self._timeline is None and work:
+            n = max((num or 0) for _, num, _ in work)
+            clock = self._clock.build(max(n, 1 + max(pid for pid, _, _ in work)))
+            self._timeline = DGATimeline(clock, self.config, clients=range(len(clock.clients)))
+            for s in range(1, t):  # rounds before the first reply: nothing on the clock
+                self._timeline.run_round(s, [])
+        if self._timeline is None or t < 1:
+            return 0.0
+        rounds = [w for _, _, w in work]
+        before = self._timeline.ready[t - 1]
+        end = self._timeline.run_round(t, rounds)
+        waits = [self._timeline.blocked[(t, c.client)] for c in rounds]
+        self._wait_s = sum(waits) / len(waits) if waits else None
+        return end - before
+
+    def _note_work(self, t: int, replies: list[Message]) -> None:
+        """Each reply's download, compute and upload, as sent and received (before any
+        decoding), for the clock."""
+        if self._clock is None:
+            return
+        work = self._work.setdefault(t, [])
+        for r in replies:
+            metrics = next(iter(r.content.metric_records.values()), {}) if not r.has_error() else {}
+            if keys.REPLY_PARTITION_ID not in metrics:
+                continue
+            pid = int(metrics[keys.REPLY_PARTITION_ID])
+            num = int(metrics[keys.REPLY_NUM_PARTITIONS]) if keys.REPLY_NUM_PARTITIONS in metrics else None
+            compute = self._clock.compute_s(
+                float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None,
+                int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None)
+            down = self._bytes_down.get(t, {}).get(r.metadata.src_node_id, 0)
+            work.append((pid, num, ClientRound(pid, down, compute, wire_size(r))))
+        self._bytes_down.pop(t, None)
 
     # ----------------------------------------------------------------- the run
     def start(
@@ -150,6 +224,7 @@ class DGA(FedAvg):
                         "are pipelined; the server evaluates the global model every round")
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        self._local_steps = int(train_config[keys.LOCAL_STEPS]) if keys.LOCAL_STEPS in train_config else None
         self._server = DGAServer(self.config, dict(initial_arrays.to_torch_state_dict()))
         self._keys = set(initial_arrays.keys())
         self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
@@ -193,6 +268,9 @@ class DGA(FedAvg):
             else:
                 content = RecordDict({self.arrayrecord_key: full if send else empty, self.configrecord_key: config})
             out.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(t)))
+        if self._clock is not None:
+            cache: dict[str, int] = {}
+            self._bytes_down[t] = {m.metadata.dst_node_id: wire_size(m, cache) for m in out}
         return out
 
     def _run_lockstep(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
@@ -239,6 +317,7 @@ class DGA(FedAvg):
     def _finish_round(self, t: int, replies: list[Message]) -> None:
         info = DGARoundInfo(delay=self.config.delay_at(t), global_round=last_arrived(self.config, t),
                             pipelined=self.pipelined)
+        self._note_work(t, replies)
         valid = []
         for r in replies:
             node = r.metadata.src_node_id

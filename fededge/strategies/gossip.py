@@ -64,6 +64,8 @@ from fededge.algorithms.gossip import (
     ChocoConfig,
     ChocoNode,
     Weights,
+    GossipTimeline,
+    GossipWork,
     consensus_distance,
     effective_row,
     mean_model,
@@ -71,6 +73,8 @@ from fededge.algorithms.gossip import (
     mixing_row,
 )
 from fededge.protocol import decode_update_record
+from fededge.netem.runclock import RunClock
+from fededge.strategies.report import RoundReport
 from fededge.topology import Topology, build_topology
 
 __all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
@@ -91,6 +95,7 @@ class GossipNode:
     bytes_up: int  # its gossip message (what each out-neighbour receives)
     bytes_down: int  # what the relay sent it this round apart from neighbours' messages
     train_loss: float | None = None
+    steps: int | None = None  # local steps it ran (the clock's sim-step-s)
 
 
 @dataclass
@@ -153,6 +158,9 @@ class Gossip(FedAvg):
         self.topology: Topology | None = None
         self.nodes: list[int] = []  # index -> node id
         self._info: dict[int, GossipRoundInfo] = {}
+        self._clock: RunClock | None = None  # attach_clock: rounds timed edge by edge
+        self._timeline: GossipTimeline | None = None
+        self._wait_s: float | None = None
 
     def summary(self) -> None:
         log.info("Gossip: %s on %s (%s mixing)", self.algorithm, self.topology_name, self.mixing_rule)
@@ -160,6 +168,53 @@ class Gossip(FedAvg):
     def take_round_info(self, rnd: int) -> GossipRoundInfo | None:
         """The round's :class:`GossipRoundInfo` (once; the experiment records it)."""
         return self._info.pop(rnd, None)
+
+    def attach_clock(self, clock: RunClock) -> None:
+        """Time the rounds on ``clock``, edge by edge (:class:`GossipTimeline`)."""
+        self._clock = clock
+
+    def round_report(self, server_round: int) -> RoundReport:
+        """Round ``server_round``: every node's mixed model (evaluated by the caller), their
+        spread, what the relay carried, and the round on the clock (round 0: the topology)."""
+        info = self.take_round_info(server_round)
+        if info is None:
+            return RoundReport()
+        metrics: dict[str, Any] = {"consensus_distance": info.consensus_distance, "bytes_p2p": info.bytes_p2p,
+                                   "bytes_eval_up": info.bytes_eval_up, "gossip_failed": sorted(info.failed)}
+        if server_round == 0:  # every node holds the initial model
+            described = self.describe()
+            initial = self._initial.to_torch_state_dict()
+            return RoundReport(sim_s=0.0, metrics=described | metrics,
+                               node_models={i: initial for i in range(len(self.nodes))},
+                               notes=[f"gossip: {described['topology_summary']}"])
+        sim_s = self._round_sim_s(info, server_round)
+        return RoundReport(
+            sim_s=sim_s, num_clients=len(info.nodes), rejected=info.rejected,
+            reasons=[f"a gossip message was rejected and left out: {r}" for r in info.reasons],
+            # The CHOCO nodes' models sent only so that the server can evaluate them.
+            bytes_up_excluded=info.bytes_eval_up, node_models=info.models,
+            metrics={"spectral_gap": round(self.spectral_gap(), 6), **metrics,
+                     "wait_s": None if self._wait_s is None else round(self._wait_s, 6)})
+
+    def _round_sim_s(self, info: GossipRoundInfo, t: int) -> float | None:
+        """Round t on the clock: nodes by partition id, edges as relayed; None without a
+        clock (the caller then times it as a synchronous round)."""
+        if self._clock is None:
+            return None
+        part = self._partition
+        work = [GossipWork(part[x.index], self._clock.compute_s(x.compute_s, x.steps), x.bytes_up, x.bytes_down)
+                for x in info.nodes if x.index in part]
+        if self._timeline is None and work:
+            self._timeline = GossipTimeline(self._clock.build(max(max(part.values()) + 1, len(part))))
+        if self._timeline is None:
+            return 0.0
+        tl = self._timeline
+        before = tl.end.get(t - 1, max(tl.end.values()))
+        edges = [(part[s], part[r]) for s, r in info.edges if s in part and r in part]
+        end = tl.run_round(t, work, edges)
+        waits = [tl.waited[(t, w.client)] for w in work]
+        self._wait_s = sum(waits) / len(waits) if waits else None
+        return end - before
 
     def spectral_gap(self) -> float:
         assert self.topology is not None
@@ -324,7 +379,8 @@ class Gossip(FedAvg):
             info.nodes.append(GossipNode(
                 index=i, node_id=r.metadata.src_node_id, partition_id=self._partition.get(i),
                 compute_s=float(metrics.get(keys.COMPUTE_S, 0.0)), bytes_up=reply_bytes,
-                bytes_down=down.get(i, 0), train_loss=float(metrics.get(keys.TRAIN_LOSS, float("nan")))))
+                bytes_down=down.get(i, 0), train_loss=float(metrics.get(keys.TRAIN_LOSS, float("nan"))),
+                steps=int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None))
         missing = sorted(set(range(len(self.nodes))) - set(sent) - set(info.failed))
         info.failed.extend(missing)  # no reply within the timeout
         for i in info.failed:

@@ -3,7 +3,8 @@
 fededge works with Flower rather than replacing it: every name but the fededge-specific
 ones (``dga``: delayed gradient averaging; ``diloco``: FedAvg with an outer Nesterov
 step; ``gossip``: D-PSGD / CHOCO-SGD with the server as a relay; ``fedasync``, ``fedbuff``,
-``ssp``: asynchronous aggregation; ``backup``: synchronous rounds with backup workers) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
+``ssp``: asynchronous aggregation; ``backup``: synchronous rounds with backup
+workers) maps to a class of ``flwr.serverapp.strategy``, configured from the run config.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
 from fededge.config import STRATEGIES, RunConfig
-from fededge.algorithms.asyncfl import AsyncConfig, StalenessFunction
-from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+from fededge.algorithms.asyncfl import StalenessFunction
+from fededge.strategies.backup import BackupWorkers
+from fededge.strategies.compressed import Compressed
 from fededge.strategies.dga import DGA
+from fededge.strategies.fedasync import FedAsync
+from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
+from fededge.strategies.ssp import SSP
 
 __all__ = ["build_strategy", "sampling_kwargs"]
 
@@ -47,13 +52,30 @@ def sampling_kwargs(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+#: Strategies that decode compressed messages themselves (gossip's CHOCO messages are
+#: not uplink updates of a global model; DGA rebuilds its replies' deltas on G(g)), so
+#: they are not wrapped in :class:`~fededge.strategies.compressed.Compressed`.
+_OWN_COMPRESSION = ("dga", "gossip")
+
+
 def build_strategy(cfg: RunConfig) -> Strategy:
-    """The strategy named by ``cfg.strategy``, configured from ``cfg``.
+    """The strategy named by ``cfg.strategy``, configured from ``cfg``; wrapped in
+    :class:`~fededge.strategies.compressed.Compressed` when the run compresses updates
+    (``compressor`` or ``downlink-compressor``) and the strategy does not decode them
+    itself.
 
     ``clients-per-round`` as a count samples exactly that many nodes; as a fraction it
     samples ``int(n * fraction)`` (at least one) of the ``n`` nodes connected at the
     time. ``run_experiment`` waits for enough nodes first, with a deadline.
     """
+    strategy = _build(cfg)
+    compresses = cfg.compressor != "none" or cfg.downlink_compressor != "none"
+    if compresses and cfg.strategy not in _OWN_COMPRESSION:
+        return Compressed(strategy, downlink=cfg.downlink_compressor)
+    return strategy
+
+
+def _build(cfg: RunConfig) -> Strategy:
     kw = sampling_kwargs(cfg)
     lr = {"eta": cfg.server_lr} if cfg.server_lr > 0 else {}
     name = cfg.strategy
@@ -87,12 +109,15 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
                       mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma,
                       seed=cfg.seed)
-    if name in ("fedasync", "fedbuff", "ssp"):
-        config = AsyncConfig(
-            mode=name, alpha=cfg.async_alpha, buffer_size=cfg.buffer_size, server_lr=cfg.server_lr or 1.0,
-            staleness=StalenessFunction(cfg.staleness, a=cfg.staleness_a, b=cfg.staleness_b),
-            ssp_bound=cfg.ssp_bound, concurrency=cfg.async_concurrency)
-        return AsyncFL(**kw, config=config, order=cfg.async_order, seed=cfg.seed)
+    loop = {"order": cfg.async_order, "concurrency": cfg.async_concurrency, "seed": cfg.seed}
+    staleness = StalenessFunction(cfg.staleness, a=cfg.staleness_a, b=cfg.staleness_b)
+    if name == "fedasync":
+        return FedAsync(**kw, **loop, alpha=cfg.async_alpha, staleness=staleness)
+    if name == "fedbuff":
+        return FedBuff(**kw, **loop, buffer_size=cfg.buffer_size, server_lr=cfg.server_lr or 1.0,
+                       staleness=staleness)
+    if name == "ssp":
+        return SSP(**kw, **loop, bound=cfg.ssp_bound)
     if name == "backup":
         return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order)
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

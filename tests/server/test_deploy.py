@@ -164,7 +164,7 @@ def test_fedasync_uses_replies_in_real_arrival_order_on_a_real_superlink(tmp_pat
     who = [r["contributors"][0] for r in lines[1:]]
     # Both nodes got version 0 at once. The fast one's update makes version 1 and, while
     # the slow upload is still on the wire, its next one makes version 2: replies are
-    # pulled one by one (strategies.asyncfl.Puller), so the slow upload holds up nothing.
+    # pulled one by one (strategies.asyncloop.Puller), so the slow upload holds up nothing.
     assert who[:2] == [0, 0], lines
     assert all(r["staleness_max"] >= 1 for r in lines[1:] if r["contributors"] == [1]), lines
     (summary,) = results.rglob("summary.json")

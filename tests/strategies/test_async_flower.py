@@ -11,7 +11,7 @@ from fededge import _flwr_internals as fi
 from fededge.config import ConfigError, RunConfig
 from fededge.server.experiment import run_experiment
 from fededge.server.inprocess import SUPERLINK_NODE_ID, InProcessGrid, run_inprocess
-from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+from fededge.strategies.asyncfl import AsyncFL, BackupWorkers, FedAsync, FedBuff, SSP
 from fededge.strategies.registry import build_strategy
 
 BASE = {"num-rounds": 4, "local-steps": 3, "progress": "off", "partition": "iid"}
@@ -177,9 +177,15 @@ def test_bad_async_settings_are_named(bad, match):
 
 
 def test_the_registry_builds_the_async_strategies():
-    for name in ("fedasync", "fedbuff", "ssp"):
-        s = build_strategy(RunConfig.from_mapping({"strategy": name, "buffer-size": 5, "ssp-bound": 3}))
-        assert isinstance(s, AsyncFL) and s.config.mode == name and s.config.buffer_size == 5
+    over = {"buffer-size": 5, "ssp-bound": 3, "async-alpha": 0.3, "staleness": "hinge", "async-concurrency": 2}
+    for name, cls in (("fedasync", FedAsync), ("fedbuff", FedBuff), ("ssp", SSP)):
+        s = build_strategy(RunConfig.from_mapping({"strategy": name, **over}))
+        assert type(s) is cls and isinstance(s, AsyncFL) and s.config.mode == name
+        assert s.config.concurrency == 2
+    assert build_strategy(RunConfig.from_mapping({"strategy": "fedbuff", **over})).config.buffer_size == 5
+    assert build_strategy(RunConfig.from_mapping({"strategy": "ssp", **over})).config.ssp_bound == 3
+    fedasync = build_strategy(RunConfig.from_mapping({"strategy": "fedasync", **over}))
+    assert fedasync.config.alpha == 0.3 and fedasync.config.staleness.kind == "hinge"
     b = build_strategy(RunConfig.from_mapping({"strategy": "backup", "backup-workers": 0.2}))
     assert isinstance(b, BackupWorkers) and b.backups_for(10) == 2 and b.backups_for(1) == 0
 

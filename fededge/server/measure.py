@@ -1,0 +1,460 @@
+"""Measure any Flower strategy's run, inside any ServerApp: :class:`Experiment`.
+
+Around Flower's own ``Strategy.start`` (fededge writes no second round loop) an
+:class:`Experiment` adds
+
+- a :class:`~fededge.server.metering.MeteredGrid`: the serialised bytes of every message,
+  per round (``bytes_up``, ``bytes_down``);
+- the simulated clock (:class:`~fededge.netem.runclock.RunClock`): each round's duration
+  under a network profile and device speeds (``sim_s``);
+- its ``evaluate_fn`` after every round, and one line of ``metrics.jsonl`` with the
+  round's figures, then ``summary.json`` (rounds, time and bytes to a target accuracy),
+  ``config.json``, ``netem.json`` and optionally ``model.pt``: a run directory that
+  ``fededge plot`` reads;
+- the progress display (a live bar on a terminal, one line per round elsewhere) and one
+  line per client problem: "a client failed" (its ClientApp raised; an error reply) or
+  "... was rejected" (its reply arrived but could not be used).
+
+It works with any strategy: Flower's (FedAvg, FedAdam, ...), fededge's, or a user's. A
+strategy that knows more about its rounds says so through
+:mod:`fededge.strategies.report` (one small interface, no class list here). It reads no
+run config: everything is a constructor argument, and fededge's own app
+(:func:`fededge.server.experiment.run_experiment`) is just its first user.
+
+Any ClientApp works. The simulated clock places and times a reply by what it reports:
+fededge's ClientApp sends ``compute-s``, ``local-steps-done`` and ``partition-id``. For a
+reply without them the rules are :class:`~fededge.netem.runclock.RunClock`'s: a node is
+placed by the index of its node id among the run's node ids, and its compute time is
+``compute_s`` if given here, else the real time from the push of its message to the pull
+of its reply, as the server measured it. That measured time includes the wait for other
+clients on a runtime that runs them one after another (fededge's in-process grid,
+Flower's simulation with fewer actors than clients): pass ``compute_s`` for a ``sim_s``
+that is reproducible and that does not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fededge.netem.clock import ClientRound, synchronous_round
+from fededge.netem.runclock import RunClock
+from fededge.server.metering import MeteredGrid, RoundTraffic
+from fededge.server.results import RoundRecord, Progress, RunRecorder, new_run_id
+from fededge.strategies.report import MeasuredStrategy, RoundReport, attach_clock, report_of
+
+__all__ = [
+    "EvaluateFn", "Experiment", "ExperimentResult", "NotEnoughNodesError", "PROGRESS_MODES", "RoundFailedError",
+    "seeded_sampling", "wait_for_nodes",
+]
+
+log = logging.getLogger("fededge")
+
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
+
+#: ``evaluate_fn(server_round, arrays) -> MetricRecord`` with ``accuracy`` and ``loss``
+#: (Flower's own ``evaluate_fn`` signature).
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
+
+
+class RoundFailedError(RuntimeError):
+    """No client update of a round could be used: every reply was an error (or none came).
+
+    A run that carried on would report a model nobody trained; it stops instead, with
+    the first client error in the message.
+    """
+
+
+class NotEnoughNodesError(RuntimeError):
+    """Fewer nodes connected than the run needs, within the round timeout."""
+
+
+def wait_for_nodes(grid: Grid, needed: int, timeout_s: float, *, poll_s: float = 1.0) -> int:
+    """Wait until ``needed`` nodes are connected; raise :class:`NotEnoughNodesError`.
+
+    Flower's own sampling waits for nodes forever; a count of ``clients-per-round`` above
+    the number of nodes that will ever connect would hang the run with no message.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = len(list(grid.get_node_ids()))
+        if n >= needed:
+            return n
+        if time.monotonic() >= deadline:
+            raise NotEnoughNodesError(
+                f"the run needs {needed} connected nodes (clients-per-round / "
+                f"min-available-nodes) but only {n} connected within round-timeout="
+                f"{timeout_s:g} s; lower clients-per-round, use a fraction such as 1.0, "
+                "or start more SuperNodes (num-supernodes in simulation)"
+            )
+        time.sleep(poll_s)
+
+
+@contextmanager
+def seeded_sampling(seed: int) -> Iterator[None]:
+    """Seed the module-level ``random`` for the run, then restore it.
+
+    Flower's strategies sample nodes with ``random.sample`` (``strategy_utils.
+    sample_nodes``), the global RNG. Seeding it makes client selection reproducible;
+    restoring it keeps the in-process runtime from changing its caller's RNG.
+    """
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
+@dataclass
+class ExperimentResult:
+    """A finished run: its directory, the figures of its summary.json, Flower's Result."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+    flower_result: Result
+
+
+def _wrapper_report(strategy: object, server_round: int) -> RoundReport:
+    """Adapter for :class:`~fededge.strategies.compressed.Compressed`, which counts its
+    decoded and rejected updates in ``take_stats()`` and wraps ``inner``, until it
+    implements ``round_report`` itself: its counts merged into the inner strategy's report."""
+    take_stats, inner = getattr(strategy, "take_stats", None), getattr(strategy, "inner", None)
+    if isinstance(strategy, MeasuredStrategy) or take_stats is None or inner is None:
+        return report_of(strategy, server_round)
+    stats = take_stats()
+    return _wrapper_report(inner, server_round).merge(RoundReport(
+        rejected=stats.rejected, payload_bytes=stats.payload_bytes, dense_bytes=stats.dense_bytes,
+        reasons=[f"a compressed update was rejected and left out: {r}" for r in stats.reasons]))
+
+
+class Experiment:
+    """Bytes, simulated time and results for any strategy's run, in any ServerApp.
+
+    See the module docstring for what it measures and writes.
+
+    Parameters
+    ----------
+    evaluate_fn : callable
+        ``evaluate_fn(server_round, arrays) -> MetricRecord`` with ``accuracy`` and
+        ``loss`` (Flower's ``evaluate_fn``): called on the global model after every round,
+        and on each node's model for decentralised strategies. Other metrics it returns
+        are written to ``metrics.jsonl`` too, under their own names.
+    results_dir : path
+        Each run writes ``<results_dir>/<run id>/``.
+    run_id : str, optional
+        The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
+        existing one is never overwritten (``-2``, ``-3``, ... are appended).
+    run_name : str
+        Prefix of the default run id.
+    netem, netem_file, compute_speed : str
+        The emulated network and device speeds on the simulated clock
+        (:class:`~fededge.netem.runclock.RunClock`): ``netem="4g"``,
+        ``"wifi:0.5,4g:0.5"``; ``compute_speed="lognormal:0.5"``. ``""``: an ideal
+        network, so ``sim_s`` is compute only.
+    sim_step_s : float
+        Seconds per local step on the clock, for replies that report their steps (0: the
+        compute time they report).
+    compute_s : float, optional
+        Seconds of local work charged for a reply that reports no ``compute-s`` (a
+        ClientApp that is not fededge's); None: the measured push-to-pull time.
+    message_overhead_s : float
+        Every device's fixed seconds per message beyond its compute, on the clock (a
+        SuperNode's process start; ``benchmarks/bench_deploy_overhead.py`` measures it).
+    seed : int
+        Seeds the links' assignment and Flower's client sampling (the global ``random``,
+        restored after the run).
+    target_accuracy : float
+        Accuracy at which ``summary.json`` records rounds, ``sim_s``, ``wall_s`` and
+        uplink bytes "to target".
+    progress : str
+        ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
+        ``lines`` or ``off``.
+    save_model : bool
+        Write the final global model to ``<run dir>/model.pt`` (a torch state dict).
+    min_nodes : int
+        Wait (up to the run's ``timeout``) for this many connected nodes before round 1;
+        fail with :class:`NotEnoughNodesError` otherwise.
+    config : mapping, optional
+        Recorded in ``config.json`` under ``config`` (your app's own run config); read
+        by ``fededge plot`` to label runs.
+    metadata : mapping, optional
+        Merged into ``config.json`` (device, data set sizes, runtime...).
+    title : str, optional
+        How the first progress line names the run (default: the strategy's class).
+
+    Examples
+    --------
+    In a ServerApp's main, with Flower's own strategy and any ClientApp:
+
+    >>> exp = Experiment(evaluate_fn=my_evaluate, results_dir="results", netem="4g",
+    ...                  target_accuracy=0.9, compute_s=1.0)            # doctest: +SKIP
+    >>> res = exp.run(FedAdam(), grid, initial_arrays=ArrayRecord(model.state_dict()),
+    ...               num_rounds=5, train_config=ConfigRecord({"lr": 0.1}))  # doctest: +SKIP
+    >>> res.summary["sim_s"], res.run_dir / "metrics.jsonl"            # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        evaluate_fn: EvaluateFn,
+        results_dir: str | Path = "results",
+        run_id: str | None = None,
+        run_name: str = "",
+        netem: str = "",
+        netem_file: str = "",
+        compute_speed: str = "1.0",
+        sim_step_s: float = 0.0,
+        compute_s: float | None = None,
+        message_overhead_s: float = 0.0,
+        seed: int = 0,
+        target_accuracy: float = 0.9,
+        progress: str = "auto",
+        save_model: bool = True,
+        min_nodes: int = 1,
+        config: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        title: str | None = None,
+    ) -> None:
+        if not callable(evaluate_fn):
+            raise ValueError(f"evaluate_fn must be a callable (server_round, arrays) -> MetricRecord, "
+                             f"got {evaluate_fn!r}")
+        if progress not in PROGRESS_MODES:
+            raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {progress!r}")
+        if min_nodes < 0:
+            raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
+        self.clock_settings = {"netem": netem, "netem_file": netem_file, "compute_speed": compute_speed,
+                               "seed": seed, "sim_step_s": sim_step_s, "compute_s": compute_s,
+                               "message_overhead_s": message_overhead_s}
+        RunClock(**self.clock_settings)  # validates them now, not after the run started
+        self.evaluate_fn = evaluate_fn
+        self.results_dir = Path(results_dir)
+        self.run_id = run_id
+        self.run_name = run_name
+        self.seed = seed
+        self.target_accuracy = target_accuracy
+        self.progress = progress
+        self.save_model = save_model
+        self.min_nodes = min_nodes
+        self.config = dict(config or {})
+        self.metadata = dict(metadata or {})
+        self.title = title
+
+    def run(
+        self,
+        strategy: Strategy,
+        grid: Grid,
+        *,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float = 3600.0,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        before_start: Callable[[Grid], None] | None = None,
+    ) -> ExperimentResult:
+        """Run ``strategy.start`` on a metered ``grid`` and record every round.
+
+        Parameters
+        ----------
+        strategy : Strategy
+            Any Flower strategy (see the module docstring).
+        grid : Grid
+            The ServerApp's grid (simulation, deployment or fededge's in-process grid).
+        initial_arrays, num_rounds, timeout, train_config, evaluate_config
+            Passed to ``strategy.start`` (``timeout``: seconds to wait for a round's
+            replies; a round with a node that never answered lasts at least that long on
+            the clock).
+        before_start : callable, optional
+            Called with the grid once the nodes are connected, before round 1 (fededge's
+            app checks the clients' data split there).
+
+        Raises
+        ------
+        RoundFailedError
+            A round had no usable update and not because its clients dropped out.
+        NotEnoughNodesError
+            Fewer than ``min_nodes`` nodes connected within ``timeout``.
+        """
+        strategy_class = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+        recorder = RunRecorder(
+            self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
+            target_accuracy=self.target_accuracy,
+            extra={**self.metadata, "strategy_class": strategy_class,
+                   "clock": {k.replace("_", "-"): v for k, v in self.clock_settings.items()}})
+        progress = Progress(self.progress, num_rounds)
+        progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "
+                      f"results in {recorder.run_dir.resolve()}")
+        clock = RunClock(**self.clock_settings, run_dir=recorder.run_dir)
+        rounds = _Rounds(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout)
+        rounds.final = initial_arrays
+        attach_clock(strategy, clock)
+        try:
+            connected = wait_for_nodes(grid, self.min_nodes, timeout)
+            clock.know_nodes(grid.get_node_ids())
+            clock.check(connected)  # an unknown profile stops the run before any training
+            if before_start is not None:
+                before_start(grid)
+            with seeded_sampling(self.seed):
+                result = strategy.start(
+                    grid=rounds.metered, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
+                    train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=rounds.close)
+        except BaseException as err:
+            progress.close()
+            recorder.close(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
+        progress.close()
+        if self.save_model:
+            torch.save(rounds.final.to_torch_state_dict(), recorder.run_dir / "model.pt")
+        summary = recorder.close(extra=rounds.summary)
+        progress.note(
+            f"final accuracy {summary['final_accuracy']:.4f}; target {self.target_accuracy} "
+            f"reached at round {summary['rounds_to_target']} (sim {summary['sim_s_to_target']} s); "
+            f"results in {recorder.run_dir.resolve()}"
+        )
+        return ExperimentResult(recorder.run_dir, summary, result)
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> tuple[float, float, dict[str, Any]]:
+        """``(accuracy, loss, other metrics)`` of ``arrays`` by ``evaluate_fn``."""
+        metrics = self.evaluate_fn(server_round, arrays)
+        if metrics is None or "accuracy" not in metrics or "loss" not in metrics:
+            raise ValueError("evaluate_fn must return a MetricRecord with 'accuracy' and 'loss', got "
+                             f"{None if metrics is None else sorted(metrics.keys())}")
+        others = {k: v for k, v in metrics.items() if k not in ("accuracy", "loss")}
+        return float(metrics["accuracy"]), float(metrics["loss"]), others
+
+
+class _Rounds:
+    """One run's state between rounds: Flower calls :meth:`close` after every round."""
+
+    def __init__(self, exp: Experiment, strategy: Strategy, metered: MeteredGrid, clock: RunClock,
+                 recorder: RunRecorder, progress: Progress, timeout: float) -> None:
+        self.exp = exp
+        self.strategy = strategy
+        self.metered = metered
+        self.clock = clock
+        self.recorder = recorder
+        self.progress = progress
+        self.timeout = timeout
+        self.final: ArrayRecord | None = None
+        self.summary: dict[str, Any] = {}
+
+    def report(self, text: str) -> None:
+        """One line per client problem: on the progress stream, or logged when it is off."""
+        if self.progress.mode == "off":
+            log.warning(text)
+        else:
+            self.progress.note(text)
+
+    def close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord:
+        """Evaluate round ``rnd``'s model, take its traffic and report, write its line."""
+        self.final = arrays
+        acc, loss, others = self.exp.evaluate(rnd, arrays)
+        report = _wrapper_report(self.strategy, rnd)
+        traffic = self.traffic(report)
+        for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
+            self.report(f"round {rnd}: a client failed: {err}")
+        for reason in report.reasons:
+            self.report(f"round {rnd}: {reason}")
+        for note in report.notes:
+            self.progress.note(note)
+        extra = {k: v for k, v in others.items() if k not in RoundRecord.__dataclass_fields__}
+        extra |= report.metrics
+        if report.node_models is not None:
+            extra |= self.node_metrics(rnd, report.node_models)
+        dropped = report.dropped if report.dropped is not None else [
+            self.metered.partition_of.get(n, n) for n in traffic.dropped]
+        if dropped and "dropped" not in extra:
+            extra["dropped"] = sorted(dropped)
+        # What each client did, so that the run can be re-timed under another network
+        # (fededge.server.replay) without training again.
+        extra["clients"] = [
+            {"partition": pid, "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None,
+                                                                        n.wall_s), 6),
+             "bytes_down": n.bytes_down, "bytes_up": n.bytes_up}
+            for pid, n in sorted(self.placed(traffic), key=lambda x: x[0])]
+        rec = self.recorder.record_round(
+            rnd, accuracy=acc, loss=loss,
+            bytes_up=traffic.bytes_up - report.bytes_up_excluded, bytes_down=traffic.bytes_down,
+            # The round on the simulated clock: the strategy's own timing, or download,
+            # compute (scaled by the client's speed) and upload on each client's link.
+            round_sim_s=report.sim_s if report.sim_s is not None else self.synchronous_sim_s(traffic),
+            num_clients=(report.num_clients if report.num_clients is not None
+                         else traffic.train_replies - report.rejected),
+            failures=traffic.failures, rejected=report.rejected, compression_ratio=report.ratio, extra=extra)
+        self.summary |= report.summary
+        self.progress.update(rec)
+        if rnd >= 1 and rec.num_clients == 0 and (traffic.dropped or report.dropped) and not traffic.errors:
+            # Dropouts (no answer) are not errors: the model stays as it was and the run
+            # goes on; a run whose clients all fail (errors, rejected updates) stops.
+            self.progress.note(f"round {rnd}: no update: every selected client dropped out; the model is unchanged")
+        elif rnd >= 1 and rec.num_clients == 0:
+            first = (traffic.errors or report.reasons or ["no reply arrived within round-timeout"])[0]
+            raise RoundFailedError(
+                f"round {rnd}: no client update could be used ({traffic.failures} of "
+                f"{traffic.replies} replies failed, {rec.rejected} rejected); first error: {first}"
+            )
+        return MetricRecord({"accuracy": acc, "loss": loss, **others})
+
+    def traffic(self, report: RoundReport) -> RoundTraffic:
+        """The round's metered messages: all since the last round, or the report's groups."""
+        if report.groups is None:
+            return self.metered.take()
+        traffic = RoundTraffic()
+        for group in report.groups:
+            traffic.merge(self.metered.take(group))
+        return traffic
+
+    def placed(self, traffic: RoundTraffic) -> list[tuple[int, Any]]:
+        """``(client index on the clock, node traffic)`` of every node that replied."""
+        out = []
+        for nid, n in traffic.nodes.items():
+            pid = self.clock.place(nid, n.partition_id) if n.replied else None
+            if pid is not None:
+                out.append((pid, n))
+        return out
+
+    def synchronous_sim_s(self, traffic: RoundTraffic) -> float:
+        """The round as a synchronous one: the slowest client's download, compute and
+        upload; at least ``timeout`` when a node never answered."""
+        placed = self.placed(traffic)
+        if self.clock.clock is None and placed:
+            reported = max((n.num_partitions for _, n in placed if n.num_partitions is not None), default=None)
+            self.clock.build(max(self.clock.num_clients(reported), 1 + max(pid for pid, _ in placed)))
+        if self.clock.clock is None:
+            return 0.0
+        work = [ClientRound(pid, n.bytes_down,
+                            self.clock.compute_s(n.compute_s if n.reported_compute else None, n.steps, n.wall_s),
+                            n.bytes_up)
+                for pid, n in placed]
+        duration = synchronous_round(self.clock.clock, work).duration if work else 0.0
+        # A node that never answered held the round until the server's timeout.
+        return max(duration, self.timeout) if traffic.dropped else duration
+
+    def node_metrics(self, rnd: int, models: Mapping[int, Any]) -> dict[str, Any]:
+        """Every node's model on the evaluation: mean, min and max accuracy, mean loss."""
+        seen: dict[int, tuple[float, float]] = {}  # id of a model object -> (accuracy, loss)
+        accs, losses = [], []
+        for i in sorted(models):
+            m = models[i]
+            if id(m) not in seen:
+                acc, loss, _ = self.exp.evaluate(rnd, ArrayRecord(m))
+                seen[id(m)] = (acc, loss)
+            accs.append(seen[id(m)][0])
+            losses.append(seen[id(m)][1])
+        return {
+            "node_accuracy_mean": sum(accs) / len(accs) if accs else None,
+            "node_accuracy_min": min(accs, default=None),
+            "node_accuracy_max": max(accs, default=None),
+            "node_loss_mean": sum(losses) / len(losses) if losses else None,
+        }

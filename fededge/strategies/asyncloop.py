@@ -1,0 +1,519 @@
+"""What fededge's asynchronous and straggler-tolerant strategies share: the event loop.
+
+The strategies themselves are one file each, as Flower's are: :class:`~fededge.
+strategies.fedasync.FedAsync`, :class:`~fededge.strategies.fedbuff.FedBuff`,
+:class:`~fededge.strategies.ssp.SSP` (all three this module's :class:`AsyncFL` with
+their own knobs) and :class:`~fededge.strategies.backup.BackupWorkers`. The rules are
+:mod:`fededge.algorithms.asyncfl` (pure); this module moves messages.
+
+They work with any ClientApp that answers Flower's standard train messages: the reply
+holds the trained model in ``arrays`` and a ``MetricRecord`` with ``num-examples``
+(Flower's FedAvg defaults; the record keys are FedAvg's arguments). A ClientApp that also
+reports ``compute-s``, ``local-steps-done`` and ``partition-id`` (fededge's does) is
+placed and timed exactly on the simulated clock; others are placed by node id and timed
+as :class:`fededge.netem.runclock.RunClock` describes.
+
+**Events, not rounds.** :class:`AsyncFL` keeps every participant busy (or
+``concurrency`` of them): each gets the current model, trains, replies; its update is
+used when it *arrives* and the client is sent the model then current. Which update
+arrives first depends on the clients' speeds and links, so the loop orders arrivals in
+one of two ways:
+
+- ``order="clock"`` (simulation: fededge's in-process runtime and Flower's Ray
+  simulation): by **simulated** arrival time. A reply's arrival is computed from the
+  time its message left the server, the client's link profile and speed factor
+  (``netem``, ``compute-speed``) and what it measured or reported (bytes both ways, the
+  local steps it ran, its compute time or ``sim-step-s`` per step). An arrival at time
+  ``T`` is used only once no message still running left the server before ``T``, so the
+  order is exactly that of the simulated clock, whatever order the runtime finished the
+  work in, and a seed makes the run deterministic (with ``sim-step-s``, which replaces
+  the measured compute time). At most one message per node is in flight, which is what
+  Flower's Ray simulation needs.
+- ``order="arrival"`` (a real SuperLink deployment): replies are used in the order they
+  really arrive; the asynchrony is real. The simulated clock still stamps each version
+  (``sim_s``), in that order.
+
+``order="auto"`` picks ``arrival`` on a SuperLink and ``clock`` elsewhere. Without a
+clock attached (:meth:`AsyncLoop.attach_clock`; :class:`fededge.server.measure.
+Experiment` attaches its own) the network is ideal and compute is as reported.
+
+Every new server model is a *version*; the experiment records one line of
+``metrics.jsonl`` per version (FedAsync and SSP: one per update; FedBuff: one per
+buffer). ``num_rounds`` counts versions.
+
+**Dropouts.** A message with no usable reply within ``timeout`` (a simulated dropout,
+an error, or no reply at all) is written off at ``departure + timeout`` on the clock (an
+unusable update: at its arrival); the client is asked again with the current model
+then, and SSP stops waiting for it until it answers again. Nothing stalls. If more than
+three messages per participant in a row are written off, nobody is answering and the
+run stops with an error that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+
+from fededge import keys
+from fededge._flwr_internals import is_deployment, runs_messages_in_order, wire_size
+from fededge.algorithms.asyncfl import AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue
+from fededge.netem.clock import SimClock
+from fededge.netem.runclock import RunClock
+from fededge.strategies._replies import dropout_partition, fixed_participants, is_dropout, usable_reply
+from fededge.strategies.report import RoundReport
+
+__all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncLoop", "AsyncRoundInfo", "Puller", "ReplyTiming"]
+
+log = logging.getLogger("fededge")
+
+ASYNC_ORDERS = ("auto", "clock", "arrival")
+
+
+@dataclass
+class AsyncRoundInfo:
+    """What one server version (or backup-workers round) was made of, for metrics.jsonl."""
+
+    version: int
+    sim_s: float  # when it was made, on the simulated clock (absolute)
+    staleness: list[int] = field(default_factory=list)  # tau (versions) of each update in it
+    contributors: list[int] = field(default_factory=list)  # partition ids (node ids if unknown)
+    late: list[int] = field(default_factory=list)  # backup workers: replies not waited for
+    dropped: list[int] = field(default_factory=list)  # written off since the previous version
+    groups: list[str] = field(default_factory=list)  # message group ids used (metering)
+    rejected: int = 0
+    reasons: list[str] = field(default_factory=list)
+    ahead: int | None = None  # SSP: fastest minus slowest active client's round
+    order: str = "clock"
+
+
+def _metrics(reply: Message) -> Any:
+    return next(iter(reply.content.metric_records.values()), {})
+
+
+class ReplyTiming:
+    """Puts one node's message on the simulated clock, once its reply is in.
+
+    The clock comes from the experiment (:meth:`attach`); without one the network is
+    ideal and compute is as reported (or measured). A node is named by the partition id
+    its replies report, else by its node id; it is placed on a link by
+    :meth:`RunClock.place <fededge.netem.runclock.RunClock.place>`.
+    """
+
+    def __init__(self) -> None:
+        self.source: RunClock | None = None
+        self._rules = RunClock()  # the compute rule when no clock is attached
+        self.clock: SimClock | None = None
+        self.partition: dict[int, int] = {}  # reported
+        self.placed: dict[int, int] = {}  # reported, or by node id (a ClientApp that reports none)
+
+    def attach(self, source: RunClock | None) -> None:
+        self.source = source
+
+    def learn(self, reply: Message) -> int | None:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            pid = dropout_partition(reply)
+            if pid is not None:
+                self.partition[node] = self.placed[node] = pid[0]
+            return self.partition.get(node)
+        metrics = _metrics(reply)
+        reported = int(metrics[keys.REPLY_PARTITION_ID]) if keys.REPLY_PARTITION_ID in metrics else None
+        if reported is not None:
+            self.partition[node] = reported
+        if self.source is not None:
+            pid = self.source.place(node, reported)
+            if pid is not None:
+                self.placed[node] = pid
+                num = metrics.get(keys.REPLY_NUM_PARTITIONS, pid + 1 if reported is not None else None)
+                if self.clock is None:
+                    self.clock = self.source.build(max(self.source.num_clients(num), pid + 1))
+        return self.partition.get(node)
+
+    def name(self, node: int) -> int:
+        """The partition id of ``node`` where known (what users assign), else its node id."""
+        return self.partition.get(node, node)
+
+    def compute_s(self, reply: Message, measured_s: float | None = None) -> float:
+        metrics = _metrics(reply)
+        reported = float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None
+        steps = int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None
+        return (self.source or self._rules).compute_s(reported, steps, measured_s)
+
+    def arrival(self, node: int, sent_at: float, bytes_down: int, reply: Message,
+                measured_s: float | None = None) -> float:
+        """When ``reply`` reached the server: download, compute, upload on the node's link.
+        ``measured_s``: the real seconds from push to pull, for a reply that reports no
+        compute time."""
+        pid = self.placed.get(node)
+        compute = 0.0 if reply.has_error() else self.compute_s(reply, measured_s)
+        if self.clock is None or pid is None or pid >= len(self.clock.clients):
+            return sent_at + compute
+        down = self.clock.send_down(pid, bytes_down, sent_at)
+        done = self.clock.compute(pid, compute, down)
+        return self.clock.send_up(pid, wire_size(reply), done)
+
+
+def resolve_order(requested: str, grid: Grid) -> str:
+    """``clock`` or ``arrival`` for ``requested`` (``auto``: arrival on a SuperLink)."""
+    if requested not in ASYNC_ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ASYNC_ORDERS)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return "arrival" if is_deployment(grid) else "clock"
+
+
+class Puller:
+    """Pulls replies without one slow upload holding up the others.
+
+    On a SuperLink, Flower's ``HttpGrid.pull_messages`` returns a reply as soon as its
+    message is registered and then waits (retrying, up to two hours) until all of its
+    objects have been uploaded: a client on a slow uplink would hold every other
+    reply pulled in the same call, and the whole loop, until its upload is done. That
+    is head-of-line blocking, the opposite of asynchrony (seen in the deployment test:
+    a fast node's reply waited behind a 20 s upload). So on a SuperLink each message is
+    pulled on its own, in a daemon thread (one per message still out, so that a
+    ServerApp never waits at exit for an upload nobody needs), and :meth:`poll`
+    returns whatever has fully arrived. Other grids (in-process, Ray) deliver a reply
+    whole and are pulled directly.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.threaded = is_deployment(grid)
+        self._lock = threading.Lock()
+        self._running: set[str] = set()
+        self._done: dict[str, list[Message]] = {}
+        self._errors: list[BaseException] = []
+
+    def _pull(self, mid: str) -> None:
+        try:
+            got = list(self.grid.pull_messages([mid]))
+        except BaseException as err:  # noqa: BLE001 - re-raised in poll()
+            with self._lock:
+                self._errors.append(err)
+                self._running.discard(mid)
+            return
+        with self._lock:
+            self._running.discard(mid)
+            self._done[mid] = got
+
+    def poll(self, message_ids: Iterable[str]) -> list[Message]:
+        ids = list(message_ids)
+        if not self.threaded:
+            return list(self.grid.pull_messages(ids)) if ids else []
+        out: list[Message] = []
+        with self._lock:
+            if self._errors:
+                raise self._errors[0]
+            for mid in ids:
+                if mid in self._done:
+                    out.extend(self._done.pop(mid))  # [] while no reply: asked again
+                elif mid not in self._running:
+                    self._running.add(mid)
+                    threading.Thread(target=self._pull, args=(mid,), daemon=True,
+                                     name=f"fededge-pull-{mid[:8]}").start()
+        return out
+
+    def forget(self, message_id: str) -> None:
+        """Stop waiting for a message (written off); a pull in progress ends alone."""
+        with self._lock:
+            self._done.pop(message_id, None)
+
+
+def _counts(c: Counter) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(c.items())}
+
+
+class AsyncLoop(FedAvg):
+    """The base of fededge's asynchronous strategies: the clock, the per-version reports.
+
+    Parameters
+    ----------
+    order : str
+        ``auto``, ``clock`` or ``arrival`` (see the module docstring).
+    poll_s : float
+        How often to pull replies from a real SuperLink when none is ready.
+    **fedavg
+        Flower's FedAvg arguments: the participants' sampling (``fraction_train``,
+        ``min_train_nodes``, ``min_available_nodes``), the record keys
+        (``arrayrecord_key``, ``configrecord_key``) and the weight (``weighted_by_key``).
+    """
+
+    def __init__(self, *, order: str = "auto", poll_s: float = 0.5, **fedavg: Any) -> None:
+        super().__init__(**fedavg)
+        if order not in ASYNC_ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ASYNC_ORDERS)}, got {order!r}")
+        self.order = order
+        self.poll_s = poll_s
+        self.timing = ReplyTiming()
+        self._info: dict[int, AsyncRoundInfo] = {}
+        self._reported_sim_s = 0.0
+        self.tally: dict[str, Counter] = {"staleness": Counter(), "contributions": Counter(),
+                                          "dropped": Counter(), "late": Counter()}
+        self.participants: list[int] = []
+
+    def attach_clock(self, clock: RunClock) -> None:
+        """Order and stamp replies on the experiment's clock (see :class:`ReplyTiming`)."""
+        self.timing.attach(clock)
+
+    def _made(self, info: AsyncRoundInfo) -> None:
+        """A version (round) is made: keep what it was made of for its report."""
+        self._info[info.version] = info
+        self.tally["staleness"].update(info.staleness)
+        self.tally["contributions"].update(info.contributors)
+        self.tally["dropped"].update(info.dropped)
+        self.tally["late"].update(info.late)
+
+    def round_report(self, server_round: int) -> RoundReport:
+        """Version ``server_round``: the messages it used, when it was made on the clock,
+        its staleness and contributors; the run's tallies (the bias toward fast clients)
+        for summary.json."""
+        summary = {"staleness_hist": _counts(self.tally["staleness"]),
+                   "contributions": _counts(self.tally["contributions"]),
+                   "dropped_messages": _counts(self.tally["dropped"]),
+                   "late_replies": _counts(self.tally["late"])}
+        info = self._info.pop(server_round, None)
+        if info is None:  # version 0: nothing sent yet
+            return RoundReport(groups=(), sim_s=0.0, num_clients=0, summary=summary)
+        sim_s, self._reported_sim_s = info.sim_s - self._reported_sim_s, info.sim_s
+        st = info.staleness
+        return RoundReport(
+            groups=tuple(info.groups), sim_s=sim_s, num_clients=len(info.contributors),
+            rejected=info.rejected,
+            reasons=[f"a client update was rejected and left out: {r}" for r in info.reasons],
+            dropped=list(info.dropped), summary=summary,
+            metrics={
+                "staleness": sum(st) / len(st) if st else None,
+                "staleness_max": max(st, default=None),
+                "staleness_hist": _counts(Counter(st)),
+                "contributors": sorted(info.contributors),
+                "late": sorted(info.late),
+                "dropped": sorted(info.dropped),
+                "ssp_ahead": info.ahead,
+                "async_order": info.order,
+            })
+
+    def _why_unusable(self, reply: Message) -> str | None:
+        if reply.has_error():
+            return reply.error.reason
+        return usable_reply(reply, arrays_key=self.arrayrecord_key, model_keys=self._keys,
+                            weight_key=self.weighted_by_key)
+
+    def _weight(self, reply: Message) -> float:
+        return float(_metrics(reply)[self.weighted_by_key])
+
+    def _evaluate(self, v: int, arrays: ArrayRecord, evaluate_fn: Callable | None) -> None:
+        if evaluate_fn:
+            res = evaluate_fn(v, arrays)
+            if res is not None:
+                self._result.evaluate_metrics_serverapp[v] = res
+
+    # Flower's per-round hooks are not how these run: start() drives them.
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []
+
+
+class AsyncFL(AsyncLoop):
+    """FedAsync, FedBuff or bounded-staleness (SSP) aggregation, event by event.
+
+    :class:`~fededge.strategies.fedasync.FedAsync`, :class:`~fededge.strategies.fedbuff.
+    FedBuff` and :class:`~fededge.strategies.ssp.SSP` are this loop with their own
+    keyword arguments; use them. This class takes the mode and its knobs as one
+    :class:`~fededge.algorithms.asyncfl.AsyncConfig` (fededge's run config builds it).
+
+    Works with any ClientApp that answers FedAvg's train messages (``arrays``, and
+    ``num-examples`` in its metrics).
+
+    Parameters
+    ----------
+    config : AsyncConfig
+        The mode and its knobs.
+    concurrency : int, optional
+        Clients training at once (0: every participant); replaces ``config``'s. Fewer
+        than all draws idle clients at random, as FedBuff's paper samples a new client
+        each time one finishes.
+    seed : int
+        Seeds the choice of idle clients when ``concurrency`` is below the participants.
+    **loop
+        :class:`AsyncLoop`'s arguments (``order``, ``poll_s``) and Flower's FedAvg
+        arguments.
+
+    Examples
+    --------
+    >>> from fededge.algorithms.asyncfl import AsyncConfig
+    >>> strategy = AsyncFL(config=AsyncConfig(mode="fedbuff", buffer_size=5), seed=1)
+    """
+
+    def __init__(self, *, config: AsyncConfig, concurrency: int | None = None, seed: int = 0,
+                 **loop: Any) -> None:
+        super().__init__(**loop)
+        self.config = config if concurrency is None else replace(config, concurrency=concurrency)
+        self.seed = seed
+
+    def summary(self) -> None:
+        log.info("%s: %s", self.config.mode, self.config)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        order = resolve_order(self.order, grid)
+        if order == "arrival" and runs_messages_in_order(grid) is False:
+            log.info("%s: replies used in real arrival order on a grid that may run two messages "
+                     "of one node at once; this loop keeps one message per node", self.config.mode)
+        train_config = ConfigRecord() if train_config is None else train_config
+        self._result = Result()
+        self._keys = set(initial_arrays.keys())
+        self._evaluate(0, initial_arrays, evaluate_fn)
+        self.participants = fixed_participants(
+            grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
+            min_available=self.min_available_nodes)
+        server = AsyncServer(self.config, initial_arrays.to_torch_state_dict(),
+                             num_clients=len(self.participants))
+        sched = AsyncScheduler(self.participants, concurrency=self.config.concurrency,
+                               ssp_bound=self.config.ssp_bound if self.config.mode == "ssp" else None,
+                               seed=self.seed)
+        log.info("%s: %d participants, %d training at once, replies used in %s order%s",
+                 self.config.mode, len(self.participants), sched.concurrency,
+                 "simulated-clock" if order == "clock" else "real arrival",
+                 f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "")
+        arrays = {0: initial_arrays}  # versions being sent
+        queue = EventQueue()
+        inflight: dict[str, tuple[Dispatch, float, int]] = {}  # msg id -> (dispatch, real t0, bytes down)
+        pending = AsyncRoundInfo(version=1, sim_s=0.0, order=order)
+        now = 0.0
+        streak = {"n": 0}  # messages written off since an update was last used
+
+        def dispatch() -> None:
+            starts = sched.startable()
+            if not starts:
+                return
+            v = server.version
+            if v not in arrays:
+                arrays[v] = ArrayRecord({k: t for k, t in server.model.items()})
+            msgs, ds = [], []
+            for node in starts:
+                d = sched.start(node, version=v, at=now)
+                config = ConfigRecord(dict(train_config))
+                config[keys.SERVER_ROUND] = v + 1
+                msgs.append(Message(RecordDict({self.arrayrecord_key: arrays[v], self.configrecord_key: config}),
+                                    dst_node_id=node, message_type=MessageType.TRAIN, group_id=f"a{d.seq}"))
+                ds.append(d)
+            cache: dict[str, int] = {}
+            sizes = [wire_size(m, cache) for m in msgs]
+            t0 = time.monotonic()
+            for mid, d, size in zip(grid.push_messages(msgs), ds, sizes):
+                inflight[mid] = (d, t0, size)
+
+        def use(ev: Event) -> None:
+            nonlocal pending, now
+            now = max(now, ev.time)
+            d = sched.running[ev.client]
+            pending.groups.append(f"a{d.seq}")
+            reply: Message | None = ev.payload
+            why = "no reply within round-timeout" if reply is None else self._why_unusable(reply)
+            if why is not None:
+                sched.write_off(ev.client)
+                streak["n"] += 1
+                if streak["n"] > 3 * len(self.participants):
+                    raise RuntimeError(
+                        f"{self.config.mode}: {streak['n']} messages in a row got no usable reply "
+                        f"(last: node {ev.client}: {why}); no client is answering. Check the "
+                        "SuperNodes' logs, the dropout fraction and round-timeout")
+                pending.dropped.append(self.timing.name(ev.client))
+                if reply is not None and not reply.has_error():
+                    pending.rejected += 1
+                    pending.reasons.append(f"node {ev.client}: {why}")
+                # An error or a rejected reply is reported once by the caller (the grid's
+                # metering, round_report().reasons); only a missing reply is logged here.
+                if reply is None:
+                    log.warning("%s: node %d written off at sim %.1f s: %s", self.config.mode, ev.client,
+                                ev.time, why)
+                elif not is_dropout(reply):
+                    log.debug("%s: node %d written off at sim %.1f s: %s", self.config.mode, ev.client,
+                              ev.time, why)
+                return
+            sched.finish(ev.client)
+            streak["n"] = 0
+            pending.contributors.append(self.timing.name(ev.client))
+            pending.staleness.append(server.version - d.version)
+            new = server.receive(reply.content[self.arrayrecord_key].to_torch_state_dict(),
+                                 base_version=d.version, num_examples=self._weight(reply))
+            if not new:
+                return
+            v = server.version
+            pending.version, pending.sim_s = v, now
+            pending.ahead = sched.ahead() if self.config.mode == "ssp" else None
+            self._made(pending)
+            pending = AsyncRoundInfo(version=v + 1, sim_s=now, order=order)
+            self._result.arrays = ArrayRecord({k: t for k, t in server.model.items()})
+            arrays.clear()
+            arrays[v] = self._result.arrays
+            # A reply waiting in the queue still counts as running until it is used.
+            server.keep({x.version for x in sched.running.values()})
+            self._evaluate(v, self._result.arrays, evaluate_fn)
+
+        puller = Puller(grid)
+        dispatch()
+        while server.version < num_rounds:
+            pulled = puller.poll(list(inflight)) if inflight else []
+            for reply in pulled:
+                mid = reply.metadata.reply_to_message_id
+                if mid not in inflight:
+                    continue  # written off already: its late reply is not used
+                d, t0, size = inflight.pop(mid)
+                self.timing.learn(reply)
+                if reply.has_error():
+                    # A dropout: the server learns only when its timeout expires. An
+                    # error is retried no sooner either, or a client that always fails
+                    # would be asked again and again at the same simulated instant.
+                    t = d.at + timeout
+                else:
+                    t = self.timing.arrival(d.client, d.at, size, reply, time.monotonic() - t0)
+                queue.push(Event(t, d.seq, d.client, payload=reply))
+            clock_now = time.monotonic()
+            for mid, (d, t0, _) in list(inflight.items()):
+                if clock_now - t0 >= timeout:
+                    del inflight[mid]
+                    puller.forget(mid)
+                    queue.push(Event(d.at + timeout, d.seq, d.client, dropped=True))
+            # Clock order: an arrival at T is safe once no message still out left before T.
+            bound = min((d.at for d, _, _ in inflight.values()), default=math.inf) \
+                if order == "clock" else math.inf
+            used = False
+            while len(queue) and queue.peek().time <= bound and server.version < num_rounds:
+                ev = queue.pop()
+                use(ev)
+                used = True
+                nxt = queue.peek()
+                if nxt is None or nxt.time > now:
+                    break  # use every arrival at the same instant before sending again
+            if used:
+                dispatch()
+                continue
+            if not inflight and not len(queue):
+                dispatch()
+                if not inflight:
+                    raise RuntimeError(f"{self.config.mode}: no client may start and none is running "
+                                       f"(scheduler state: done={sched.done}, lagging={sched.lagging})")
+                continue
+            if not pulled:
+                time.sleep(self.poll_s)
+        return self._result
