@@ -15,7 +15,8 @@ PURE = [
     "fededge.netem.trace", "fededge.netem.clock", "fededge.netem.assign", "fededge.compress.bundle",
     "fededge.compress.update", "fededge.algorithms.dga", "fededge.algorithms.outer", "fededge.server.replay",
     "fededge.topology.graph", "fededge.topology.mixing", "fededge.topology.registry",
-    "fededge.algorithms.gossip", "fededge.algorithms.asyncfl",
+    "fededge.algorithms.gossip", "fededge.algorithms.asyncfl", "fededge.netem.runclock",
+    "fededge.strategies.report",
 ]
 
 ROOT = Path(fededge.__file__).parent
