@@ -11,7 +11,7 @@ ClientApp; what a ClientApp does not report is simply not collected.
 
 A reply that carries a client's configuration error (reason ``keys.CONFIG_ERROR``, from
 :func:`fededge.clients.mods.config_error_mod`) is counted like any failure and then
-stops the run: the grid raises :class:`~fededge.config.ConfigError` with the client's
+stops the run: the grid raises :class:`~fededge.errors.ConfigError` with the client's
 message, since every later round would fail the same way.
 
 Sizes are those of the message's object tree as Flower sends it (see
@@ -33,7 +33,7 @@ from flwr.serverapp import Grid
 
 from fededge import keys
 from fededge._flwr_internals import wire_size
-from fededge.config import ConfigError
+from fededge.errors import ConfigError
 from fededge.strategies._replies import dropout_reason
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
@@ -140,7 +140,7 @@ class MeteredGrid(Grid):
         """Count the replies; return them with simulated dropouts turned into errors.
         ``sent_at``: when their messages were pushed, if not recorded per message.
 
-        Raises :class:`~fededge.config.ConfigError` once they are counted if any reply
+        Raises :class:`~fededge.errors.ConfigError` once they are counted if any reply
         is a client's configuration error.
         """
         out = []

@@ -310,3 +310,18 @@ def test_a_broadcast_is_counted_once_per_link(tmp_path):
     one = wire_size(userapp.initial_arrays())
     assert line["bytes_down"] == sum(c["bytes_down"] for c in line["clients"]) and len(line["clients"]) == NODES
     assert all(one < c["bytes_down"] < one + 1500 for c in line["clients"])
+
+
+def test_the_library_pieces_import_neither_the_run_config_nor_fededges_clientapp():
+    """A user's ServerApp that measures with Experiment and runs FedBuff loads none of
+    fededge's app: not its run-config parser, not its ClientApp."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import fededge.server.measure, fededge.strategies.fedasync, fededge.strategies.fedbuff\n"
+            "import fededge.strategies.ssp, fededge.strategies.backup\n"
+            "print(sorted(m for m in ('fededge.config', 'fededge.clients.app', 'fededge.server.experiment')"
+            " if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
