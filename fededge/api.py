@@ -12,7 +12,8 @@ client mod                server side                            what
 ``DGAMod``                ``DGA``                                Delayed Gradient Averaging
 ``GossipMod``             ``Gossip``                             D-PSGD / CHOCO-SGD, server relays
 (none)                    ``FedAvgOuter``                        FedAvg + outer Nesterov step
-(none)                    ``AsyncFL``, ``BackupWorkers``         asynchronous / backup workers
+(none)                    ``FedAsync``, ``FedBuff``, ``SSP``     asynchronous aggregation
+(none)                    ``BackupWorkers``                      first m of m + e replies
 ``config_error_mod``      (fededge's runner stops the run)       a named configuration error
 ========================  =====================================  ================================
 
@@ -35,23 +36,28 @@ from fededge.algorithms.gossip import ChocoConfig
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, ModOrderError, config_error_mod
 from fededge.compress.update import UpdateConfig
 from fededge.errors import ConfigError
-from fededge.strategies.asyncfl import AsyncFL, BackupWorkers
+from fededge.strategies.asyncloop import AsyncFL
+from fededge.strategies.backup import BackupWorkers
 from fededge.strategies.compressed import CodecMismatchError, Compressed
 from fededge.strategies.dga import DGA
+from fededge.strategies.fedasync import FedAsync
+from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
+from fededge.strategies.ssp import SSP
 
 # ----------------------------------------------------------------------------------
-# RESERVED for the server-side measurement and asynchronous strategies being added
-# (the per-mode classes FedAsync / FedBuff / SSP, and the Experiment wrapper): import
-# them here and add their names to __all__ below, in the "server" group.
+# RESERVED for the measurement layer: ``from fededge.server.measure import Experiment``
+# (and "Experiment" in __all__'s server group) once server/metering.py imports
+# ConfigError from fededge.errors, not fededge.config: until then it would make this
+# module import the run-config parser, which tests/test_layering.py refuses.
 # ----------------------------------------------------------------------------------
 
 __all__ = [
     # client mods
     "CompressionMod", "DGAMod", "GossipMod", "config_error_mod",
     # server strategies and wrappers
-    "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAvgOuter", "Gossip",
+    "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
     # config objects
     "AsyncConfig", "ChocoConfig", "DGAConfig", "StalenessFunction", "UpdateConfig",
     # errors
