@@ -15,6 +15,7 @@ client mod                server side                            what
 (none)                    ``FedAsync``, ``FedBuff``, ``SSP``     asynchronous aggregation
 (none)                    ``BackupWorkers``                      first m of m + e replies
 ``config_error_mod``      (fededge's runner stops the run)       a named configuration error
+(none)                    ``Experiment`` (wraps any strategy)    bytes, simulated clock, results
 ========================  =====================================  ================================
 
 Importing this module imports neither fededge's own ClientApp nor its run-config
@@ -36,6 +37,7 @@ from fededge.algorithms.gossip import ChocoConfig
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, ModOrderError, config_error_mod
 from fededge.compress.update import UpdateConfig
 from fededge.errors import ConfigError
+from fededge.server.measure import Experiment
 from fededge.strategies.asyncloop import AsyncFL
 from fededge.strategies.backup import BackupWorkers
 from fededge.strategies.compressed import CodecMismatchError, Compressed
@@ -46,18 +48,12 @@ from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
 from fededge.strategies.ssp import SSP
 
-# ----------------------------------------------------------------------------------
-# RESERVED for the measurement layer: ``from fededge.server.measure import Experiment``
-# (and "Experiment" in __all__'s server group) once server/metering.py imports
-# ConfigError from fededge.errors, not fededge.config: until then it would make this
-# module import the run-config parser, which tests/test_layering.py refuses.
-# ----------------------------------------------------------------------------------
-
 __all__ = [
     # client mods
     "CompressionMod", "DGAMod", "GossipMod", "config_error_mod",
-    # server strategies and wrappers
+    # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
+    "Experiment",
     # config objects
     "AsyncConfig", "ChocoConfig", "DGAConfig", "StalenessFunction", "UpdateConfig",
     # errors

@@ -94,4 +94,4 @@ def test_the_api_exports_what_it_names():
     assert len(api.__all__) == len(set(api.__all__))
     assert all(hasattr(api, name) for name in api.__all__)
     assert {"CompressionMod", "DGAMod", "GossipMod", "config_error_mod", "Compressed", "DGA", "Gossip",
-            "FedAsync", "FedBuff", "SSP", "UpdateConfig", "DGAConfig", "ChocoConfig"} <= set(api.__all__)
+            "FedAsync", "FedBuff", "SSP", "Experiment", "UpdateConfig", "DGAConfig", "ChocoConfig"} <= set(api.__all__)
