@@ -119,6 +119,9 @@ class _Children:
 def main(argv: Sequence[str] | None = None) -> int:
     args, flower_args = parse_args(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
+    # flower-supernode starts flower-superexec, and that flwr-clientapp, by name from PATH:
+    # this interpreter's bin first, so that an unactivated venv still finds its own Flower.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if args.cache_dir is not None:
         env[ENV_CACHE_DIR] = args.cache_dir
     own_dir: Path | None = None
