@@ -18,7 +18,7 @@ from fededge._flwr_internals import wire_size
 from fededge.server.inprocess import InProcessGrid, run_server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-NAMES = ["quickstart-compressed"]
+NAMES = ["quickstart-compressed", "dga-4g"]
 
 
 def _project(name: str) -> dict:
@@ -73,3 +73,26 @@ def test_quickstart_compressed_learns_with_one_bit_updates():
     assert acc["round-4"] > acc["round-0"] + 0.2
     dense = 4 * (64 * 32 + 32 + 32 * 10 + 10)  # the float32 model one uncompressed reply carries
     assert grid.replies == 16 and grid.bytes_up < 0.25 * grid.replies * dense
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _measured(name: str, tmp_path: Path, **over) -> tuple[Path, list[dict], dict]:  # noqa: ANN003
+    server, client, config = _apps(name)
+    grid = InProcessGrid(client, num_nodes=4, run_config={**config, "results-dir": str(tmp_path), **over})
+    run_dir = Path(str(run_server(server, grid).state["run"]["dir"]))
+    return run_dir, _lines(run_dir), json.loads((run_dir / "summary.json").read_text())
+
+
+def test_dga_over_4g_is_measured_on_the_simulated_clock(tmp_path):
+    run_dir, lines, summary = _measured("dga-4g", tmp_path, **{"num-server-rounds": 4})
+    assert [r["round"] for r in lines] == [0, 1, 2, 3, 4] and summary["status"] == "completed"
+    sims = [r["sim_s"] for r in lines]
+    assert sims == sorted(sims) and sims[-1] > 0 and summary["sim_s"] == sims[-1]
+    assert all(r["round_sim_s"] > 0 for r in lines[1:])
+    assert all(r["bytes_up"] > 0 for r in lines[1:])
+    clients = json.loads((run_dir / "netem.json").read_text())["clients"]
+    assert [c["profile"] for c in clients] == ["4g"] * 4
+    assert lines[-1]["loss"] < lines[0]["loss"] and lines[-1]["accuracy"] > lines[0]["accuracy"] + 0.2
