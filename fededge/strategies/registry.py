@@ -71,7 +71,9 @@ def build_strategy(cfg: RunConfig) -> Strategy:
     strategy = _build(cfg)
     compresses = cfg.compressor != "none" or cfg.downlink_compressor != "none"
     if compresses and cfg.strategy not in _OWN_COMPRESSION:
-        return Compressed(strategy, downlink=cfg.downlink_compressor)
+        # The codec the clients were told to use: a reply in another one is rejected by name.
+        expect = cfg.update_config() if cfg.compressor != "none" else None
+        return Compressed(strategy, downlink=cfg.downlink_compressor, update=expect)
     return strategy
 
 
