@@ -18,7 +18,7 @@ from fededge._flwr_internals import wire_size
 from fededge.server.inprocess import InProcessGrid, run_server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-NAMES = ["quickstart-compressed", "dga-4g", "choco-ring"]
+NAMES = ["quickstart-compressed", "dga-4g", "choco-ring", "fedbuff-stragglers"]
 
 
 def _project(name: str) -> dict:
@@ -108,3 +108,27 @@ def test_choco_on_a_ring_trains_every_node_over_gossip_traffic(tmp_path):
         assert 0 < r["bytes_p2p"] < 4 * 2 * model / 4 and r["num_clients"] == 4
     assert lines[-1]["loss"] < lines[0]["loss"] and lines[-1]["accuracy"] > lines[0]["accuracy"] + 0.2
     assert lines[-1]["sim_s"] > 0
+
+
+def test_fedbuff_with_stragglers_lets_fast_clients_contribute_more_and_plots(tmp_path):
+    server, client, config = _apps("fedbuff-stragglers")
+    grid = InProcessGrid(client, num_nodes=4,
+                         run_config={**config, "results-dir": str(tmp_path), "num-server-rounds": 12})
+    state = run_server(server, grid).state["run"]
+    run_dir, plot = Path(str(state["dir"])), Path(str(state["plot"]))
+    assert plot.is_file() and plot.stat().st_size > 1000 and plot.parent == run_dir
+    lines, summary = _lines(run_dir), json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and all(r["num_clients"] == 2 for r in lines[1:])
+    sims = [r["sim_s"] for r in lines]
+    assert sims == sorted(sims) and sims[-1] > 0
+    contrib = summary["contributions"]  # node id -> updates aggregated
+    assert sum(contrib.values()) == 24 and len(contrib) == 4
+    assert max(contrib.values()) >= 2 * min(contrib.values())  # the fast outpace the stragglers
+    # ... in the order of their speed on the clock (here wifi/3g and the drawn speed agree).
+    # A reply that names no partition id is placed on the clock's client (link, speed)
+    # by its node id's index among the run's node ids, in increasing order.
+    speed = {c["partition-id"]: c["speed"] for c in json.loads((run_dir / "netem.json").read_text())["clients"]}
+    by_link = {sorted(grid.contexts).index(int(n)): k for n, k in contrib.items()}
+    assert sorted(by_link, key=by_link.get) == sorted(speed, key=speed.get)
+    assert max(int(k) for k in summary["staleness_hist"]) >= 1
+    assert lines[-1]["loss"] < lines[0]["loss"] and lines[-1]["accuracy"] > lines[0]["accuracy"] + 0.2
