@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from flwr.cli.config_utils import load_and_validate
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
@@ -57,6 +58,9 @@ class CountingGrid(InProcessGrid):
 @pytest.mark.parametrize("name", NAMES)
 def test_each_example_is_a_flower_app_whose_components_import(name):
     project = _project(name)
+    # Flower's own check, the one `flwr run .` makes (fields, FAB format, component refs).
+    _, warnings = load_and_validate(EXAMPLES / name / "pyproject.toml", check_module=False)
+    assert not warnings, warnings
     app = project["tool"]["flwr"]["app"]
     assert set(app["components"]) == {"serverapp", "clientapp"}
     server, client, config = _apps(name)
