@@ -9,8 +9,8 @@ experiment can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``
 (:class:`fededge.server.measure.Experiment`). It works on any Grid and with any
 ClientApp; what a ClientApp does not report is simply not collected.
 
-A reply that carries a client's configuration error (reason ``keys.CONFIG_ERROR``, from
-:func:`fededge.clients.mods.config_error_mod`) is counted like any failure and then
+A reply that carries a client's configuration error (:func:`fededge.protocol.config_error_reason`,
+from :func:`fededge.clients.mods.config_error_mod`) is counted like any failure and then
 stops the run: the grid raises :class:`~fededge.errors.ConfigError` with the client's
 message, since every later round would fail the same way.
 
@@ -34,6 +34,7 @@ from flwr.serverapp import Grid
 from fededge import keys
 from fededge._flwr_internals import wire_size
 from fededge.errors import ConfigError
+from fededge.protocol import config_error_detail
 from fededge.strategies._replies import dropout_reason
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
@@ -156,8 +157,8 @@ class MeteredGrid(Grid):
                 if r.has_error():
                     t.failures += 1
                     t.errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
-                    if r.error.reason.startswith(keys.CONFIG_ERROR):
-                        detail = r.error.reason.removeprefix(keys.CONFIG_ERROR).removeprefix(": ")
+                    detail = config_error_detail(r.error.reason)
+                    if detail is not None:
                         config_errors.append(f"a client (node {r.metadata.src_node_id}) reports: {detail}")
                     out.append(r)
                     continue
