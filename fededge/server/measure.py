@@ -52,7 +52,7 @@ from fededge.netem.clock import ClientRound, synchronous_round
 from fededge.netem.runclock import RunClock
 from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.results import RoundRecord, Progress, RunRecorder, new_run_id
-from fededge.strategies.report import MeasuredStrategy, RoundReport, attach_clock, report_of
+from fededge.strategies.report import RoundReport, attach_clock, report_of
 
 __all__ = [
     "EvaluateFn", "Experiment", "ExperimentResult", "NotEnoughNodesError", "PROGRESS_MODES", "RoundFailedError",
@@ -124,19 +124,6 @@ class ExperimentResult:
     run_dir: Path
     summary: dict[str, Any]
     flower_result: Result
-
-
-def _wrapper_report(strategy: object, server_round: int) -> RoundReport:
-    """Adapter for :class:`~fededge.strategies.compressed.Compressed`, which counts its
-    decoded and rejected updates in ``take_stats()`` and wraps ``inner``, until it
-    implements ``round_report`` itself: its counts merged into the inner strategy's report."""
-    take_stats, inner = getattr(strategy, "take_stats", None), getattr(strategy, "inner", None)
-    if isinstance(strategy, MeasuredStrategy) or take_stats is None or inner is None:
-        return report_of(strategy, server_round)
-    stats = take_stats()
-    return _wrapper_report(inner, server_round).merge(RoundReport(
-        rejected=stats.rejected, payload_bytes=stats.payload_bytes, dense_bytes=stats.dense_bytes,
-        reasons=[f"a compressed update was rejected and left out: {r}" for r in stats.reasons]))
 
 
 class Experiment:
@@ -360,7 +347,7 @@ class _Rounds:
         """Evaluate round ``rnd``'s model, take its traffic and report, write its line."""
         self.final = arrays
         acc, loss, others = self.exp.evaluate(rnd, arrays)
-        report = _wrapper_report(self.strategy, rnd)
+        report = report_of(self.strategy, rnd)
         traffic = self.traffic(report)
         for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
             self.report(f"round {rnd}: a client failed: {err}")

@@ -36,6 +36,7 @@ from fededge.compress import MalformedPayloadError
 from fededge.compress.update import UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
+from fededge.strategies.report import RoundReport, report_of
 
 __all__ = ["CodecMismatchError", "Compressed", "CompressionStats", "DOWNLINK", "decode_compressed"]
 
@@ -109,6 +110,14 @@ class Compressed(Strategy):
         self._reported = True
         s, self._stats = self._stats, CompressionStats()
         return s
+
+    def round_report(self, server_round: int) -> RoundReport:
+        """The inner strategy's report with this round's decoded and rejected updates
+        merged in (:class:`~fededge.strategies.report.MeasuredStrategy`)."""
+        stats = self.take_stats()
+        return report_of(self.inner, server_round).merge(RoundReport(
+            rejected=stats.rejected, payload_bytes=stats.payload_bytes, dense_bytes=stats.dense_bytes,
+            reasons=[f"a compressed update was rejected and left out: {r}" for r in stats.reasons]))
 
     # -- Strategy ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
