@@ -102,16 +102,18 @@ def _dataset_fields(name: str, data_dir: str | None, seed: int, synthetic_sample
 @lru_cache(maxsize=2)
 def _dataset(name: str, data_dir: str | None, seed: int, synthetic_samples: int,
              synthetic_amplitude: float) -> Dataset:
+    def load() -> Dataset:
+        return load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
+                            synthetic_amplitude=synthetic_amplitude)
+
     def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        ds = load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
-                          synthetic_amplitude=synthetic_amplitude)
+        ds = load()
         arrays = {k: getattr(ds, k).numpy() for k in ("x_train", "y_train", "x_test", "y_test")}
         return arrays, {"name": ds.name, "num_classes": ds.num_classes}
 
     cache = node_cache()
     if cache is None:
-        return load_dataset(name, data_dir=data_dir, seed=seed, synthetic_samples=synthetic_samples,
-                            synthetic_amplitude=synthetic_amplitude)
+        return load()
     arrays, meta = cache.get_or_build(
         "dataset", _dataset_fields(name, data_dir, seed, synthetic_samples, synthetic_amplitude), build)
     return Dataset(str(meta["name"]), *(torch.from_numpy(arrays[k]) for k in ("x_train", "y_train")),
