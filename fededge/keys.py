@@ -52,6 +52,8 @@ PROXIMAL_MU = "proximal-mu"  # set by flwr's FedProx in configure_train
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 DATA_DIR = "data-dir"
+WORKER_SOCKET = "worker-socket"  # the node's warm worker (fededge.clients.shim); else $FEDEDGE_WORKER_SOCKET
+CACHE_DIR = "cache-dir"  # the node cache's directory (fededge.nodecache), ``off`` disables it
 
 # Names of the records fededge keeps in a node's ``context.state``.
 STATE_SAMPLER = "fededge.sampler"

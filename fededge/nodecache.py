@@ -52,12 +52,14 @@ from typing import Any
 
 import numpy as np
 
+from fededge import keys
+
 __all__ = ["CACHE_FORMAT_VERSION", "ENV_CACHE_DIR", "NODE_CONFIG_CACHE_DIR", "CacheStats", "NodeCache",
            "code_fingerprint", "default_cache_dir", "file_stats"]
 
 CACHE_FORMAT_VERSION = 1
 ENV_CACHE_DIR = "FEDEDGE_CACHE_DIR"
-NODE_CONFIG_CACHE_DIR = "cache-dir"
+NODE_CONFIG_CACHE_DIR = keys.CACHE_DIR
 _MANIFEST = "manifest.json"
 _OFF = {"", "off", "0", "none"}
 _log = logging.getLogger(__name__)

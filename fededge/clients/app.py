@@ -117,13 +117,12 @@ def _model(name: str, input_shape: tuple[int, ...], num_classes: int, device: st
     # weights into it, so its initial values never matter. A process runs one message
     # at a time (Ray actor, flwr-clientapp process, in-process grid): sharing is safe.
     model = build_model(name, input_shape=input_shape, num_classes=num_classes, seed=0).to(device)
-    # Warm up once, outside the timed region: torch's first optimizer step in a process
-    # imports and initialises its machinery (1.45 s here, 0.1 ms afterwards), which is not
-    # per-round compute and would otherwise inflate round 1 of the simulated clock.
-    # lr=0 leaves the weights as they are; every message loads its own anyway.
+    # Warm up once, outside the timed region: the first forward and backward pass in a
+    # process initialises torch's kernels and autograd, which is not per-round compute
+    # and would otherwise inflate round 1 of the simulated clock. (The SGD step is
+    # fededge's own, clients.train.sgd_step: torch.optim would import torch._dynamo.)
     x = torch.zeros((2, *input_shape), device=device)
     model(x).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9).step()
     model.zero_grad(set_to_none=True)
     return model
 

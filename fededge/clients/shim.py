@@ -34,13 +34,14 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from fededge.clients.workerwire import WireError, decode_records, encode_records, recv_frame, send_frame
+from fededge import keys
 from fededge.nodecache import ENV_CACHE_DIR, NODE_CONFIG_CACHE_DIR
 
 __all__ = ["ENV_SOCKET", "ENV_TIMEOUT", "NODE_CONFIG_SOCKET", "WorkerError", "WorkerShim", "app"]
 
 ENV_SOCKET = "FEDEDGE_WORKER_SOCKET"
 ENV_TIMEOUT = "FEDEDGE_WORKER_TIMEOUT_S"
-NODE_CONFIG_SOCKET = "worker-socket"
+NODE_CONFIG_SOCKET = keys.WORKER_SOCKET
 PROTOCOL = 1
 CONNECT_TIMEOUT_S = 5.0
 _log = logging.getLogger("fededge.shim")

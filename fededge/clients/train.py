@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BatchSampler", "LocalResult", "local_sgd", "evaluate"]
+__all__ = ["BatchSampler", "LocalResult", "local_sgd", "evaluate", "sgd_step"]
 
 
 class BatchSampler:
@@ -107,23 +107,54 @@ def local_sgd(
         raise ValueError(f"steps must be >= 1, got {steps}")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    buffers: list[torch.Tensor | None] = [None] * len(params)
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     total = torch.zeros((), device=x.device)
     seen = 0
     for _ in range(steps):
         idx = sampler.next_batch().to(x.device, non_blocking=True)
         xb, yb = x.index_select(0, idx), y.index_select(0, idx)
-        opt.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
         loss = F.cross_entropy(model(xb), yb)
         total += loss.detach()
         if anchor is not None:
             prox = sum((p - a).pow(2).sum() for p, a in zip(params, anchor))
             loss = loss + 0.5 * proximal_mu * prox
         loss.backward()
-        opt.step()
+        sgd_step(params, buffers, lr=lr, momentum=momentum, weight_decay=weight_decay)
         seen += len(idx)
     return LocalResult(mean_loss=float(total) / steps, steps=steps, examples_seen=seen)
+
+
+@torch.no_grad()
+def sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], *, lr: float, momentum: float = 0.0,
+             weight_decay: float = 0.0) -> None:
+    """One step of ``torch.optim.SGD`` (heavy ball, no dampening, no Nesterov), the same
+    tensor operations in the same order, so the weights match it bit for bit
+    (tests/clients/test_train.py). ``buffers`` holds the momentum buffers, None before a
+    parameter's first step; parameters without a gradient are skipped, as torch does.
+
+    Why not ``torch.optim.SGD`` itself: constructing any torch optimizer imports
+    ``torch._dynamo`` (about 1.5 s on a quiet x86 core, more on a Raspberry Pi), which a
+    SuperNode's fresh ``flwr-clientapp`` process pays on every message
+    (benchmarks/profile_clientapp.py).
+    """
+    for i, p in enumerate(params):
+        grad = p.grad
+        if grad is None:
+            continue
+        if weight_decay != 0:
+            grad = grad.add(p, alpha=weight_decay)
+        if momentum != 0:
+            buf = buffers[i]
+            if buf is None:
+                buf = torch.clone(grad).detach()
+                buffers[i] = buf
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1.0)
+            grad = buf
+        p.add_(grad, alpha=-lr)
 
 
 @torch.no_grad()

@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from fededge import keys
 from fededge.netem import kernel
 from fededge.netem.assign import assign_links
 from fededge.netem.profiles import Direction, LinkProfile
@@ -114,7 +115,7 @@ NODE_RUNTIME_PORT = 9094  # each namespace has its own loopback: the same port e
 LOOPBACK = "127.0.0.1"
 SHAPINGS = ("proxy", "kernel", "none")
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
-_RESERVED_NODE_KEYS = {"partition-id", "num-partitions", MARKER_KEY}
+_RESERVED_NODE_KEYS = {keys.PARTITION_ID, keys.NUM_PARTITIONS, MARKER_KEY}
 
 
 # --------------------------------------------------------------------------- errors

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, TextIO
 
+from fededge import keys
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
 from fededge.server.launch import FlwrRun, flower_env, format_run_config, stop_processes_of
@@ -215,7 +216,7 @@ def supernode_command(*, superlink: str, partition_id: int, num_partitions: int,
         security = ["--root-certificates", str(root_certificates)]
         if auth_key is not None:
             security += ["--auth-supernode-private-key", str(auth_key)]
-    config = {"partition-id": partition_id, "num-partitions": num_partitions, **(node_config or {}),
+    config = {keys.PARTITION_ID: partition_id, keys.NUM_PARTITIONS: num_partitions, **(node_config or {}),
               MARKER_KEY: str(home)}
     head = [flower_bin("fededge"), "supernode", "--grace", "5"] if warm else [flower_bin("flower-supernode")]
     return [*head, *security, "--superlink", superlink,
@@ -471,7 +472,7 @@ class LocalDeployment:
             raise ValueError(f"app_dir {str(self.app_dir)!r} has no pyproject.toml: not a Flower app")
         self.num_supernodes = num_supernodes
         self.profiles = self._resolve_profiles(profile, num_supernodes)
-        reserved = {"partition-id", "num-partitions", MARKER_KEY} & set(node_config or {})
+        reserved = {keys.PARTITION_ID, keys.NUM_PARTITIONS, MARKER_KEY} & set(node_config or {})
         if reserved:
             raise ValueError(f"node_config must not set {', '.join(sorted(reserved))}: the deployment sets them")
         self.node_config = dict(node_config or {})

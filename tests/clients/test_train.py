@@ -85,3 +85,42 @@ def test_evaluate_counts_correct_predictions():
     loss, acc = evaluate(Fixed(), x, y)
     assert acc == 0.75
     assert loss > 0
+
+
+def test_sgd_step_is_torch_sgd_bit_for_bit_without_momentum_and_with_unused_parameters():
+    from fededge.clients.train import sgd_step
+
+    g = torch.Generator().manual_seed(3)
+    ours = [torch.randn(5, 3, generator=g, requires_grad=True), torch.randn(4, generator=g, requires_grad=True)]
+    theirs = [p.detach().clone().requires_grad_(True) for p in ours]
+    for momentum, wd in ((0.0, 0.0), (0.9, 0.0), (0.5, 1e-3)):
+        buffers = [None, None]
+        opt = torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=wd)
+        for step in range(4):
+            for params in (ours, theirs):
+                for p in params:
+                    p.grad = None
+                # the second parameter gets no gradient on odd steps: both skip it
+                loss = (params[0] ** 2).sum() + (0 if step % 2 else (params[1] ** 3).sum())
+                loss.backward()
+            sgd_step(ours, buffers, lr=0.1, momentum=momentum, weight_decay=wd)
+            opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (momentum, wd, step)
+
+
+def test_local_training_does_not_import_torch_dynamo():
+    # torch.optim's constructors import torch._dynamo (seconds, paid on every message by
+    # a SuperNode's fresh flwr-clientapp process); fededge's client path must not.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from fededge.clients.train import BatchSampler, local_sgd\n"
+            "from fededge.models.zoo import build_model\n"
+            "m = build_model('cnn', input_shape=(1, 8, 8), num_classes=10, seed=0)\n"
+            "x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 10, (40,))\n"
+            "local_sgd(m, x, y, steps=2, lr=0.1, momentum=0.9, weight_decay=1e-4, "
+            "sampler=BatchSampler(40, 8, seed=0))\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
