@@ -25,6 +25,10 @@ from fededge._flwr_internals import set_message_id, task_identity
 from fededge.clients.shim import WorkerError, WorkerShim
 from fededge.clients.workerwire import decode_records, encode_records
 
+# Processes with deadlines and measured times: scripts/test.sh runs these apart from
+# the CPU-bound tests.
+pytestmark = pytest.mark.timing
+
 RUN_ID, NODE_ID = 7, 11
 
 

@@ -33,6 +33,10 @@ from fededge.netem.proxy import (
 )
 from fededge.netem.trace import DeliveryTrace
 
+# Processes with deadlines and measured times: scripts/test.sh runs these apart from
+# the CPU-bound tests.
+pytestmark = pytest.mark.timing
+
 HOST = "127.0.0.1"
 
 

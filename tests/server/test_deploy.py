@@ -101,7 +101,10 @@ def test_dga_pipelines_rounds_on_a_real_superlink(tmp_path):
     """DGA with D=1 pushes round t+1 before round t's replies are in: each SuperNode
     runs its messages in order, so the strategy picks the pipelined loop."""
     results = tmp_path / "results"
-    with LocalDeployment(ROOT, num_supernodes=2, workdir=tmp_path / "dep") as dep:
+    # Warm nodes (fededge supernode): the strategy's behaviour is the point here, not the
+    # per-message process start (the cold path has its own tests below).
+    with LocalDeployment(ROOT, num_supernodes=2, workdir=tmp_path / "dep", warm=True,
+                         env={"FEDEDGE_CACHE_DIR": str(tmp_path / "cache")}) as dep:
         run = dep.run({"strategy": "dga", "dga-delay": 1, "num-rounds": 3, "local-steps": 2,
                        "results-dir": str(results), "progress": "lines"}, timeout_s=400)
     assert processes_of(str(dep.home)) == []
@@ -153,7 +156,8 @@ def test_fedasync_uses_replies_in_real_arrival_order_on_a_real_superlink(tmp_pat
     slow = LinkProfile(name="slow-up", up=Direction(rate_bps=50_000), down=Direction(), source="test")
     fast = LinkProfile(name="loopback", up=Direction(), down=Direction(), source="test")
     results = tmp_path / "results"
-    with LocalDeployment(ROOT, num_supernodes=2, profile=[fast, slow], workdir=tmp_path / "dep") as dep:
+    with LocalDeployment(ROOT, num_supernodes=2, profile=[fast, slow], workdir=tmp_path / "dep", warm=True,
+                         env={"FEDEDGE_CACHE_DIR": str(tmp_path / "cache")}) as dep:
         run = dep.run({"strategy": "fedasync", "num-rounds": 3, "local-steps": 2, "partition": "iid",
                        "results-dir": str(results), "progress": "lines"}, timeout_s=400)
     assert processes_of(str(dep.home)) == []
@@ -210,8 +214,8 @@ def test_warm_deployment_trains_the_same_model_as_cold_bit_for_bit(tmp_path):
     and warm (fededge supernode): the same final model, bit for bit, for the same seed."""
     import torch
 
-    cold, cold_logs = _warm_run(tmp_path, "cold", warm=False)
-    warm, warm_logs = _warm_run(tmp_path, "warm", warm=True)
+    cold, cold_logs = _warm_run(tmp_path, "cold", warm=False, rounds=2)
+    warm, warm_logs = _warm_run(tmp_path, "warm", warm=True, rounds=2)
     assert "running cold" in cold_logs and "warm worker pid" in warm_logs
     a, b = _final_model(cold), _final_model(warm)
     assert list(a) == list(b)
@@ -248,10 +252,10 @@ def test_killing_the_worker_mid_run_falls_back_to_cold_and_leaves_nothing(tmp_pa
         t.start()
         return t
 
-    results, logs = _warm_run(tmp_path, "kill", warm=True, rounds=4, during=during)
+    results, logs = _warm_run(tmp_path, "kill", warm=True, rounds=3, during=during)
     assert "pid" in killed, "the worker was never found to kill"
     assert "the warm worker exited" in logs and "running cold" in logs
     rounds = _metrics(results)
-    assert [m["round"] for m in rounds][-1] == 4
+    assert [m["round"] for m in rounds][-1] == 3
     for sock in killed["socket"]:  # fededge supernode made these directories; it removed them
         assert Path(sock).parent.name.startswith("fededge-worker-") and not Path(sock).parent.exists()
