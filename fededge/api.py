@@ -31,13 +31,15 @@ Examples
 >>> strategy = Compressed(FedAdam(), update=update)     # then strategy.start(grid=..., ...)
 """
 
-from fededge.algorithms.asyncfl import AsyncConfig, StalenessFunction
+from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunction
 from fededge.algorithms.dga import DGAConfig
-from fededge.algorithms.gossip import ChocoConfig
+from fededge.algorithms.gossip import ChocoConfig, GossipConfig
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, ModOrderError, config_error_mod
-from fededge.compress.update import UpdateConfig
+from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.errors import ConfigError
+from fededge.netem.runclock import ClockConfig
 from fededge.server.measure import Experiment
+from fededge.server.results import ResultsConfig
 from fededge.strategies.asyncloop import AsyncFL
 from fededge.strategies.backup import BackupWorkers
 from fededge.strategies.compressed import CodecMismatchError, Compressed
@@ -55,7 +57,8 @@ __all__ = [
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
     "Experiment",
     # config objects
-    "AsyncConfig", "ChocoConfig", "DGAConfig", "StalenessFunction", "UpdateConfig",
+    "AsyncConfig", "ChocoConfig", "ClockConfig", "DGAConfig", "DownlinkConfig", "GossipConfig", "LoopConfig",
+    "ResultsConfig", "StalenessFunction", "UpdateConfig",
     # errors
     "CodecMismatchError", "ConfigError", "ModOrderError",
 ]

@@ -6,7 +6,16 @@ keys (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr run .
 place that mapping is read. An unknown key or a bad value raises :class:`ConfigError`,
 naming the key and what is allowed, before any training starts.
 
-This module is pure: no Flower, no torch.
+The knobs of fededge's library pieces (compression, DGA, gossip, the asynchronous
+strategies, the simulated clock) are declared once, by the config objects those pieces
+take: their default, their check and their meaning live there, and :data:`OWNED` says
+which run-config key is which object's knob. ``RunConfig`` takes those defaults from the
+owners and checks a value by building the owner, so a knob set through the run config and
+the same knob given to the library object cannot disagree (tests/test_knobs.py holds every
+key of :data:`OWNED` to that). The keys that only fededge's own app has (the data set, the
+model, sampling, results) are declared here.
+
+This module is pure: no Flower (torch comes with the owners' modules).
 """
 
 from __future__ import annotations
@@ -16,19 +25,20 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, TypeVar, Union
 
-if TYPE_CHECKING:
-    from fededge.compress.update import UpdateConfig
-
+from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunction
+from fededge.algorithms.dga import DGAConfig
+from fededge.algorithms.gossip import GOSSIP_ALGORITHMS, ChocoConfig, GossipConfig, check_choco_codec
+from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.data.datasets import DATASETS
 from fededge.errors import ConfigError  # raised here for the run config; defined apart for the library
 from fededge.data.partition import PARTITIONS
 from fededge.models.zoo import MODELS
-from fededge.netem.assign import check_netem_spec, check_speed_spec
-from fededge.topology import MIXINGS, TOPOLOGIES
+from fededge.netem.runclock import ClockConfig
+from fededge.server.results import ResultsConfig
 
-__all__ = ["ConfigError", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
+__all__ = ["ConfigError", "OWNED", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
 
 #: Strategies selectable with ``strategy=...``; fededge.strategies.registry builds them.
 #: ``dga`` and ``diloco`` are fededge's (fededge.strategies); the others are Flower's own
@@ -51,14 +61,58 @@ STRATEGIES: tuple[str, ...] = (
     "ssp",
     "backup",
 )
-STALENESS: tuple[str, ...] = ("constant", "polynomial", "hinge")
-ASYNC_ORDER: tuple[str, ...] = ("auto", "clock", "arrival")
-DGA_PIPELINE: tuple[str, ...] = ("auto", "on", "off")
-GOSSIP_ALGORITHMS: tuple[str, ...] = ("dpsgd", "choco")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-PROGRESS: tuple[str, ...] = ("auto", "bar", "lines", "off")
+
+T = TypeVar("T")
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+#: Run-config keys whose knob a library object declares: key -> (owner, the owner's
+#: parameter). The owner holds the default (a class attribute), the check (building it
+#: raises ValueError) and the docstring; RunConfig only names the key.
+OWNED: dict[str, tuple[type, str]] = {
+    "netem": (ClockConfig, "netem"),
+    "netem-file": (ClockConfig, "netem_file"),
+    "compute-speed": (ClockConfig, "compute_speed"),
+    "sim-step-s": (ClockConfig, "sim_step_s"),
+    "message-overhead-s": (ClockConfig, "message_overhead_s"),
+    **{key: (UpdateConfig, param) for key, param in (
+        ("compressor", "compressor"), ("error-feedback", "error_feedback"), ("lossless", "lossless"),
+        ("qsgd-levels", "qsgd_levels"), ("qsgd-bucket", "qsgd_bucket"), ("topk-ratio", "topk_ratio"),
+        ("topk-values", "topk_values"), ("powersgd-rank", "powersgd_rank"), ("int8-block", "int8_block"),
+        ("threshold-tau", "threshold_tau"), ("dgc-sparsity", "dgc_sparsity"),
+        ("dgc-warmup-rounds", "dgc_warmup_rounds"), ("dgc-momentum", "dgc_momentum"),
+        ("dgc-clip-norm", "dgc_clip_norm"), ("compress-min-numel", "min_numel"),
+        ("compress-small-codec", "small_codec"))},
+    "downlink-compressor": (DownlinkConfig, "downlink"),
+    "dga-delay": (DGAConfig, "delay"),
+    "dga-correction": (DGAConfig, "correction"),
+    "dga-warmup-rounds": (DGAConfig, "warmup_rounds"),
+    "dga-pipeline": (DGAConfig, "pipeline"),
+    "topology": (GossipConfig, "topology"),
+    "topology-file": (GossipConfig, "topology_file"),
+    "topology-degree": (GossipConfig, "topology_degree"),
+    "topology-p": (GossipConfig, "topology_p"),
+    "mixing": (GossipConfig, "mixing"),
+    "gossip-algorithm": (GossipConfig, "algorithm"),
+    "gossip-gamma": (ChocoConfig, "gamma"),
+    "choco-scale": (ChocoConfig, "scale"),
+    "async-alpha": (AsyncConfig, "alpha"),
+    "buffer-size": (AsyncConfig, "buffer_size"),
+    "ssp-bound": (AsyncConfig, "ssp_bound"),
+    "async-concurrency": (AsyncConfig, "concurrency"),
+    "staleness": (StalenessFunction, "kind"),
+    "staleness-a": (StalenessFunction, "a"),
+    "staleness-b": (StalenessFunction, "b"),
+    "async-order": (LoopConfig, "order"),
+    "backup-workers": (LoopConfig, "backup"),
+    "results-dir": (ResultsConfig, "results_dir"),
+    "run-name": (ResultsConfig, "run_name"),
+    "target-accuracy": (ResultsConfig, "target_accuracy"),
+    "progress": (ResultsConfig, "progress"),
+    "save-model": (ResultsConfig, "save_model"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,17 +184,6 @@ class RunConfig:
         clients share the machine, and small models, whose per-step threading
         overhead exceeds the work (8x slower with 2 threads on the digits CNN here).
         A real device training a large model may want all its cores.
-    target_accuracy : float
-        Accuracy at which rounds, time and bytes "to target" are recorded.
-    results_dir : str
-        Each run writes ``<results-dir>/<run-id>/``. A relative path is relative to the
-        ServerApp's working directory: with ``fededge simulate`` and ``fededge run`` that
-        is where you ran them; with a plain ``flwr run`` it is wherever the detached
-        local SuperLink was first started. The absolute path is printed at the start.
-    run_name : str
-        Optional prefix of the run id.
-    save_model : bool
-        Write the final global model to ``<run-dir>/model.pt`` (a torch state_dict).
     server_lr : float
         Server learning rate of ``fedavgm`` / ``fedadam`` / ``fedadagrad`` / ``fedyogi``
         (Reddi et al., 2021) / ``diloco``. 0 keeps the strategy's own default (Flower's:
@@ -161,116 +204,40 @@ class RunConfig:
         set runs every round regardless.
     round_timeout : float
         Seconds the server waits for the replies of one round.
-    netem : str
-        The emulated network on the simulated clock (``sim_s``): ``""`` (ideal: compute
-        only), a profile name for every client (``"4g"``; ``fededge netem profiles`` lists
-        them), a seeded mix (``"wifi:0.5,4g:0.5"``) or ``"file"`` (the ``[assign]`` table of
-        ``netem-file``). See :mod:`fededge.netem.assign`.
-    netem_file : str
-        A TOML file with extra profiles and optional ``[assign]`` / ``[speed]`` tables.
-    compressor, error_feedback, lossless, qsgd_levels, qsgd_bucket, topk_ratio, topk_values, powersgd_rank, \
-    int8_block, threshold_tau, dgc_sparsity, dgc_warmup_rounds, dgc_momentum, \
-    dgc_clip_norm, compress_min_numel, compress_small_codec
-        Uplink compression (``compressor = "none"`` sends full weights). See
-        :class:`fededge.compress.update.UpdateConfig` for each knob, and docs/compression.md.
-        Example: ``compressor="qsgd" qsgd-levels=16 error-feedback=true``.
-    downlink_compressor : str
-        ``none``, ``fp16`` or ``bf16``: cast the model the server broadcasts.
-    compute_speed : str
-        Device speed factors: ``"1.0"``, ``"lognormal:0.5"`` (heterogeneous, seeded) or
-        ``"file"``. A factor of 2 computes twice as fast as the measuring machine.
-    dga_delay : int
-        ``strategy="dga"``: D, how many rounds (of K local steps) an average stays in
-        flight before clients apply it. 0 is FedAvg with K local steps, bit for bit.
-    dga_correction : bool
-        DGA's correction: swap the client's own stale update for the average (Zhu et al.,
-        2021). ``false`` is plain delayed averaging, for the ablation.
-    dga_warmup_rounds : int
-        The first rounds run with D = 0.
-    dga_pipeline : str
-        ``auto`` pushes rounds ahead (real overlap) where the grid runs each node's
-        messages in order (a SuperLink deployment, the in-process runtime) and keeps one
-        message per node in flight elsewhere (Ray simulation); ``on`` / ``off`` force it.
-        See docs/algorithms.md.
-    topology : str
-        ``strategy="gossip"``: who hears whom, one of
-        :data:`fededge.topology.TOPOLOGIES` (``ring``, ``torus``, ``complete``, ``star``,
-        ``hypercube``, ``erdos-renyi``, ``k-regular``, ``exponential``,
-        ``one-peer-exponential``, ``file``). Node i of the graph is the i-th connected
-        node in increasing node-id order. A graph the node count cannot form (a
-        hypercube of 10) stops the run before training with the TopologyError.
-    topology_file : str
-        ``topology="file"``: a text file of ``u v`` edges (0-based, ``#`` comments).
-    topology_degree : int
-        ``topology="k-regular"``: k, each node's number of neighbours.
-    topology_p : float
-        ``topology="erdos-renyi"``: the edge probability; 0 keeps the family's default
-        ``2 ln(n) / n`` (twice the connectivity threshold).
-    mixing : str
-        ``metropolis`` (Metropolis-Hastings, local degrees only) or ``max-degree``
-        (uniform ``1 / (1 + d_max)``). They agree on regular graphs; on the complete
-        graph both are the exact average.
-    gossip_algorithm : str
-        ``dpsgd`` (Lian et al., 2017: local steps, then ``x_i <- sum_j W_ij x_j``; the
-        models travel whole) or ``choco`` (CHOCO-SGD, Koloskova et al., 2019: nodes send
-        ``Q(x_i - x̂_i)`` with the codec ``compressor`` names and mix through public
-        estimates). D-PSGD with a compressor is refused: use ``choco``.
-    gossip_gamma : float
-        CHOCO's consensus step size, in (0, 1]. With a lossless compressor 1 is D-PSGD.
-        Koloskova et al. (2019) tune it per compressor (their theory asks for a step that
-        shrinks with the compression quality delta and the spectral gap). The default
-        0.05 is for the harshest usual case, top-1%: averaging random vectors over a
-        16-node ring with top-1% (no training), gamma = 1, 0.5 and 0.2 diverged within
-        300 rounds and 0.05 converged. Raise it towards 1 for mild compressors (fp16,
-        int8, qsgd with many levels) and with ``compressor="none"``; lower it if the
-        consensus distance grows from round to round. On the digits benchmark the
-        scaled sign (``compressor="signsgd"``, about 28x fewer bytes than D-PSGD) trained
-        best at 0.8, within a point of D-PSGD (BENCHMARKS.md).
-    choco_scale : float
-        CHOCO-SGD: what each node scales the difference it compresses by, in [0, 1].
-        0 (default) is automatic: ``1 / (1 + omega)`` per tensor for the unbiased codecs
-        (qsgd, randk, terngrad: their variance factor omega, see
-        ``UpdateConfig.variance_factor``), which makes ``Q`` a contraction as CHOCO's
-        analysis needs (Koloskova et al., 2019), and 1 for the others. The codecs are
-        positively homogeneous, so scaling before encoding is scaling what every node adds
-        to its estimate.
-    async_alpha : float
-        ``strategy="fedasync"``: the mixing weight ``alpha`` in (0, 1]; an update ``tau``
-        versions stale is mixed in with ``alpha * s(tau)`` (Xie et al., 2019, use 0.6).
-    buffer_size : int
-        ``strategy="fedbuff"``: K, the updates per aggregation (Nguyen et al., 2022, use
-        10). K equal to the number of clients, with no staleness, is FedAvg.
-    staleness : str
-        How FedAsync and FedBuff weight a stale update: ``constant`` (1), ``polynomial``
-        (``(1 + tau) ** -a``) or ``hinge`` (1 up to ``b``, then ``1 / (a (tau - b) + 1)``).
-    staleness_a, staleness_b : float
-        The staleness function's ``a`` and ``b`` (FedAsync: polynomial a = 0.5; hinge
-        a = 10, b = 4).
-    ssp_bound : int
-        ``strategy="ssp"``: s, how many rounds a client may run ahead of the slowest
-        active one. 0 is bulk-synchronous.
-    async_concurrency : int
-        fedasync / fedbuff / ssp: how many clients train at once (0: every participant).
-    async_order : str
-        ``auto``, ``clock`` (use arrivals in simulated-time order: simulation) or
-        ``arrival`` (in real arrival order: a SuperLink deployment). ``auto`` picks
-        ``arrival`` on a SuperLink.
-    backup_workers : int or float
-        ``strategy="backup"``: e, of the ``clients-per-round`` sampled each round, the
-        replies not waited for: the first ``m = sampled - e`` are aggregated. A count, or
-        a fraction of the sampled clients (0.1). 0 is FedAvg.
     dropout : float
         Fraction of the clients (partition ids, seeded) that never answer, in [0, 1):
         they reply at once that they dropped out and the simulated clock charges the
         server ``round-timeout`` for them, as a real silent node would cost. For testing
         what stragglers and dropouts do to a strategy.
-    sim_step_s : float
-        Seconds per local step on the simulated clock (divided by the client's speed
-        factor); 0 uses each client's measured compute time. Set it to make ``sim_s``,
-        and the order of asynchronous arrivals, exactly reproducible for a seed.
-    progress : str
-        ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
-        ``lines`` or ``off``.
+
+    The library pieces' knobs are declared by the config objects those pieces take
+    (their defaults, checks and meanings are there; :data:`OWNED` maps each key to its
+    owner, ``RunConfig.owned(owner)`` builds one):
+
+    - compression: ``compressor``, ``error-feedback``, ``lossless``, ``qsgd-*``,
+      ``topk-*``, ``powersgd-rank``, ``int8-block``, ``threshold-tau``, ``dgc-*``,
+      ``compress-min-numel``, ``compress-small-codec``:
+      :class:`fededge.compress.update.UpdateConfig` (docs/compression.md); e.g.
+      ``compressor="qsgd" qsgd-levels=16``; ``downlink-compressor``:
+      :class:`fededge.compress.update.DownlinkConfig`;
+    - ``dga-delay``, ``dga-correction``, ``dga-warmup-rounds``, ``dga-pipeline``
+      (``strategy="dga"``): :class:`fededge.algorithms.dga.DGAConfig`;
+    - ``topology``, ``topology-file``, ``topology-degree``, ``topology-p``, ``mixing``,
+      ``gossip-algorithm`` (``strategy="gossip"``, docs/topology.md):
+      :class:`fededge.algorithms.gossip.GossipConfig`; ``gossip-gamma``, ``choco-scale``:
+      :class:`fededge.algorithms.gossip.ChocoConfig`;
+    - ``async-alpha``, ``buffer-size``, ``ssp-bound``, ``async-concurrency``:
+      :class:`fededge.algorithms.asyncfl.AsyncConfig`; ``staleness``, ``staleness-a``,
+      ``staleness-b``: :class:`fededge.algorithms.asyncfl.StalenessFunction`;
+      ``async-order``, ``backup-workers``: :class:`fededge.algorithms.asyncfl.LoopConfig`;
+    - ``netem``, ``netem-file``, ``compute-speed``, ``sim-step-s``,
+      ``message-overhead-s``: the simulated clock,
+      :class:`fededge.netem.runclock.ClockConfig`;
+    - ``results-dir``, ``run-name``, ``target-accuracy``, ``progress``, ``save-model``:
+      :class:`fededge.server.results.ResultsConfig`.
+
+    ``server-lr`` and ``server-momentum`` are shared by several strategies; 0 for
+    ``server-lr`` keeps each strategy's own default.
     """
 
     strategy: str = "fedavg"
@@ -295,10 +262,10 @@ class RunConfig:
     device: str = "auto"
     server_device: str = "auto"
     client_threads: int = 1
-    target_accuracy: float = 0.9
-    results_dir: str = "results"
-    run_name: str = ""
-    save_model: bool = True
+    target_accuracy: float = ResultsConfig.target_accuracy
+    results_dir: str = ResultsConfig.results_dir
+    run_name: str = ResultsConfig.run_name
+    save_model: bool = ResultsConfig.save_model
     server_lr: float = 0.0
     server_momentum: float = 0.9
     proximal_mu: float = 0.01
@@ -306,57 +273,57 @@ class RunConfig:
     krum_byzantine: int = 0
     fraction_evaluate: float = 0.0
     round_timeout: float = 3600.0
-    netem: str = ""
-    netem_file: str = ""
-    compute_speed: str = "1.0"
-    compressor: str = "none"
-    error_feedback: bool = False
-    lossless: bool = False
-    qsgd_levels: int = 16
-    qsgd_bucket: int = 512
-    topk_ratio: float = 0.01
-    topk_values: str = "fp32"
-    powersgd_rank: int = 2
-    int8_block: int = 0
-    threshold_tau: float = 1e-3
-    dgc_sparsity: float = 0.999
-    dgc_warmup_rounds: int = 4
-    dgc_momentum: float = 0.9
-    dgc_clip_norm: float = 0.0
-    compress_min_numel: int = 256
-    compress_small_codec: str = "raw"
-    downlink_compressor: str = "none"
-    dga_delay: int = 0
-    dga_correction: bool = True
-    dga_warmup_rounds: int = 0
-    dga_pipeline: str = "auto"
-    topology: str = "ring"
-    topology_file: str = ""
-    topology_degree: int = 4
-    topology_p: float = 0.0
-    mixing: str = "metropolis"
-    gossip_algorithm: str = "dpsgd"
-    gossip_gamma: float = 0.05
-    choco_scale: float = 0.0
-    async_alpha: float = 0.6
-    buffer_size: int = 10
-    staleness: str = "polynomial"
-    staleness_a: float = 0.5
-    staleness_b: float = 4.0
-    ssp_bound: int = 2
-    async_concurrency: int = 0
-    async_order: str = "auto"
-    backup_workers: Union[int, float] = 0
+    netem: str = ClockConfig.netem
+    netem_file: str = ClockConfig.netem_file
+    compute_speed: str = ClockConfig.compute_speed
+    compressor: str = UpdateConfig.compressor
+    error_feedback: bool = UpdateConfig.error_feedback
+    lossless: bool = UpdateConfig.lossless
+    qsgd_levels: int = UpdateConfig.qsgd_levels
+    qsgd_bucket: int = UpdateConfig.qsgd_bucket
+    topk_ratio: float = UpdateConfig.topk_ratio
+    topk_values: str = UpdateConfig.topk_values
+    powersgd_rank: int = UpdateConfig.powersgd_rank
+    int8_block: int = UpdateConfig.int8_block
+    threshold_tau: float = UpdateConfig.threshold_tau
+    dgc_sparsity: float = UpdateConfig.dgc_sparsity
+    dgc_warmup_rounds: int = UpdateConfig.dgc_warmup_rounds
+    dgc_momentum: float = UpdateConfig.dgc_momentum
+    dgc_clip_norm: float = UpdateConfig.dgc_clip_norm
+    compress_min_numel: int = UpdateConfig.min_numel
+    compress_small_codec: str = UpdateConfig.small_codec
+    downlink_compressor: str = DownlinkConfig.downlink
+    dga_delay: int = DGAConfig.delay
+    dga_correction: bool = DGAConfig.correction
+    dga_warmup_rounds: int = DGAConfig.warmup_rounds
+    dga_pipeline: str = DGAConfig.pipeline
+    topology: str = GossipConfig.topology
+    topology_file: str = GossipConfig.topology_file
+    topology_degree: int = GossipConfig.topology_degree
+    topology_p: float = GossipConfig.topology_p
+    mixing: str = GossipConfig.mixing
+    gossip_algorithm: str = GossipConfig.algorithm
+    gossip_gamma: float = ChocoConfig.gamma
+    choco_scale: float = ChocoConfig.scale
+    async_alpha: float = AsyncConfig.alpha
+    buffer_size: int = AsyncConfig.buffer_size
+    staleness: str = StalenessFunction.kind
+    staleness_a: float = StalenessFunction.a
+    staleness_b: float = StalenessFunction.b
+    ssp_bound: int = AsyncConfig.ssp_bound
+    async_concurrency: int = AsyncConfig.concurrency
+    async_order: str = LoopConfig.order
+    backup_workers: Union[int, float] = LoopConfig.backup
     dropout: float = 0.0
-    sim_step_s: float = 0.0
-    progress: str = "auto"
+    sim_step_s: float = ClockConfig.sim_step_s
+    message_overhead_s: float = ClockConfig.message_overhead_s
+    progress: str = ResultsConfig.progress
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("dataset", self.dataset, DATASETS)
         _choice("partition", self.partition, PARTITIONS)
         _choice("model", self.model, MODELS)
-        _choice("progress", self.progress, PROGRESS)
         for key, value in (("device", self.device), ("server-device", self.server_device)):
             if not _DEVICE_RE.match(value):
                 raise ConfigError(
@@ -396,36 +363,17 @@ class RunConfig:
         _positive("round-timeout", self.round_timeout)
         _in_range("momentum", self.momentum, 0.0, 1.0, hi_open=True)
         _in_range("server-momentum", self.server_momentum, 0.0, 1.0, hi_open=True)
-        _in_range("target-accuracy", self.target_accuracy, 0.0, 1.0, lo_open=True)
         _in_range("fraction-evaluate", self.fraction_evaluate, 0.0, 1.0)
         _in_range("trimmed-beta", self.trimmed_beta, 0.0, 0.5, hi_open=True)
+        _in_range("dropout", self.dropout, 0.0, 1.0, hi_open=True)
         if self.server_lr < 0:
             raise ConfigError(f"run-config key 'server-lr' must be >= 0 (0 = strategy default), got {self.server_lr}")
         if self.weight_decay < 0:
             raise ConfigError(f"run-config key 'weight-decay' must be >= 0, got {self.weight_decay}")
         if self.proximal_mu < 0:
             raise ConfigError(f"run-config key 'proximal-mu' must be >= 0, got {self.proximal_mu}")
-        try:
-            check_netem_spec(self.netem)
-        except ValueError as err:
-            raise ConfigError(f"run-config key 'netem': {err}") from None
-        try:
-            check_speed_spec(self.compute_speed)
-        except ValueError as err:
-            raise ConfigError(f"run-config key 'compute-speed': {err}") from None
-        if "file" in (self.netem, self.compute_speed) and not self.netem_file:
-            raise ConfigError("run-config key 'netem-file' must name a TOML file when netem or "
-                              "compute-speed is 'file'")
-        try:
-            self.update_config()
-        except ValueError as err:
-            msg = str(err)
-            raise ConfigError(f"run-config {msg}" if msg.startswith("'") else
-                              f"run-config key 'compressor': {msg}") from None
-        _choice("downlink-compressor", self.downlink_compressor, ("none", "fp16", "bf16"))
-        _int_at_least("dga-delay", self.dga_delay, 0)
-        _int_at_least("dga-warmup-rounds", self.dga_warmup_rounds, 0)
-        _choice("dga-pipeline", self.dga_pipeline, DGA_PIPELINE)
+        for owner in dict.fromkeys(owner for owner, _ in OWNED.values()):
+            self.owned(owner)  # each owned knob's check is its owner's
         if self.strategy == "dga" and self.downlink_compressor != "none" and self.compressor == "none":
             raise ConfigError(
                 "run-config key 'downlink-compressor' with strategy='dga' needs a 'compressor' too: "
@@ -435,26 +383,15 @@ class RunConfig:
                 "compressor (e.g. \"raw\", lossless) or downlink-compressor=\"none\""
             )
         self._check_gossip()
-        self._check_async()
-        if not self.results_dir:
-            raise ConfigError("run-config key 'results-dir' must not be empty")
-        if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):
+        if self.strategy in ("fedasync", "fedbuff", "ssp", "backup") and (
+                self.compressor != "none" or self.downlink_compressor != "none"):
             raise ConfigError(
-                "run-config key 'run-name' may hold only letters, digits, '.', '_' and '-', "
-                f"got {self.run_name!r}"
-            )
+                f"run-config keys 'compressor' / 'downlink-compressor' are not supported with "
+                f"strategy={self.strategy!r} yet (its replies are used one by one, against the "
+                "model version each client trained on); set them to 'none'")
 
     def _check_gossip(self) -> None:
-        _choice("topology", self.topology, TOPOLOGIES)
-        _choice("mixing", self.mixing, MIXINGS)
-        _choice("gossip-algorithm", self.gossip_algorithm, GOSSIP_ALGORITHMS)
-        _int_at_least("topology-degree", self.topology_degree, 1)
-        _in_range("topology-p", self.topology_p, 0.0, 1.0)
-        _in_range("gossip-gamma", self.gossip_gamma, 0.0, 1.0, lo_open=True)
-        _in_range("choco-scale", self.choco_scale, 0.0, 1.0)
-        if self.topology == "file" and not self.topology_file:
-            raise ConfigError("run-config key 'topology-file' must name a file of 'u v' edge lines "
-                              "when topology='file'")
+        """What gossip asks of the keys of other domains (its own knobs: GossipConfig)."""
         if self.strategy != "gossip":
             return
         if self.clients_per_round != 1.0 or isinstance(self.clients_per_round, int):
@@ -478,48 +415,37 @@ class RunConfig:
                 "sends whole models (compressing them without CHOCO's estimates drifts); use "
                 "gossip-algorithm='choco' for compressed gossip, or compressor='none'")
         if self.gossip_algorithm == "choco":
-            from fededge.algorithms.gossip import CHOCO_STATEFUL  # torch is loaded already (update_config)
-
-            if self.compressor in CHOCO_STATEFUL:
-                raise ConfigError(
-                    f"run-config key 'compressor': {self.compressor!r} keeps encoder state of its "
-                    "own and is not supported by gossip-algorithm='choco'; use a stateless codec "
-                    "(topk, qsgd, int8, fp16, ...)")
-            if self.error_feedback:
-                raise ConfigError(
-                    "run-config key 'error-feedback' must be false with gossip-algorithm='choco': "
-                    "CHOCO's public estimates already carry what the compressor dropped into the "
-                    "next message")
+            try:
+                check_choco_codec(self.compressor, self.error_feedback)
+            except ValueError as err:
+                key = "error-feedback" if self.error_feedback and "error_feedback" in str(err) else "compressor"
+                raise ConfigError(f"run-config key '{key}' with gossip-algorithm='choco': {err}") from None
             if self.topology == "one-peer-exponential":
                 raise ConfigError(
                     "run-config key 'topology': 'one-peer-exponential' changes peers every round, "
                     "but CHOCO's public estimates assume a static graph; use gossip-algorithm="
                     "'dpsgd' with it, or a static topology such as 'exponential'")
 
-    def _check_async(self) -> None:
-        _in_range("async-alpha", self.async_alpha, 0.0, 1.0, lo_open=True)
-        _int_at_least("buffer-size", self.buffer_size, 1)
-        _choice("staleness", self.staleness, STALENESS)
-        if self.staleness_a < 0 or self.staleness_b < 0:
-            raise ConfigError(f"run-config keys 'staleness-a' and 'staleness-b' must be >= 0, got "
-                              f"{self.staleness_a} and {self.staleness_b}")
-        _int_at_least("ssp-bound", self.ssp_bound, 0)
-        _int_at_least("async-concurrency", self.async_concurrency, 0)
-        _choice("async-order", self.async_order, ASYNC_ORDER)
-        e = self.backup_workers
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or e < 0 or (isinstance(e, float) and e >= 1):
-            raise ConfigError(
-                "run-config key 'backup-workers' must be an int >= 0 (a count) or a float in "
-                f"[0, 1) (a fraction of the sampled clients), got {e!r}")
-        _in_range("dropout", self.dropout, 0.0, 1.0, hi_open=True)
-        if self.sim_step_s < 0:
-            raise ConfigError(f"run-config key 'sim-step-s' must be >= 0 (0: measured compute), got {self.sim_step_s}")
-        if self.strategy in ("fedasync", "fedbuff", "ssp", "backup") and (
-                self.compressor != "none" or self.downlink_compressor != "none"):
-            raise ConfigError(
-                f"run-config keys 'compressor' / 'downlink-compressor' are not supported with "
-                f"strategy={self.strategy!r} yet (its replies are used one by one, against the "
-                "model version each client trained on); set them to 'none'")
+    def owned(self, owner: type[T]) -> T:
+        """The library config object ``owner`` (a class of :data:`OWNED`) built from this
+        run config's keys; raises :class:`ConfigError` naming the key a bad value is in.
+
+        Examples
+        --------
+        >>> RunConfig(strategy="dga", dga_delay=2).owned(DGAConfig).delay
+        2
+        """
+        params = {key: param for key, (cls, param) in OWNED.items() if cls is owner}
+        if not params:
+            raise ValueError(f"{owner.__name__} owns no run-config key; the owners: "
+                             f"{', '.join(sorted({cls.__name__ for cls, _ in OWNED.values()}))}")
+        kwargs = {param: getattr(self, key.replace("-", "_")) for key, param in params.items()}
+        if owner is UpdateConfig:
+            kwargs["seed"] = self.seed  # seeds the stochastic codecs; not a compression knob
+        try:
+            return owner(**kwargs)
+        except ValueError as err:
+            raise ConfigError(_owned_error(owner, params, kwargs, err)) from None
 
     # ------------------------------------------------------------------ mapping I/O
     @classmethod
@@ -553,34 +479,41 @@ class RunConfig:
         """The config as kebab-case keys, the form Flower and ``config.json`` use."""
         return {_kebab(k): v for k, v in dataclasses.asdict(self).items()}
 
-    def update_config(self) -> "UpdateConfig":
+    def update_config(self) -> UpdateConfig:
         """The uplink compression knobs as :class:`fededge.compress.update.UpdateConfig`."""
-        from fededge.compress.update import UpdateConfig
-
-        return UpdateConfig(
-            compressor=self.compressor, error_feedback=self.error_feedback, lossless=self.lossless,
-            qsgd_levels=self.qsgd_levels, qsgd_bucket=self.qsgd_bucket, topk_ratio=self.topk_ratio, topk_values=self.topk_values,
-            powersgd_rank=self.powersgd_rank,
-            int8_block=self.int8_block, threshold_tau=self.threshold_tau, dgc_sparsity=self.dgc_sparsity,
-            dgc_warmup_rounds=self.dgc_warmup_rounds, dgc_momentum=self.dgc_momentum,
-            dgc_clip_norm=self.dgc_clip_norm, min_numel=self.compress_min_numel,
-            small_codec=self.compress_small_codec, seed=self.seed,
-        )
+        return self.owned(UpdateConfig)
 
     def topology_params(self) -> dict[str, Any]:
         """The ``topology-*`` keys the named family takes, as
         :func:`fededge.topology.build_topology` keyword arguments."""
-        if self.topology == "k-regular":
-            return {"k": self.topology_degree}
-        if self.topology == "erdos-renyi" and self.topology_p > 0:
-            return {"p": self.topology_p}
-        if self.topology == "file":
-            return {"path": self.topology_file}
-        return {}
+        return self.owned(GossipConfig).topology_params()
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (snake_case names), validated again."""
         return dataclasses.replace(self, **changes)
+
+
+def _owned_error(owner: type, params: Mapping[str, str], kwargs: Mapping[str, Any], err: ValueError) -> str:
+    """A ConfigError's message for an owner that refused its knobs: the key, or keys,
+    whose value is refused, and the owner's reason."""
+    msg = str(err)
+    if msg.startswith("'"):  # the owner named the key already ('error-feedback': ...)
+        return f"run-config key {msg}"
+    alone = []
+    for key, param in params.items():
+        try:
+            owner(**{param: kwargs[param]})
+        except ValueError:
+            alone.append(key)
+        except TypeError:
+            pass
+    # A knob the message asks for that is not set (netem_file, topology_file) is named too.
+    mentioned = [key for key, param in params.items()
+                 if re.search(rf"\b{param}\b", msg) and not kwargs[param] and key not in alone]
+    keys = (alone + mentioned) or [key for key, param in params.items()
+                                   if getattr(owner, param, None) != kwargs[param]] or list(params)
+    named = " and ".join(f"'{k}'" for k in keys)
+    return f"run-config key{'s' if len(keys) > 1 else ''} {named}: {msg}"
 
 
 def _kebab(name: str) -> str:

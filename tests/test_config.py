@@ -48,13 +48,13 @@ def test_snake_case_key_is_refused_and_kebab_suggested():
         ("alpha", 0, r"'alpha' must be > 0"),
         ("clients-per-round", 0, r"'clients-per-round' must be >= 1 as a count"),
         ("clients-per-round", 1.5, r"as a fraction must be in \(0, 1\]"),
-        ("target-accuracy", 0.0, r"'target-accuracy' must be in \(0.0, 1.0\]"),
+        ("target-accuracy", 0.0, r"'target-accuracy': target_accuracy must be in \(0, 1\]"),
         ("local-steps", "ten", r"'local-steps' must be an integer"),
         ("local-steps", 2.5, r"'local-steps' must be an integer"),
         ("local-lr", "fast", r"'local-lr' must be a number"),
         ("dataset", 3, r"'dataset' must be a string"),
         ("num-rounds", True, r"'num-rounds' must be a int"),
-        ("run-name", "a b", r"'run-name' may hold only"),
+        ("run-name", "a b", r"'run-name': run_name may hold only"),
     ],
 )
 def test_bad_values_name_the_key(key, value, pattern):

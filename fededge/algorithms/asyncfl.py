@@ -45,12 +45,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 __all__ = [
-    "ASYNC_MODES", "STALENESS_FUNCTIONS", "AsyncConfig", "AsyncServer", "AsyncScheduler",
+    "ASYNC_MODES", "ASYNC_ORDERS", "STALENESS_FUNCTIONS", "AsyncConfig", "LoopConfig", "AsyncServer", "AsyncScheduler",
     "AsyncStateError", "Dispatch", "Event", "EventQueue", "StalenessFunction", "first_arrivals",
 ]
 
 STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")
 ASYNC_MODES = ("fedasync", "fedbuff", "ssp")
+#: In which order the asynchronous loop uses replies (:attr:`LoopConfig.order`).
+ASYNC_ORDERS = ("auto", "clock", "arrival")
 
 
 class AsyncStateError(RuntimeError):
@@ -65,13 +67,13 @@ class StalenessFunction:
     Parameters
     ----------
     kind : str
-        ``constant``, ``polynomial`` or ``hinge``.
+        [staleness] ``constant``, ``polynomial`` or ``hinge``.
     a : float
-        ``polynomial``: the exponent (FedAsync uses 0.5; FedBuff's ``1/sqrt(1 + tau)``
+        [staleness-a] ``polynomial``: the exponent (FedAsync uses 0.5; FedBuff's ``1/sqrt(1 + tau)``
         is ``polynomial`` with ``a = 0.5``). ``hinge``: the slope after ``b`` (FedAsync
         uses 10).
     b : float
-        ``hinge``: staleness tolerated at full weight (FedAsync uses 4).
+        [staleness-b] ``hinge``: staleness tolerated at full weight (FedAsync uses 4).
 
     Example
     -------
@@ -103,26 +105,28 @@ class StalenessFunction:
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    """What a user tunes for the asynchronous strategies.
+    """What a user tunes for the asynchronous strategies. Run-config keys in brackets;
+    this class declares each knob once (default, check, meaning).
 
     Parameters
     ----------
     mode : str
         ``fedasync``, ``fedbuff`` or ``ssp``.
     alpha : float
-        FedAsync's mixing weight in (0, 1] (the paper's experiments use 0.6; lower it when
+        [async-alpha] FedAsync's mixing weight in (0, 1] (the paper's experiments use 0.6; lower it when
         clients are many and updates noisy).
     buffer_size : int
-        FedBuff's K: updates per aggregation (the paper uses 10). K = the number of
+        [buffer-size] FedBuff's K: updates per aggregation (the paper uses 10). K = the number of
         clients with no staleness is FedAvg.
     server_lr : float
-        FedBuff's server step eta (1: the mean delta).
+        [server-lr, where 0 keeps this default] FedBuff's server step eta (1: the mean
+        delta).
     staleness : StalenessFunction
         Weight of a stale update (FedAsync and FedBuff; SSP bounds staleness instead).
     ssp_bound : int
-        SSP's s: a client may be at most s rounds ahead of the slowest active client.
+        [ssp-bound] SSP's s: a client may be at most s rounds ahead of the slowest active client.
     concurrency : int
-        Clients training at once (0: every participant). FedBuff's paper samples a new
+        [async-concurrency] Clients training at once (0: every participant). FedBuff's paper samples a new
         client each time one finishes; with fewer than all, idle clients are drawn at
         random (seeded).
     """
@@ -148,6 +152,42 @@ class AsyncConfig:
             raise ValueError(f"ssp-bound must be >= 0, got {self.ssp_bound}")
         if self.concurrency < 0:
             raise ValueError(f"async-concurrency must be >= 0 (0: all clients), got {self.concurrency}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """How fededge's asynchronous loop (FedAsync, FedBuff, SSP and backup workers) uses
+    replies. Run-config keys in brackets; declared here once.
+
+    Parameters
+    ----------
+    order : str
+        [async-order] ``auto``, ``clock`` (use arrivals in simulated-time order:
+        simulation) or ``arrival`` (in real arrival order: a SuperLink deployment).
+        ``auto`` picks ``arrival`` on a SuperLink and ``clock`` elsewhere.
+    backup : int or float
+        [backup-workers] Backup workers' ``e``: of the clients sampled each round, the
+        replies not waited for (the first ``m = sampled - e`` are aggregated). A count
+        (int >= 0) or a fraction of the sampled clients (a float in [0, 1), rounded). At
+        least one reply is always aggregated. 0 is FedAvg.
+    """
+
+    order: str = "auto"
+    backup: int | float = 0
+
+    def __post_init__(self) -> None:
+        if self.order not in ASYNC_ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ASYNC_ORDERS)}, got {self.order!r}")
+        e = self.backup
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e >= 0:
+            raise ValueError(f"backup must be a count >= 0 or a fraction in [0, 1), got {e!r}")
+        if isinstance(e, float) and e >= 1:
+            raise ValueError(f"backup as a fraction must be < 1, got {e}; write an int for a count")
+
+    def backups_for(self, sampled: int) -> int:
+        """e for a round of ``sampled`` clients (at least one is always aggregated)."""
+        e = round(self.backup * sampled) if isinstance(self.backup, float) else int(self.backup)
+        return min(e, sampled - 1)
 
 
 def _float_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:

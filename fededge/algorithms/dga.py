@@ -61,38 +61,54 @@ import torch
 
 from fededge.netem.clock import ClientRound, SimClock
 
-__all__ = ["DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average", "last_arrived",
-           "round_delta"]
+__all__ = ["PIPELINE_MODES", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average",
+           "last_arrived", "round_delta"]
 
 Weights = dict[str, torch.Tensor]
 T = TypeVar("T")
 
+#: How the server schedules DGA's rounds (:attr:`DGAConfig.pipeline`).
+PIPELINE_MODES: tuple[str, ...] = ("auto", "on", "off")
+
 
 @dataclass(frozen=True, kw_only=True)
 class DGAConfig:
-    """DGA's knobs.
+    """DGA's knobs. Run-config keys in brackets; this class declares each knob once
+    (its default, its check and its meaning) for the library and for fededge's app.
 
     Parameters
     ----------
     delay : int
-        D, in rounds (communication periods of K local steps): how many rounds late the
-        average of a round arrives. 0 is synchronous local SGD.
+        [dga-delay] D, in rounds (communication periods of K local steps): how many rounds
+        late the average of a round arrives. 0 is synchronous local SGD (FedAvg with K
+        local steps), bit for bit.
     correction : bool
-        Swap the client's own stale update for the average (DGA) rather than applying
-        the stale average alone (plain delayed averaging).
+        [dga-correction] Swap the client's own stale update for the average (DGA, Zhu et
+        al., 2021) rather than applying the stale average alone (plain delayed averaging,
+        for the ablation).
     warmup_rounds : int
-        The first rounds run with D = 0 (synchronous), before the delay starts.
+        [dga-warmup-rounds] The first rounds run with D = 0 (synchronous), before the
+        delay starts.
+    pipeline : str
+        [dga-pipeline] How the server schedules rounds: ``auto`` pushes rounds ahead (real
+        overlap) where the grid runs each node's messages in order (a SuperLink
+        deployment, the in-process runtime) and keeps one message per node in flight
+        elsewhere (Ray simulation); ``on`` / ``off`` force it (``on`` on a grid that may
+        run two messages of one node at once is refused). See docs/algorithms.md.
     """
 
     delay: int = 0
     correction: bool = True
     warmup_rounds: int = 0
+    pipeline: str = "auto"
 
     def __post_init__(self) -> None:
         if self.delay < 0:
             raise ValueError(f"delay must be >= 0 rounds, got {self.delay}")
         if self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        if self.pipeline not in PIPELINE_MODES:
+            raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {self.pipeline!r}")
 
     def delay_at(self, rnd: int) -> int:
         """The delay of round ``rnd`` (1-based): 0 during the warm-up."""

@@ -52,7 +52,10 @@ from fededge.netem.clock import SimClock
 
 __all__ = [
     "CHOCO_STATEFUL",
+    "GOSSIP_ALGORITHMS",
+    "check_choco_codec",
     "ChocoConfig",
+    "GossipConfig",
     "ChocoNode",
     "Compressor",
     "GossipError",
@@ -249,23 +252,124 @@ def compress_model(delta: Weights, compressor: Compressor) -> Weights:
 CHOCO_STATEFUL: tuple[str, ...] = ("dgc", "powersgd")
 
 
+def check_choco_codec(compressor: str, error_feedback: bool) -> None:
+    """Raise ValueError unless CHOCO-SGD can use this codec setting: a stateless codec
+    (not :data:`CHOCO_STATEFUL`) and no error feedback. The one check behind the run
+    config's and :class:`~fededge.clients.mods.GossipMod`'s refusals."""
+    if compressor in CHOCO_STATEFUL:
+        raise ValueError(f"compressor {compressor!r} keeps encoder state of its own, which CHOCO-SGD does not "
+                         "support; use a stateless codec (topk, signsgd, qsgd, int8, fp16, ...)")
+    if error_feedback:
+        raise ValueError("error_feedback must be false with CHOCO-SGD: its public estimates already carry "
+                         "what the compressor dropped into the next message")
+
+
+#: Decentralised algorithms (:attr:`GossipConfig.algorithm`).
+GOSSIP_ALGORITHMS: tuple[str, ...] = ("dpsgd", "choco")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GossipConfig:
+    """Who gossips with whom, and how. Run-config keys in brackets; this class declares
+    each knob once (default, check, meaning) for the library and for fededge's app.
+
+    Parameters
+    ----------
+    algorithm : str
+        [gossip-algorithm] ``dpsgd`` (Lian et al., 2017: local steps, then
+        ``x_i <- sum_j W_ij x_j``; the models travel whole) or ``choco`` (CHOCO-SGD,
+        Koloskova et al., 2019: nodes send ``Q(x_i - x̂_i)`` and mix through public
+        estimates; :class:`ChocoConfig`).
+    topology : str
+        [topology] Who hears whom, one of :data:`fededge.topology.TOPOLOGIES` (``ring``,
+        ``torus``, ``complete``, ``star``, ``hypercube``, ``erdos-renyi``, ``k-regular``,
+        ``exponential``, ``one-peer-exponential``, ``file``). Node i of the graph is the
+        i-th connected node in increasing node-id order. A graph the node count cannot
+        form (a hypercube of 10) stops the run before training with the TopologyError.
+    mixing : str
+        [mixing] ``metropolis`` (Metropolis-Hastings, local degrees only) or
+        ``max-degree`` (uniform ``1 / (1 + d_max)``). They agree on regular graphs; on the
+        complete graph both are the exact average.
+    topology_degree : int
+        [topology-degree] ``topology="k-regular"``: k, each node's number of neighbours.
+    topology_p : float
+        [topology-p] ``topology="erdos-renyi"``: the edge probability, in [0, 1]; 0 keeps
+        the family's default ``2 ln(n) / n`` (twice the connectivity threshold).
+    topology_file : str
+        [topology-file] ``topology="file"``: a text file of ``u v`` edges (0-based, ``#``
+        comments).
+    """
+
+    algorithm: str = "dpsgd"
+    topology: str = "ring"
+    mixing: str = "metropolis"
+    topology_degree: int = 4
+    topology_p: float = 0.0
+    topology_file: str = ""
+
+    def __post_init__(self) -> None:
+        from fededge.topology import MIXINGS, TOPOLOGIES
+
+        for name, value, allowed in (("algorithm", self.algorithm, GOSSIP_ALGORITHMS),
+                                     ("topology", self.topology, TOPOLOGIES), ("mixing", self.mixing, MIXINGS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        if self.topology_degree < 1:
+            raise ValueError(f"topology_degree must be >= 1, got {self.topology_degree}")
+        if not 0.0 <= self.topology_p <= 1.0:
+            raise ValueError(f"topology_p must be in [0, 1] (0: the family's default), got {self.topology_p}")
+        if self.topology == "file" and not self.topology_file:
+            raise ValueError("topology='file' needs topology_file, a file of 'u v' edge lines")
+
+    def topology_params(self) -> dict[str, object]:
+        """The knobs the named family takes, as :func:`fededge.topology.build_topology`
+        keyword arguments."""
+        if self.topology == "k-regular":
+            return {"k": self.topology_degree}
+        if self.topology == "erdos-renyi" and self.topology_p > 0:
+            return {"p": self.topology_p}
+        if self.topology == "file":
+            return {"path": self.topology_file}
+        return {}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChocoConfig:
-    """CHOCO-SGD's knob.
+    """CHOCO-SGD's knobs. Run-config keys in brackets; declared here once for the
+    library (:class:`~fededge.strategies.gossip.Gossip`, :class:`~fededge.clients.mods.GossipMod`)
+    and fededge's app.
 
     Parameters
     ----------
     gamma : float
-        Consensus step size, in (0, 1]. 1 with a lossless compressor is D-PSGD. With a
-        lossy one, lower it until the nodes' models stop drifting apart (Koloskova et al.
-        tune it per compressor; top-1% used gamma near 0.05 on their tasks).
+        [gossip-gamma] The consensus step size, in (0, 1]. With a lossless compressor 1
+        is D-PSGD. Koloskova et al. (2019) tune it per compressor (their theory asks for
+        a step that shrinks with the compression quality delta and the spectral gap).
+        The default 0.05 is for the harshest usual case, top-1%: averaging random vectors
+        over a 16-node ring with top-1% (no training), gamma = 1, 0.5 and 0.2 diverged
+        within 300 rounds and 0.05 converged. Raise it towards 1 for mild compressors
+        (fp16, int8, qsgd with many levels) and with no compression; lower it if the
+        consensus distance grows from round to round. On the digits benchmark the scaled
+        sign (``signsgd``, about 28x fewer bytes than D-PSGD) trained best at 0.8, within
+        a point of D-PSGD (BENCHMARKS.md).
+    scale : float
+        [choco-scale] What each node scales the difference it compresses by, in [0, 1].
+        0 is automatic: ``1 / (1 + omega)`` per tensor for the unbiased codecs (qsgd,
+        randk, terngrad: their variance factor omega, see
+        ``UpdateConfig.variance_factor``), which makes ``Q`` a contraction as CHOCO's
+        analysis needs (Koloskova et al., 2019), and 1 for the others. The codecs are
+        positively homogeneous, so scaling before encoding is scaling what every node
+        adds to its estimate.
     """
 
-    gamma: float = 1.0
+    gamma: float = 0.05
+    scale: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if not 0.0 <= self.scale <= 1.0:
+            raise ValueError(f"scale must be in [0, 1] (0: automatic), got {self.scale}")
 
 
 def _apply(hat: Weights, q: Weights) -> Weights:

@@ -48,7 +48,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from fededge import keys
 from fededge.algorithms.dga import DGAClient, DGAConfig, round_delta
 from fededge.algorithms.gossip import (
-    CHOCO_STATEFUL, ChocoConfig, ChocoNode, GossipError, Weights, effective_row, mix_row,
+    ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,
 )
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
@@ -312,9 +312,8 @@ class GossipMod:
         codecs only, without error feedback: CHOCO's estimates already carry what ``Q``
         dropped. D-PSGD ignores it.
     choco_scale : float
-        What the difference is scaled by before it is encoded, in [0, 1]. 0 (default):
-        ``1 / (1 + omega)`` per tensor for the unbiased codecs (qsgd, randk, terngrad),
-        which makes ``Q`` the contraction CHOCO's analysis needs, and 1 for the others.
+        What the difference is scaled by before it is encoded:
+        :attr:`fededge.algorithms.gossip.ChocoConfig.scale` (0, the default, is automatic).
 
     Examples
     --------
@@ -323,16 +322,13 @@ class GossipMod:
     >>> app = ClientApp(mods=[GossipMod(UpdateConfig(compressor="signsgd"))])
     """
 
-    def __init__(self, update: UpdateConfig | None = None, *, choco_scale: float = 0.0) -> None:
+    def __init__(self, update: UpdateConfig | None = None, *, choco_scale: float = ChocoConfig.scale) -> None:
         update = update if update is not None else UpdateConfig()
-        if update.compressor in CHOCO_STATEFUL:
-            raise ValueError(f"GossipMod: compressor {update.compressor!r} keeps encoder state of its own, which "
-                             "CHOCO-SGD does not support; use a stateless codec (topk, signsgd, qsgd, ...)")
-        if update.error_feedback:
-            raise ValueError("GossipMod: error_feedback must be False: CHOCO's public estimates already carry "
-                             "what the compressor dropped into the next round")
-        if not 0.0 <= choco_scale <= 1.0:
-            raise ValueError(f"GossipMod: choco_scale must be in [0, 1] (0: automatic), got {choco_scale}")
+        try:
+            check_choco_codec(update.compressor, update.error_feedback)
+            ChocoConfig(scale=choco_scale)
+        except ValueError as err:
+            raise ValueError(f"GossipMod: {err}") from None
         self.update = update
         self.choco_scale = choco_scale
 

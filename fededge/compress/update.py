@@ -26,7 +26,7 @@ from fededge.compress import (
 from fededge.compress.codec import Codec
 from fededge.compress.codecs import SPARSE_VALUES
 
-__all__ = ["COMPRESSORS", "UNBIASED", "UpdateConfig", "UpdateEncoder", "decode_update"]
+__all__ = ["COMPRESSORS", "DOWNLINK", "UNBIASED", "DownlinkConfig", "UpdateConfig", "UpdateEncoder", "decode_update"]
 
 #: ``none``, every codec name, and ``dgc`` (top-k with momentum correction and warm-up).
 COMPRESSORS: tuple[str, ...] = ("none", *CODECS, "dgc")
@@ -34,6 +34,31 @@ COMPRESSORS: tuple[str, ...] = ("none", *CODECS, "dgc")
 #: with these (random-k's d/k rescaling makes the residual grow without bound).
 UNBIASED: tuple[str, ...] = ("qsgd", "terngrad", "randk")
 _SMALL = ("raw", "fp16", "bf16")
+#: What the server may cast the model it broadcasts to ([downlink-compressor];
+#: :class:`~fededge.strategies.compressed.Compressed`'s and DGA's ``downlink``).
+DOWNLINK: tuple[str, ...] = ("none", "fp16", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownlinkConfig:
+    """What the server does to the model it broadcasts. Declared here once for
+    :class:`~fededge.strategies.compressed.Compressed`, :class:`~fededge.strategies.dga.DGA`
+    and fededge's app.
+
+    Parameters
+    ----------
+    downlink : str
+        [downlink-compressor] ``none``, ``fp16`` or ``bf16``: a stateless cast of the
+        broadcast model (delta-coded downlinks would need per-client state kept in step
+        for clients that sat rounds out; not built). DGA with a cast needs compressed
+        uplinks (its replies must be deltas, rebuilt on the exact global model).
+    """
+
+    downlink: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.downlink not in DOWNLINK:
+            raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {self.downlink!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,12 +25,71 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from fededge.netem.assign import assign_links, check_netem_spec, check_speed_spec
 from fededge.netem.clock import ClientLink, SimClock, clock_compute_s
 
-__all__ = ["RunClock"]
+__all__ = ["ClockConfig", "RunClock"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClockConfig:
+    """The simulated clock's knobs. Run-config keys in brackets; declared here once for
+    :class:`RunClock`, :class:`~fededge.server.measure.Experiment` and fededge's app.
+
+    Parameters
+    ----------
+    netem : str
+        [netem] The emulated network on the simulated clock (``sim_s``): ``""`` (ideal:
+        compute only), a profile name for every client (``"4g"``; ``fededge netem
+        profiles`` lists them), a seeded mix (``"wifi:0.5,4g:0.5"``) or ``"file"`` (the
+        ``[assign]`` table of ``netem_file``). See :mod:`fededge.netem.assign`.
+    netem_file : str
+        [netem-file] A TOML file with extra profiles and optional ``[assign]`` /
+        ``[speed]`` tables; needed when ``netem`` or ``compute_speed`` is ``"file"``.
+    compute_speed : str
+        [compute-speed] Device speed factors: ``"1.0"``, ``"lognormal:0.5"``
+        (heterogeneous, seeded) or ``"file"``. A factor of 2 computes twice as fast as
+        the machine that measured.
+    sim_step_s : float
+        [sim-step-s] Seconds per local step (divided by the client's speed) for replies
+        that report ``local-steps-done``; 0 uses the compute time the reply reports. Set
+        it (or ``compute_s``) for a ``sim_s``, and an order of asynchronous arrivals,
+        that is exactly reproducible for a seed.
+    compute_s : float, optional
+        Seconds of local work (at speed 1) charged for a reply that reports neither
+        ``compute-s`` nor, with ``sim_step_s``, its steps: a ClientApp that is not
+        fededge's. None charges what the server measured for it instead (see the module
+        docstring), which depends on the machine's load.
+    message_overhead_s : float
+        [message-overhead-s] Every device's fixed seconds per message beyond its compute
+        (a real SuperNode starts a process per message; ``benchmarks/
+        bench_deploy_overhead.py`` measures it, cold or warm). 0 simulates the algorithm
+        alone.
+    """
+
+    netem: str = ""
+    netem_file: str = ""
+    compute_speed: str = "1.0"
+    sim_step_s: float = 0.0
+    compute_s: float | None = None
+    message_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_netem_spec(self.netem)
+        check_speed_spec(self.compute_speed)
+        if "file" in (self.netem, self.compute_speed) and not self.netem_file:
+            raise ValueError("netem_file must name a TOML file: a profile or a speed of 'file' is read from its "
+                             "[assign] / [speed] table")
+        if not (self.sim_step_s >= 0 and math.isfinite(self.sim_step_s)):
+            raise ValueError(f"sim_step_s must be a number of seconds >= 0 (0: measured compute), "
+                             f"got {self.sim_step_s!r}")
+        if self.compute_s is not None and not (self.compute_s >= 0 and math.isfinite(self.compute_s)):
+            raise ValueError(f"compute_s must be None or a number of seconds >= 0, got {self.compute_s!r}")
+        if not (self.message_overhead_s >= 0 and math.isfinite(self.message_overhead_s)):
+            raise ValueError(f"message_overhead_s must be a number of seconds >= 0, got {self.message_overhead_s!r}")
 
 
 class RunClock:
@@ -38,30 +97,11 @@ class RunClock:
 
     Parameters
     ----------
-    netem : str
-        The emulated network: ``""`` (ideal: compute only), a profile name for every
-        client (``"4g"``; ``fededge netem profiles`` lists them), a seeded mix
-        (``"wifi:0.5,4g:0.5"``) or ``"file"`` (the ``[assign]`` table of ``netem_file``).
-    netem_file : str
-        A TOML file with extra profiles and optional ``[assign]`` / ``[speed]`` tables.
-    compute_speed : str
-        Device speed factors: ``"1.0"``, ``"lognormal:0.5"`` (heterogeneous, seeded) or
-        ``"file"``. A factor of 2 computes twice as fast as the machine that measured.
+    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s
+        :class:`ClockConfig`'s knobs (their defaults, checks and meaning are declared
+        there, once).
     seed : int
         Seeds the assignment of links and speeds and every link's random stream.
-    sim_step_s : float
-        Seconds per local step (divided by the client's speed) for replies that report
-        ``local-steps-done``; 0 uses the time the reply reports. Set it, or
-        ``compute_s``, for a ``sim_s`` that is exactly reproducible for a seed.
-    compute_s : float, optional
-        Seconds of local work (at speed 1) charged for a reply that reports neither
-        ``compute-s`` nor, with ``sim_step_s``, its steps: a ClientApp that is not
-        fededge's. None charges what the server measured for it instead (see the module
-        docstring), which depends on the machine's load.
-    message_overhead_s : float
-        Every device's fixed seconds per message beyond its compute (a real SuperNode
-        starts a process per message; ``benchmarks/bench_deploy_overhead.py`` measures
-        it, cold or warm). 0 for a simulation of the algorithm alone.
     run_dir : path, optional
         Where to write ``netem.json`` (each client's profile and speed) once built.
 
@@ -73,17 +113,13 @@ class RunClock:
     2.0
     """
 
-    def __init__(self, *, netem: str = "", netem_file: str = "", compute_speed: str = "1.0", seed: int = 0,
-                 sim_step_s: float = 0.0, compute_s: float | None = None, message_overhead_s: float = 0.0,
+    def __init__(self, *, netem: str = ClockConfig.netem, netem_file: str = ClockConfig.netem_file,
+                 compute_speed: str = ClockConfig.compute_speed, seed: int = 0,
+                 sim_step_s: float = ClockConfig.sim_step_s, compute_s: float | None = ClockConfig.compute_s,
+                 message_overhead_s: float = ClockConfig.message_overhead_s,
                  run_dir: str | Path | None = None) -> None:
-        check_netem_spec(netem)
-        check_speed_spec(compute_speed)
-        if not (sim_step_s >= 0 and math.isfinite(sim_step_s)):
-            raise ValueError(f"sim_step_s must be a number of seconds >= 0, got {sim_step_s!r}")
-        if compute_s is not None and not (compute_s >= 0 and math.isfinite(compute_s)):
-            raise ValueError(f"compute_s must be None or a number of seconds >= 0, got {compute_s!r}")
-        if not (message_overhead_s >= 0 and math.isfinite(message_overhead_s)):
-            raise ValueError(f"message_overhead_s must be a number of seconds >= 0, got {message_overhead_s!r}")
+        self.config = ClockConfig(netem=netem, netem_file=netem_file, compute_speed=compute_speed,
+                                  sim_step_s=sim_step_s, compute_s=compute_s, message_overhead_s=message_overhead_s)
         self.netem = netem
         self.netem_file = netem_file
         self.compute_speed = compute_speed

@@ -49,9 +49,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fededge.netem.clock import ClientRound, synchronous_round
-from fededge.netem.runclock import RunClock
+from fededge.netem.runclock import ClockConfig, RunClock
 from fededge.server.metering import MeteredGrid, RoundTraffic
-from fededge.server.results import RoundRecord, Progress, RunRecorder, new_run_id
+from fededge.server.results import PROGRESS_MODES, Progress, ResultsConfig, RoundRecord, RunRecorder, new_run_id
 from fededge.strategies.report import RoundReport, attach_clock, report_of
 
 __all__ = [
@@ -60,8 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("fededge")
-
-PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 #: ``evaluate_fn(server_round, arrays) -> MetricRecord`` with ``accuracy`` and ``loss``
 #: (Flower's own ``evaluate_fn`` signature).
@@ -138,38 +136,19 @@ class Experiment:
         ``loss`` (Flower's ``evaluate_fn``): called on the global model after every round,
         and on each node's model for decentralised strategies. Other metrics it returns
         are written to ``metrics.jsonl`` too, under their own names.
-    results_dir : path
-        Each run writes ``<results_dir>/<run id>/``.
+    results_dir, run_name, target_accuracy, progress, save_model
+        :class:`fededge.server.results.ResultsConfig`'s knobs (defaults, checks and
+        meaning declared there, once).
     run_id : str, optional
         The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
         existing one is never overwritten (``-2``, ``-3``, ... are appended).
-    run_name : str
-        Prefix of the default run id.
-    netem, netem_file, compute_speed : str
-        The emulated network and device speeds on the simulated clock
-        (:class:`~fededge.netem.runclock.RunClock`): ``netem="4g"``,
-        ``"wifi:0.5,4g:0.5"``; ``compute_speed="lognormal:0.5"``. ``""``: an ideal
-        network, so ``sim_s`` is compute only.
-    sim_step_s : float
-        Seconds per local step on the clock, for replies that report their steps (0: the
-        compute time they report).
-    compute_s : float, optional
-        Seconds of local work charged for a reply that reports no ``compute-s`` (a
-        ClientApp that is not fededge's); None: the measured push-to-pull time.
-    message_overhead_s : float
-        Every device's fixed seconds per message beyond its compute, on the clock (a
-        SuperNode's process start; ``benchmarks/bench_deploy_overhead.py`` measures it).
+    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s
+        The simulated clock: :class:`fededge.netem.runclock.ClockConfig`'s knobs
+        (``netem="4g"`` or ``"wifi:0.5,4g:0.5"``; ``compute_speed="lognormal:0.5"``;
+        ``""``: an ideal network, so ``sim_s`` is compute only).
     seed : int
         Seeds the links' assignment and Flower's client sampling (the global ``random``,
         restored after the run).
-    target_accuracy : float
-        Accuracy at which ``summary.json`` records rounds, ``sim_s``, ``wall_s`` and
-        uplink bytes "to target".
-    progress : str
-        ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
-        ``lines`` or ``off``.
-    save_model : bool
-        Write the final global model to ``<run dir>/model.pt`` (a torch state dict).
     min_nodes : int
         Wait (up to the run's ``timeout``) for this many connected nodes before round 1;
         fail with :class:`NotEnoughNodesError` otherwise.
@@ -196,19 +175,19 @@ class Experiment:
         self,
         *,
         evaluate_fn: EvaluateFn,
-        results_dir: str | Path = "results",
+        results_dir: str | Path = ResultsConfig.results_dir,
         run_id: str | None = None,
-        run_name: str = "",
-        netem: str = "",
-        netem_file: str = "",
-        compute_speed: str = "1.0",
-        sim_step_s: float = 0.0,
-        compute_s: float | None = None,
-        message_overhead_s: float = 0.0,
+        run_name: str = ResultsConfig.run_name,
+        netem: str = ClockConfig.netem,
+        netem_file: str = ClockConfig.netem_file,
+        compute_speed: str = ClockConfig.compute_speed,
+        sim_step_s: float = ClockConfig.sim_step_s,
+        compute_s: float | None = ClockConfig.compute_s,
+        message_overhead_s: float = ClockConfig.message_overhead_s,
         seed: int = 0,
-        target_accuracy: float = 0.9,
-        progress: str = "auto",
-        save_model: bool = True,
+        target_accuracy: float = ResultsConfig.target_accuracy,
+        progress: str = ResultsConfig.progress,
+        save_model: bool = ResultsConfig.save_model,
         min_nodes: int = 1,
         config: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -217,8 +196,8 @@ class Experiment:
         if not callable(evaluate_fn):
             raise ValueError(f"evaluate_fn must be a callable (server_round, arrays) -> MetricRecord, "
                              f"got {evaluate_fn!r}")
-        if progress not in PROGRESS_MODES:
-            raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {progress!r}")
+        ResultsConfig(results_dir=str(results_dir), run_name=run_name, target_accuracy=target_accuracy,
+                      progress=progress, save_model=save_model)  # checks them
         if min_nodes < 0:
             raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
         self.clock_settings = {"netem": netem, "netem_file": netem_file, "compute_speed": compute_speed,
@@ -368,7 +347,7 @@ class _Rounds:
         extra["clients"] = [
             {"partition": pid, "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None,
                                                                         n.wall_s), 6),
-             "bytes_down": n.bytes_down, "bytes_up": n.bytes_up}
+             "bytes_down": n.bytes_down, "bytes_up": n.bytes_up, "steps": n.steps}
             for pid, n in sorted(self.placed(traffic), key=lambda x: x[0])]
         rec = self.recorder.record_round(
             rnd, accuracy=acc, loss=loss,
@@ -378,7 +357,8 @@ class _Rounds:
             round_sim_s=report.sim_s if report.sim_s is not None else self.synchronous_sim_s(traffic),
             num_clients=(report.num_clients if report.num_clients is not None
                          else traffic.train_replies - report.rejected),
-            failures=traffic.failures, rejected=report.rejected, compression_ratio=report.ratio, extra=extra)
+            failures=traffic.failures, rejected=report.rejected, mismatched=report.mismatched,
+            compression_ratio=report.ratio, extra=extra)
         self.summary |= report.summary
         self.progress.update(rec)
         if rnd >= 1 and rec.num_clients == 0 and (traffic.dropped or report.dropped) and not traffic.errors:

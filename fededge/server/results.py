@@ -23,7 +23,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-__all__ = ["RoundRecord", "RunRecorder", "METRIC_FIELDS", "new_run_id", "versions"]
+__all__ = ["PROGRESS_MODES", "ResultsConfig", "RoundRecord", "RunRecorder", "METRIC_FIELDS", "new_run_id",
+           "versions"]
+
+#: How a run shows its progress (:attr:`ResultsConfig.progress`).
+PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResultsConfig:
+    """What a run records and shows. Run-config keys in brackets; declared here once for
+    :class:`~fededge.server.measure.Experiment` and fededge's app.
+
+    Parameters
+    ----------
+    results_dir : str
+        [results-dir] Each run writes ``<results_dir>/<run id>/``. A relative path is
+        relative to the ServerApp's working directory: with ``fededge simulate`` and
+        ``fededge run`` that is where you ran them; with a plain ``flwr run`` it is
+        wherever the detached local SuperLink was first started. The absolute path is
+        printed at the start.
+    run_name : str
+        [run-name] Optional prefix of the run id: letters, digits, ``.``, ``_`` and ``-``.
+    target_accuracy : float
+        [target-accuracy] Accuracy, in (0, 1], at which ``summary.json`` records rounds,
+        ``sim_s``, ``wall_s`` and uplink bytes "to target".
+    progress : str
+        [progress] ``auto`` (a live bar on a terminal, else one line per round), ``bar``,
+        ``lines`` or ``off``.
+    save_model : bool
+        [save-model] Write the final global model to ``<run dir>/model.pt`` (a torch
+        state dict).
+    """
+
+    results_dir: str = "results"
+    run_name: str = ""
+    target_accuracy: float = 0.9
+    progress: str = "auto"
+    save_model: bool = True
+
+    def __post_init__(self) -> None:
+        import re
+
+        if not str(self.results_dir):
+            raise ValueError("results_dir must not be empty")
+        if not re.fullmatch(r"[A-Za-z0-9._-]*", self.run_name):
+            raise ValueError(f"run_name may hold only letters, digits, '.', '_' and '-', got {self.run_name!r}")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+        if self.progress not in PROGRESS_MODES:
+            raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
 
 #: Fields every line of metrics.jsonl carries.
 METRIC_FIELDS = (
@@ -78,6 +127,7 @@ class RoundRecord:
     cum_bytes_up: int = 0
     cum_bytes_down: int = 0
     rejected: int = 0  # client updates that did not decode and were left out
+    mismatched: int = 0  # of the rejected: in another codec than the server expects
     compression_ratio: Optional[float] = None  # float32 bytes of the update / payload bytes
     # Strategy-specific figures (DGA: dga_delay, staleness, wait_s, ...), written flat.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -157,15 +207,17 @@ class RunRecorder:
         rejected: int = 0,
         compression_ratio: float | None = None,
         extra: dict[str, Any] | None = None,
+        mismatched: int = 0,
     ) -> RoundRecord:
-        """Append one round; ``round_sim_s`` is that round's simulated duration."""
+        """Append one round; ``round_sim_s`` is that round's simulated duration;
+        ``mismatched``, of the ``rejected``, the updates refused for their codec."""
         self._cum_up += bytes_up
         self._cum_down += bytes_down
         self._sim_s += round_sim_s
         rec = RoundRecord(
             round=rnd, accuracy=accuracy, loss=loss, bytes_up=bytes_up, bytes_down=bytes_down,
             wall_s=round(self.elapsed, 6), sim_s=round(self._sim_s, 6), num_clients=num_clients,
-            failures=failures, round_sim_s=round(round_sim_s, 6), rejected=rejected,
+            failures=failures, round_sim_s=round(round_sim_s, 6), rejected=rejected, mismatched=mismatched,
             compression_ratio=None if compression_ratio is None else round(compression_ratio, 4),
             cum_bytes_up=self._cum_up, cum_bytes_down=self._cum_down, extra=dict(extra or {}),
         )
@@ -194,6 +246,7 @@ class RunRecorder:
             "total_bytes_down": self._cum_down,
             "total_failures": sum(r.failures for r in recs),
             "total_rejected": sum(r.rejected for r in recs),
+            "total_mismatched": sum(r.mismatched for r in recs),
             "wall_s": last.wall_s if last else 0.0,
             "sim_s": last.sim_s if last else 0.0,
         }

@@ -8,10 +8,10 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-
+from fededge import keys
 
 __all__ = ["DROPOUT_REASON", "dropout_partition", "dropout_reason", "fixed_participants", "is_dropout",
-           "usable_reply"]
+           "reported_partition", "usable_reply"]
 
 #: Start of the error reason of a reply the client marked as a simulated dropout
 #: (``dropout`` in the run config); :class:`fededge.server.metering.MeteredGrid` turns
@@ -54,6 +54,17 @@ def fixed_participants(grid: Grid, *, fraction: float, min_nodes: int, min_avail
         return list(nodes)
     nodes, _ = sample_nodes(grid, min_available, size)
     return sorted(nodes)
+
+
+def reported_partition(reply: Message) -> int | None:
+    """The partition id a reply's metrics report (fededge's ClientApp sends ``partition-id``),
+    else None: a user's own ClientApp reports none. Give it to
+    :meth:`RunClock.place <fededge.netem.runclock.RunClock.place>`, which then places the
+    node by its node id, the same way every round and for every strategy."""
+    if reply.has_error():
+        return None
+    metrics = next(iter(reply.content.metric_records.values()), {})
+    return int(metrics[keys.REPLY_PARTITION_ID]) if keys.REPLY_PARTITION_ID in metrics else None
 
 
 def usable_reply(reply: Message, *, arrays_key: str, model_keys: set[str], weight_key: str) -> str | None:

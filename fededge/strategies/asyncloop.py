@@ -66,17 +66,20 @@ from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
 from fededge._flwr_internals import is_deployment, runs_messages_in_order, wire_size
-from fededge.algorithms.asyncfl import AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue
+from fededge.algorithms.asyncfl import (
+    ASYNC_ORDERS, AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue, LoopConfig,
+)
 from fededge.netem.clock import SimClock
 from fededge.netem.runclock import RunClock
-from fededge.strategies._replies import dropout_partition, fixed_participants, is_dropout, usable_reply
+from fededge.strategies._replies import (
+    dropout_partition, fixed_participants, is_dropout, reported_partition, usable_reply,
+)
 from fededge.strategies.report import RoundReport
 
 __all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncLoop", "AsyncRoundInfo", "Puller", "ReplyTiming"]
 
 log = logging.getLogger("fededge")
 
-ASYNC_ORDERS = ("auto", "clock", "arrival")
 
 
 @dataclass
@@ -127,7 +130,7 @@ class ReplyTiming:
                 self.partition[node] = self.placed[node] = pid[0]
             return self.partition.get(node)
         metrics = _metrics(reply)
-        reported = int(metrics[keys.REPLY_PARTITION_ID]) if keys.REPLY_PARTITION_ID in metrics else None
+        reported = reported_partition(reply)
         if reported is not None:
             self.partition[node] = reported
         if self.source is not None:
@@ -165,8 +168,7 @@ class ReplyTiming:
 
 def resolve_order(requested: str, grid: Grid) -> str:
     """``clock`` or ``arrival`` for ``requested`` (``auto``: arrival on a SuperLink)."""
-    if requested not in ASYNC_ORDERS:
-        raise ValueError(f"order must be one of {', '.join(ASYNC_ORDERS)}, got {requested!r}")
+    LoopConfig(order=requested)  # checks the name
     if requested != "auto":
         return requested
     return "arrival" if is_deployment(grid) else "clock"
@@ -240,7 +242,8 @@ class AsyncLoop(FedAvg):
     Parameters
     ----------
     order : str
-        ``auto``, ``clock`` or ``arrival`` (see the module docstring).
+        :attr:`fededge.algorithms.asyncfl.LoopConfig.order`: ``auto``, ``clock`` or
+        ``arrival`` (see the module docstring).
     poll_s : float
         How often to pull replies from a real SuperLink when none is ready.
     **fedavg
@@ -249,10 +252,9 @@ class AsyncLoop(FedAvg):
         (``arrayrecord_key``, ``configrecord_key``) and the weight (``weighted_by_key``).
     """
 
-    def __init__(self, *, order: str = "auto", poll_s: float = 0.5, **fedavg: Any) -> None:
+    def __init__(self, *, order: str = LoopConfig.order, poll_s: float = 0.5, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        if order not in ASYNC_ORDERS:
-            raise ValueError(f"order must be one of {', '.join(ASYNC_ORDERS)}, got {order!r}")
+        LoopConfig(order=order)  # checks the name
         self.order = order
         self.poll_s = poll_s
         self.timing = ReplyTiming()

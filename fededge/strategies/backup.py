@@ -11,7 +11,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fededge._flwr_internals import wire_size
-from fededge.algorithms.asyncfl import first_arrivals
+from fededge.algorithms.asyncfl import LoopConfig, first_arrivals
 from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, Puller, resolve_order
 
 __all__ = ["BackupWorkers"]
@@ -32,9 +32,9 @@ class BackupWorkers(AsyncLoop):
     Parameters
     ----------
     backup : int or float
-        ``e``: a count, or a fraction of the sampled clients (``0.1``: 10%, rounded). At
-        least one reply is always aggregated. Raise it with the share of stragglers you
-        are willing to leave out each round.
+        ``e``: :attr:`fededge.algorithms.asyncfl.LoopConfig.backup` (a count, or a
+        fraction of the sampled clients). Raise it with the share of stragglers you are
+        willing to leave out each round.
     **loop
         :class:`~fededge.strategies.asyncloop.AsyncLoop`'s arguments (``order``,
         ``poll_s``) and Flower's FedAvg arguments.
@@ -46,18 +46,14 @@ class BackupWorkers(AsyncLoop):
     2
     """
 
-    def __init__(self, *, backup: int | float = 0, **loop: Any) -> None:
+    def __init__(self, *, backup: int | float = LoopConfig.backup, **loop: Any) -> None:
         super().__init__(**loop)
-        if isinstance(backup, bool) or not isinstance(backup, (int, float)) or backup < 0:
-            raise ValueError(f"backup must be a count >= 0 or a fraction in [0, 1), got {backup!r}")
-        if isinstance(backup, float) and backup >= 1:
-            raise ValueError(f"backup as a fraction must be < 1, got {backup}")
+        self.loop_config = LoopConfig(order=self.order, backup=backup)
         self.backup = backup
 
     def backups_for(self, sampled: int) -> int:
         """e for a round of ``sampled`` clients (at least one is always aggregated)."""
-        e = round(self.backup * sampled) if isinstance(self.backup, float) else int(self.backup)
-        return min(e, sampled - 1)
+        return self.loop_config.backups_for(sampled)
 
     def start(
         self,

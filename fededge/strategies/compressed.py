@@ -33,16 +33,17 @@ from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
 from fededge.compress import MalformedPayloadError
-from fededge.compress.update import UpdateConfig, decode_update
+from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
 from fededge.strategies.report import RoundReport, report_of
 
-__all__ = ["CodecMismatchError", "Compressed", "CompressionStats", "DOWNLINK", "decode_compressed"]
+__all__ = ["CodecMismatchError", "Compressed", "CompressionStats", "DOWNLINK", "check_uncompressed",
+           "decode_compressed"]
 
-#: Downlink codecs: stateless casts of the broadcast model. Delta-coded downlinks would
-#: need per-client state kept in step for clients that sat rounds out; not built.
-DOWNLINK = ("none", "fp16", "bf16")
+# Downlink codecs (DOWNLINK, declared with the uplink's in fededge.compress.update): stateless
+# casts of the broadcast model. Delta-coded downlinks would need per-client state kept in
+# step for clients that sat rounds out; not built.
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,9 @@ class Compressed(Strategy):
     >>> strategy = Compressed(FedAdam(), update=UpdateConfig(compressor="topk", topk_ratio=0.1))
     """
 
-    def __init__(self, inner: Strategy, *, downlink: str = "none", update: UpdateConfig | None = None) -> None:
-        if downlink not in DOWNLINK:
-            raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
+    def __init__(self, inner: Strategy, *, downlink: str = DownlinkConfig.downlink,
+                 update: UpdateConfig | None = None) -> None:
+        DownlinkConfig(downlink=downlink)  # checks the name
         self.inner = inner
         self.downlink = downlink
         self.update = update
@@ -116,7 +117,8 @@ class Compressed(Strategy):
         merged in (:class:`~fededge.strategies.report.MeasuredStrategy`)."""
         stats = self.take_stats()
         return report_of(self.inner, server_round).merge(RoundReport(
-            rejected=stats.rejected, payload_bytes=stats.payload_bytes, dense_bytes=stats.dense_bytes,
+            rejected=stats.rejected, mismatched=stats.mismatched,
+            payload_bytes=stats.payload_bytes, dense_bytes=stats.dense_bytes,
             reasons=[f"a compressed update was rejected and left out: {r}" for r in stats.reasons]))
 
     # -- Strategy ------------------------------------------------------------------
@@ -152,7 +154,7 @@ class Compressed(Strategy):
                         raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
                     r.content = decode_compressed(r.content, base, self._stats, expect=self.update)
                 else:
-                    _check_uncompressed(self.update)
+                    check_uncompressed(self.update)
                 kept.append(r)
             except (MalformedPayloadError, CodecMismatchError) as err:
                 reason = f"node {r.metadata.src_node_id}: {err}"
@@ -239,7 +241,9 @@ def _check_codecs(payloads: dict[str, bytes], expect: UpdateConfig) -> None:
                                      f"{_expected(expect)}")
 
 
-def _check_uncompressed(expect: UpdateConfig | None) -> None:
+def check_uncompressed(expect: UpdateConfig | None) -> None:
+    """Raise :class:`CodecMismatchError` for an uncompressed reply when ``expect``, the
+    clients' compression, says they compress (None: anything goes)."""
     if expect is not None and expect.wire_codecs():
         raise CodecMismatchError(f"client sent an uncompressed update ('{keys.ARRAYS}'), this server expects "
                                  f"{_expected(expect)}; add CompressionMod to the ClientApp")

@@ -47,20 +47,22 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fededge import keys
 from fededge._flwr_internals import runs_messages_in_order, wire_size
-from fededge.algorithms.dga import DGAConfig, DGAServer, DGATimeline, last_arrived
+from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived
 from fededge.compress import MalformedPayloadError
+from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.protocol import cast_downlink
 from fededge.netem.clock import ClientRound
 from fededge.netem.runclock import RunClock
-from fededge.strategies._replies import fixed_participants, usable_reply
+from fededge.strategies._replies import fixed_participants, reported_partition, usable_reply
 from fededge.strategies.report import RoundReport
-from fededge.strategies.compressed import DOWNLINK, CompressionStats, decode_compressed
+from fededge.strategies.compressed import (
+    CodecMismatchError, CompressionStats, check_uncompressed, decode_compressed,
+)
 
 __all__ = ["DGA", "DGARoundInfo", "PIPELINE_MODES"]
 
 log = logging.getLogger("fededge")
 
-PIPELINE_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -74,6 +76,7 @@ class DGARoundInfo:
     rejected: int = 0
     reasons: list[str] = field(default_factory=list)
     pipelined: bool = False
+    mismatched: int = 0  # of the rejected: in another codec than ``DGA(update=...)``
 
 
 class DGA(FedAvg):
@@ -81,16 +84,9 @@ class DGA(FedAvg):
 
     Parameters
     ----------
-    delay : int
-        D, in rounds. 0 is synchronous local SGD (FedAvg), bit for bit.
-    correction : bool
-        DGA's correction (swap the own stale update for the average); off is plain
-        delayed averaging.
-    warmup_rounds : int
-        The first rounds run with D = 0.
-    pipeline : str
-        ``auto``, ``on`` or ``off`` (see the module docstring). ``on`` on a grid that
-        may run two messages of one node at once is refused.
+    delay, correction, warmup_rounds, pipeline
+        :class:`fededge.algorithms.dga.DGAConfig`'s knobs (their defaults, checks and
+        meaning are declared there, once).
     downlink : str
         ``none``, ``fp16`` or ``bf16``: cast ``G(g)`` for the messages that carry it. The
         clients then start from the rounded copy, while the server keeps the exact
@@ -100,20 +96,32 @@ class DGA(FedAvg):
         How often the pipelined loop pulls replies from a real SuperLink (each pull
         costs the SuperLink CPU; SuperNodes themselves poll every 3 s). The in-process
         grid runs messages when pulled, so it never waits.
+    update : UpdateConfig, optional
+        The clients' compression (their :class:`~fededge.clients.mods.CompressionMod`'s),
+        to check their updates against, as :class:`~fededge.strategies.compressed.Compressed`
+        does: a reply in another codec, or uncompressed when ``update`` compresses, is
+        rejected by name (:class:`~fededge.strategies.compressed.CodecMismatchError`),
+        logged and counted (``rejected``, ``mismatched``), and the round goes on without
+        it; a round in which every update was refused so stops the run with that error.
+        None (default) accepts any codec the decoder knows.
     **fedavg
         Flower's FedAvg arguments (sampling, record keys, weighting).
     """
 
-    def __init__(self, *, delay: int = 0, correction: bool = True, warmup_rounds: int = 0,
-                 pipeline: str = "auto", downlink: str = "none", poll_s: float = 0.5, **fedavg: Any) -> None:
+    #: Whether someone takes the rounds' rejections (:meth:`take_round_info`, as
+    #: :class:`~fededge.server.measure.Experiment` does) and reports them; until then
+    #: DGA logs each one as a warning itself.
+    _reported = False
+
+    def __init__(self, *, delay: int = DGAConfig.delay, correction: bool = DGAConfig.correction,
+                 warmup_rounds: int = DGAConfig.warmup_rounds, pipeline: str = DGAConfig.pipeline,
+                 downlink: str = DownlinkConfig.downlink, poll_s: float = 0.5,
+                 update: UpdateConfig | None = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        if pipeline not in PIPELINE_MODES:
-            raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {pipeline!r}")
-        if downlink not in DOWNLINK:
-            raise ValueError(f"downlink must be one of {', '.join(DOWNLINK)}, got {downlink!r}")
+        DownlinkConfig(downlink=downlink)  # checks the name
         self.downlink = downlink
         self._down: dict[int, dict[str, ArrayRecord]] = {}  # g -> G(g) cast for the downlink (built once)
-        self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds)
+        self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds, pipeline=pipeline)
         self.pipeline = pipeline
         self.poll_s = poll_s
         self._info: dict[int, DGARoundInfo] = {}
@@ -127,9 +135,12 @@ class DGA(FedAvg):
         self._work: dict[int, list[tuple[int, int | None, ClientRound]]] = {}  # round -> (pid, n, work)
         self._wait_s: float | None = None
         self._local_steps: int | None = None
+        self.update = update
 
     def take_round_info(self, rnd: int) -> DGARoundInfo | None:
-        """The round's :class:`DGARoundInfo` (once; the experiment records it)."""
+        """The round's :class:`DGARoundInfo` (once; the experiment records it). A caller
+        of this reports the rejections itself: DGA then logs them at DEBUG."""
+        self._reported = True
         return self._info.pop(rnd, None)
 
     def take_stats(self) -> CompressionStats:
@@ -149,6 +160,7 @@ class DGA(FedAvg):
         report = RoundReport(
             groups=(str(server_round),), sim_s=self._round_sim_s(server_round),
             rejected=comp.rejected + (info.rejected if info else 0),
+            mismatched=comp.mismatched + (info.mismatched if info else 0),
             reasons=[*(f"a client update was rejected and left out: {r}" for r in (info.reasons if info else [])),
                      *(f"a compressed update was rejected and left out: {r}" for r in comp.reasons)],
             payload_bytes=comp.payload_bytes, dense_bytes=comp.dense_bytes)
@@ -168,8 +180,9 @@ class DGA(FedAvg):
             return None
         work = self._work.pop(t, [])
         if self._timeline is None and work:
-            n = max((num or 0) for _, num, _ in work)
-            clock = self._clock.build(max(n, 1 + max(pid for pid, _, _ in work)))
+            # As many clients as the replies report partitions, else as the run has nodes.
+            reported = max((num for _, num, _ in work if num is not None), default=None)
+            clock = self._clock.build(max(self._clock.num_clients(reported), 1 + max(pid for pid, _, _ in work)))
             self._timeline = DGATimeline(clock, self.config, clients=range(len(clock.clients)))
             for s in range(1, t):  # rounds before the first reply: nothing on the clock
                 self._timeline.run_round(s, [])
@@ -184,15 +197,18 @@ class DGA(FedAvg):
 
     def _note_work(self, t: int, replies: list[Message]) -> None:
         """Each reply's download, compute and upload, as sent and received (before any
-        decoding), for the clock."""
+        decoding), for the clock. A reply is placed on the client (link) its partition id
+        names, or, from a ClientApp that reports none, by its node id
+        (:meth:`RunClock.place <fededge.netem.runclock.RunClock.place>`, as the
+        experiment's own timing and the asynchronous strategies place it)."""
         if self._clock is None:
             return
         work = self._work.setdefault(t, [])
         for r in replies:
-            metrics = next(iter(r.content.metric_records.values()), {}) if not r.has_error() else {}
-            if keys.REPLY_PARTITION_ID not in metrics:
+            pid = None if r.has_error() else self._clock.place(r.metadata.src_node_id, reported_partition(r))
+            if pid is None:  # an error, or a node the clock does not know
                 continue
-            pid = int(metrics[keys.REPLY_PARTITION_ID])
+            metrics = next(iter(r.content.metric_records.values()), {})
             num = int(metrics[keys.REPLY_NUM_PARTITIONS]) if keys.REPLY_NUM_PARTITIONS in metrics else None
             compute = self._clock.compute_s(
                 float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None,
@@ -321,7 +337,7 @@ class DGA(FedAvg):
         valid = []
         for r in replies:
             node = r.metadata.src_node_id
-            why = r.error.reason if r.has_error() else self._decode(r, info.global_round) or usable_reply(
+            why = r.error.reason if r.has_error() else self._decode(r, info) or usable_reply(
                 r, arrays_key=self.arrayrecord_key, model_keys=self._keys, weight_key=self.weighted_by_key)
             if why is None:
                 valid.append(r)
@@ -331,8 +347,14 @@ class DGA(FedAvg):
                 info.rejected += 1
                 info.reasons.append(f"node {node}: {why}")
             # Reported once by the caller: errors from the grid's metering, rejections
-            # from take_round_info().reasons.
-            log.debug("DGA round %d: node %d left out: %s", t, node, why)
+            # from take_round_info().reasons; with no such caller, rejections are warned here.
+            log.log(logging.WARNING if not self._reported and not r.has_error() else logging.DEBUG,
+                    "DGA round %d: node %d left out: %s", t, node, why)
+        if info.mismatched and not valid:  # every later round would be refused the same way
+            first = next(r for r in info.reasons if CodecMismatchError.__name__ in r)
+            raise CodecMismatchError(
+                f"DGA round {t}: every client update was refused: {first}. Give the clients' "
+                f"CompressionMod and the server's DGA(..., update=...) the same UpdateConfig")
         stale = [int(m[keys.DGA_STALENESS]) for r in valid
                  for m in r.content.metric_records.values() if keys.DGA_STALENESS in m]
         if stale:
@@ -354,15 +376,21 @@ class DGA(FedAvg):
         self._result.arrays = arrays
         self._info[t] = info
 
-    def _decode(self, reply: Message, g: int) -> str | None:
+    def _decode(self, reply: Message, info: DGARoundInfo) -> str | None:
         """A compressed reply carries Δ(t) (fededge.clients.mods.CompressionMod): rebuild G(g) + Δ(t) in
-        place. Returns why it does not decode (the reply is then left out), else None."""
-        if keys.COMPRESSED not in reply.content:
-            return None
+        place. Returns why it does not decode, or is not in the codec ``update`` names (the
+        reply is then left out; a codec mismatch is counted in ``info.mismatched``), else None."""
         try:
-            reply.content = decode_compressed(reply.content, self._server.global_model(g), self._stats)
+            if keys.COMPRESSED not in reply.content:
+                check_uncompressed(self.update)
+                return None
+            reply.content = decode_compressed(reply.content, self._server.global_model(info.global_round),
+                                              self._stats, expect=self.update)
         except MalformedPayloadError as err:  # counted and logged with the round's other rejections
             return f"malformed compressed update: {err}"
+        except CodecMismatchError as err:
+            info.mismatched += 1
+            return f"{type(err).__name__}: {err}"
         return None
 
     def _evaluate(self, t: int) -> None:

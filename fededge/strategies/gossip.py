@@ -62,6 +62,7 @@ from fededge import keys
 from fededge._flwr_internals import wire_size
 from fededge.algorithms.gossip import (
     ChocoConfig,
+    GossipConfig,
     ChocoNode,
     Weights,
     GossipTimeline,
@@ -74,14 +75,13 @@ from fededge.algorithms.gossip import (
 )
 from fededge.protocol import decode_update_record
 from fededge.netem.runclock import RunClock
+from fededge.strategies._replies import reported_partition
 from fededge.strategies.report import RoundReport
 from fededge.topology import Topology, build_topology
 
 __all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
 
 log = logging.getLogger("fededge")
-
-ALGORITHMS = ("dpsgd", "choco")
 
 
 @dataclass
@@ -90,8 +90,8 @@ class GossipNode:
 
     index: int
     node_id: int
-    partition_id: int | None
-    compute_s: float
+    partition_id: int | None  # its client (link) on the clock: reported, or by node id
+    compute_s: float | None  # reported; None: the clock charges its default (RunClock.compute_s)
     bytes_up: int  # its gossip message (what each out-neighbour receives)
     bytes_down: int  # what the relay sent it this round apart from neighbours' messages
     train_loss: float | None = None
@@ -121,18 +121,17 @@ class Gossip(FedAvg):
 
     Parameters
     ----------
-    topology : str
-        A name of :data:`fededge.topology.TOPOLOGIES`; built when the run starts, for the
-        number of connected nodes (a :class:`~fededge.topology.TopologyError` then stops
-        the run before any training).
+    topology, mixing, algorithm
+        :class:`fededge.algorithms.gossip.GossipConfig`'s knobs (defaults, checks and
+        meaning declared there). The graph is built when the run starts, for the number
+        of connected nodes (a :class:`~fededge.topology.TopologyError` then stops the run
+        before any training).
     topology_params : dict
-        The family's own parameters (``k``, ``p``, ``path``).
-    mixing : str
-        ``metropolis`` or ``max-degree``.
-    algorithm : str
-        ``dpsgd`` or ``choco``.
+        The family's own parameters (``k``, ``p``, ``path``), as
+        :meth:`GossipConfig.topology_params` gives them.
     gamma : float
-        CHOCO's consensus step size (ignored by D-PSGD).
+        CHOCO's consensus step size, :attr:`fededge.algorithms.gossip.ChocoConfig.gamma`
+        (ignored by D-PSGD).
     seed : int
         Seeds the random graph families.
     **fedavg
@@ -143,12 +142,12 @@ class Gossip(FedAvg):
     >>> s = Gossip(topology="ring", algorithm="choco", gamma=0.05)
     """
 
-    def __init__(self, *, topology: str = "ring", topology_params: dict[str, Any] | None = None,
-                 mixing: str = "metropolis", algorithm: str = "dpsgd", gamma: float = 1.0,
-                 seed: int = 0, **fedavg: Any) -> None:
+    def __init__(self, *, topology: str = GossipConfig.topology, topology_params: dict[str, Any] | None = None,
+                 mixing: str = GossipConfig.mixing, algorithm: str = GossipConfig.algorithm,
+                 gamma: float = ChocoConfig.gamma, seed: int = 0, **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        GossipConfig(algorithm=algorithm, topology=topology, mixing=mixing,
+                     topology_file=str((topology_params or {}).get("path", "")))  # the names, checked
         self.topology_name = topology
         self.topology_params = dict(topology_params or {})
         self.mixing_rule = mixing
@@ -197,8 +196,9 @@ class Gossip(FedAvg):
                      "wait_s": None if self._wait_s is None else round(self._wait_s, 6)})
 
     def _round_sim_s(self, info: GossipRoundInfo, t: int) -> float | None:
-        """Round t on the clock: nodes by partition id, edges as relayed; None without a
-        clock (the caller then times it as a synchronous round)."""
+        """Round t on the clock: nodes by partition id (by node id for a ClientApp that
+        reports none), edges as relayed; None without a clock (the caller then times it
+        as a synchronous round)."""
         if self._clock is None:
             return None
         part = self._partition
@@ -371,14 +371,19 @@ class Gossip(FedAvg):
                 continue
             sent[i] = rec
             metrics = r.content[keys.METRICS]
-            if keys.REPLY_PARTITION_ID in metrics:
-                self._partition[i] = int(metrics[keys.REPLY_PARTITION_ID])
+            # The node's client (link) on the clock: the partition id it reports, or, from a
+            # ClientApp that reports none, its node id's index among the run's (RunClock.place).
+            reported = reported_partition(r)
+            placed = reported if self._clock is None else self._clock.place(r.metadata.src_node_id, reported)
+            if placed is not None:
+                self._partition[i] = placed
             eval_bytes = eval_bytes if self.algorithm == "choco" else 0
             info.bytes_eval_up += eval_bytes
             reply_bytes = wire_size(r) - eval_bytes
             info.nodes.append(GossipNode(
                 index=i, node_id=r.metadata.src_node_id, partition_id=self._partition.get(i),
-                compute_s=float(metrics.get(keys.COMPUTE_S, 0.0)), bytes_up=reply_bytes,
+                compute_s=float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None,
+                bytes_up=reply_bytes,
                 bytes_down=down.get(i, 0), train_loss=float(metrics.get(keys.TRAIN_LOSS, float("nan"))),
                 steps=int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None))
         missing = sorted(set(range(len(self.nodes))) - set(sent) - set(info.failed))

@@ -22,7 +22,8 @@ class FedAvgOuter(FedAvg):
     momentum = 0.9, nesterov = True`` (the ``diloco`` strategy's defaults).
     """
 
-    def __init__(self, *, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+    def __init__(self, *, lr: float = OuterSGD.lr, momentum: float = OuterSGD.momentum,
+                 nesterov: bool = OuterSGD.nesterov,
                  **fedavg: Any) -> None:
         super().__init__(**fedavg)
         self.outer = OuterSGD(lr=lr, momentum=momentum, nesterov=nesterov)

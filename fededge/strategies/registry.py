@@ -101,23 +101,25 @@ def _build(cfg: RunConfig) -> Strategy:
     if name == "krum":
         return fs.Krum(**kw, num_malicious_nodes=cfg.krum_byzantine)
     if name == "dga":
+        # The codec the clients were told to use: a reply in another one is rejected by name.
         return DGA(**kw, delay=cfg.dga_delay, correction=cfg.dga_correction,
                    warmup_rounds=cfg.dga_warmup_rounds, pipeline=cfg.dga_pipeline,
-                   downlink=cfg.downlink_compressor)
+                   downlink=cfg.downlink_compressor,
+                   update=cfg.update_config() if cfg.compressor != "none" else None)
     if name == "diloco":
-        return FedAvgOuter(**kw, lr=cfg.server_lr or 0.7, momentum=cfg.server_momentum,
-                           nesterov=cfg.server_momentum > 0)
+        return FedAvgOuter(**kw, **({"lr": cfg.server_lr} if cfg.server_lr > 0 else {}),
+                           momentum=cfg.server_momentum, nesterov=cfg.server_momentum > 0)
     if name == "gossip":
         return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
                       mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma,
                       seed=cfg.seed)
     loop = {"order": cfg.async_order, "concurrency": cfg.async_concurrency, "seed": cfg.seed}
-    staleness = StalenessFunction(cfg.staleness, a=cfg.staleness_a, b=cfg.staleness_b)
+    staleness = cfg.owned(StalenessFunction)
     if name == "fedasync":
         return FedAsync(**kw, **loop, alpha=cfg.async_alpha, staleness=staleness)
     if name == "fedbuff":
-        return FedBuff(**kw, **loop, buffer_size=cfg.buffer_size, server_lr=cfg.server_lr or 1.0,
-                       staleness=staleness)
+        return FedBuff(**kw, **loop, buffer_size=cfg.buffer_size, staleness=staleness,
+                       **({"server_lr": cfg.server_lr} if cfg.server_lr > 0 else {}))
     if name == "ssp":
         return SSP(**kw, **loop, bound=cfg.ssp_bound)
     if name == "backup":

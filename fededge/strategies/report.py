@@ -51,6 +51,10 @@ class RoundReport:
         nor ``rejected``.
     rejected : int
         Replies that arrived but could not be used (did not decode, wrong shape).
+    mismatched : int
+        Of the ``rejected``: updates refused because they came in another codec than the
+        server was told the clients use (a
+        :class:`~fededge.strategies.compressed.CodecMismatchError`).
     reasons : list of str
         One line per rejection, reported once each ("a compressed update was rejected
         and left out: node 7: ...").
@@ -84,6 +88,7 @@ class RoundReport:
     sim_s: float | None = None
     num_clients: int | None = None
     rejected: int = 0
+    mismatched: int = 0
     reasons: list[str] = field(default_factory=list)
     payload_bytes: int = 0
     dense_bytes: int = 0
@@ -112,6 +117,7 @@ class RoundReport:
             sim_s=either(self.sim_s, other.sim_s),
             num_clients=either(self.num_clients, other.num_clients),
             rejected=self.rejected + other.rejected,
+            mismatched=self.mismatched + other.mismatched,
             reasons=[*self.reasons, *other.reasons],
             payload_bytes=self.payload_bytes + other.payload_bytes,
             dense_bytes=self.dense_bytes + other.dense_bytes,

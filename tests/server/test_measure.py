@@ -10,17 +10,20 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy
 
 import fededge.server.experiment as experiment_module
 import fededge.server.measure as measure_module
+from fededge import keys
 from fededge._flwr_internals import wire_size
+from fededge.api import DGA, Compressed, CompressionMod, DGAMod, Gossip, GossipMod, UpdateConfig
 from fededge.clients.app import app as fededge_client
 from fededge.clients.train import evaluate
 from fededge.config import RunConfig
@@ -51,8 +54,10 @@ def _user_evaluate(rnd: int, arrays: ArrayRecord) -> MetricRecord:
     return MetricRecord({"loss": loss, "accuracy": acc})
 
 
-def _measured_user_run(make_strategy, results: Path, *, rounds: int = 5, **experiment) -> Path:
-    """The user's ServerApp, measured: its own rounds key, its own evaluation, any strategy."""
+def _measured_user_run(make_strategy, results: Path, *, rounds: int = 5, mods: Sequence = (),
+                       **experiment) -> Path:
+    """The user's ServerApp, measured: its own rounds key, its own evaluation, any strategy;
+    fededge's ``mods`` (if any) on the user's train function."""
     app = ServerApp()
 
     @app.main()
@@ -64,7 +69,7 @@ def _measured_user_run(make_strategy, results: Path, *, rounds: int = 5, **exper
         context.state["run"] = ConfigRecord({"dir": str(res.run_dir)})
 
     run_config = {**userapp.RUN_CONFIG, "num-server-rounds": rounds}
-    grid = InProcessGrid(userapp.client_app(), num_nodes=NODES, run_config=run_config)
+    grid = InProcessGrid(userapp.client_app(list(mods)), num_nodes=NODES, run_config=run_config)
     return Path(str(run_server(app, grid).state["run"]["dir"]))
 
 
@@ -325,3 +330,120 @@ def test_the_library_pieces_import_neither_the_run_config_nor_fededges_clientapp
             " if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------- a user's ClientApp on DGA's and gossip's clocks
+
+TOPK = UpdateConfig(compressor="topk", topk_ratio=0.25, error_feedback=True)
+#: The clock's rules for the replies of the user's ClientApp: heterogeneous links and
+#: device speeds (so that where a node is placed shows in the time), a fixed compute.
+CLOCK = {"netem": "wifi:0.5,4g:0.5", "compute_speed": "lognormal:1.0", "compute_s": 0.5, "seed": 2}
+
+
+def _reporting_node_index():
+    """A mod that reports, as the reply's ``partition-id``, what the clock falls back to
+    for a reply without one: its node id's index among the run's node ids (the node ids
+    of an in-process grid are seeded, so a second grid has the same ones)."""
+    ids = sorted(InProcessGrid(userapp.client_app(), num_nodes=NODES, run_config=userapp.RUN_CONFIG).contexts)
+
+    def mod(msg, context, call_next):  # noqa: ANN001, ANN202
+        reply = call_next(msg, context)
+        if not reply.has_error():
+            reply.content["metrics"]["partition-id"] = ids.index(context.node_id)
+        return reply
+
+    return mod
+
+
+_OWN_CLOCK = {  # strategies that time their rounds themselves, with their client mods
+    "dga": (lambda: DGA(delay=1, fraction_evaluate=0.0), lambda: [DGAMod()]),
+    "gossip": (lambda: Gossip(topology="ring", algorithm="choco", gamma=0.8),
+               lambda: [GossipMod(UpdateConfig(compressor="signsgd"))]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OWN_CLOCK))
+def test_a_clientapp_that_reports_no_partition_id_gets_a_clock_per_node(tmp_path, name):
+    """The user's replies name no partition id: DGA and gossip place each node on the
+    clock by its node id, every round, exactly as if it had reported that index."""
+    make, mods = _OWN_CLOCK[name]
+    run = _measured_user_run(make, tmp_path / "silent", mods=mods(), **CLOCK)
+    silent = _lines(run)
+    named = _lines(_measured_user_run(make, tmp_path / "named", mods=[_reporting_node_index(), *mods()], **CLOCK))
+    # The four nodes' devices differ, so where a node is placed shows in the time.
+    speeds = [c["speed"] for c in json.loads((run / "netem.json").read_text())["clients"]]
+    assert len(speeds) == NODES and max(speeds) > 1.5 * min(speeds)
+    assert all(r["round_sim_s"] > 0 for r in silent[1:])
+    assert all(sorted(c["partition"] for c in r["clients"]) == list(range(NODES)) for r in silent[1:])
+    # Same links, same speeds, the same rounds on the clock (the reported metric adds a
+    # few bytes to each upload: microseconds on these links).
+    assert [r["round_sim_s"] for r in silent] == pytest.approx([r["round_sim_s"] for r in named], abs=1e-3)
+
+
+# ----------------------------------------------------------------- codec mismatches, counted in metrics.jsonl
+
+
+def _one_client_in(codec: str):
+    """Client 1's CompressionMod uses ``codec``; the others the server's TOPK."""
+    good, bad = CompressionMod(TOPK), CompressionMod(compressor=codec)
+
+    def mod(msg, context, call_next):  # noqa: ANN001, ANN202
+        return (bad if int(context.node_config["partition-id"]) == 1 else good)(msg, context, call_next)
+
+    return mod
+
+
+_CHECKED = {  # server sides told the clients' codec, with the client mods after the codec's
+    "compressed": (lambda: Compressed(FedAvg(fraction_evaluate=0.0), update=TOPK), []),
+    "dga": (lambda: DGA(delay=1, fraction_evaluate=0.0, update=TOPK), [DGAMod()]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CHECKED))
+def test_updates_in_another_codec_are_recorded_as_mismatched(tmp_path, name):
+    make, mods = _CHECKED[name]
+    run = _measured_user_run(make, tmp_path, rounds=3, mods=[_one_client_in("signsgd"), *mods])
+    lines, summary = _lines(run), _summary(run)
+    assert summary["status"] == "completed"
+    assert [(r["rejected"], r["mismatched"], r["num_clients"]) for r in lines] == \
+        [(0, 0, 0)] + [(1, 1, NODES - 1)] * 3
+    assert (summary["total_rejected"], summary["total_mismatched"]) == (3, 3)
+
+
+def test_an_update_that_does_not_decode_is_rejected_but_not_mismatched(tmp_path):
+    def truncating(msg, context, call_next):  # noqa: ANN001, ANN202 - client 1's payload is cut short
+        reply = call_next(msg, context)
+        if int(context.node_config["partition-id"]) == 1:
+            rec = reply.content[keys.COMPRESSED]
+            name = next(iter(rec.keys()))
+            rec[name] = Array(rec[name].numpy()[:-3].copy())
+        return reply
+
+    run = _measured_user_run(lambda: Compressed(FedAvg(fraction_evaluate=0.0), update=TOPK), tmp_path, rounds=2,
+                             mods=[truncating, CompressionMod(TOPK)])
+    assert [(r["rejected"], r["mismatched"]) for r in _lines(run)] == [(0, 0), (1, 0), (1, 0)]
+
+
+def test_round_reports_carry_mismatches_through_a_wrapper():
+    inner = RoundReport(rejected=1, mismatched=1)
+    assert inner.merge(RoundReport(rejected=2, mismatched=1)).mismatched == 2
+    assert RoundReport().mismatched == 0
+
+
+# ----------------------------------------------------------------- replaying a user's run
+
+
+@pytest.mark.parametrize("name", ["fedadam", "dga"])
+def test_a_users_run_replays_to_its_own_sim_s(tmp_path, name):
+    """The user's run config has none of fededge's keys (and a 'local-steps' of its own):
+    the replay reads the clock Experiment recorded, and DGA's delay from its rounds."""
+    make, mods = {"fedadam": (lambda: FedAdam(fraction_evaluate=0.0, eta=0.05), []),
+                  "dga": (lambda: DGA(delay=2, warmup_rounds=1, fraction_evaluate=0.0), [DGAMod()])}[name]
+    run = _measured_user_run(make, tmp_path, mods=mods, netem="wifi:0.5,3g:0.5", compute_speed="lognormal:0.5",
+                             seed=3, compute_s=0.4, sim_step_s=0.1, message_overhead_s=0.05)
+    lines = _lines(run)
+    assert "netem" not in json.loads((run / "config.json").read_text())["config"]
+    assert lines[-1]["sim_s"] > 0
+    assert replay_sim_s(run) == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
+    # Under an ideal network the same record is compute (and per-message overhead) only.
+    assert replay_sim_s(run, netem="")[-1] < lines[-1]["sim_s"] - 0.5

@@ -96,9 +96,9 @@ def test_a_failed_client_is_left_out_and_rejoins(tmp_path, pipeline):
 
 
 def test_bad_dga_settings_are_named():
-    with pytest.raises(ConfigError, match="'dga-delay' must be >= 0"):
+    with pytest.raises(ConfigError, match="'dga-delay': delay must be >= 0"):
         RunConfig.from_mapping({"strategy": "dga", "dga-delay": -1})
-    with pytest.raises(ConfigError, match="'dga-pipeline' must be one of auto, on, off"):
+    with pytest.raises(ConfigError, match="'dga-pipeline': pipeline must be one of auto, on, off"):
         RunConfig.from_mapping({"strategy": "dga", "dga-pipeline": "yes"})
     with pytest.raises(ConfigError, match="'downlink-compressor' with strategy='dga' needs a 'compressor'"):
         RunConfig.from_mapping({"strategy": "dga", "downlink-compressor": "fp16"})

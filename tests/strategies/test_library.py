@@ -101,3 +101,39 @@ def test_one_mismatched_client_is_rejected_and_logged_and_the_run_goes_on(caplog
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("fededge")]
     assert len(warned) == rounds and all("client sent codec 'signsgd'" in w and "expects 'topk'" in w
                                          for w in warned), warned
+
+
+def _one_client_in(codec: str):
+    """Client 1's CompressionMod sends ``codec``; the others TOPK, as the server expects."""
+    good, bad = CompressionMod(TOPK), CompressionMod(compressor=codec)
+
+    def mod(msg, context, call_next):  # noqa: ANN001, ANN202
+        return (bad if int(context.node_config["partition-id"]) == 1 else good)(msg, context, call_next)
+
+    return mod
+
+
+def test_dga_refuses_an_update_in_another_codec_by_name_and_the_run_goes_on(caplog):
+    caplog.set_level(logging.WARNING, logger="fededge")
+    history, _ = run(lambda c: DGA(delay=1, fraction_evaluate=0.0, min_available_nodes=N, update=TOPK),
+                     client_app([_one_client_in("signsgd"), DGAMod()]))
+    _learned(history)  # on the other three clients' updates
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("fededge")]
+    assert len(warned) == 5 and all("CodecMismatchError: client sent codec 'signsgd'" in w and "expects 'topk'" in w
+                                    for w in warned), warned
+
+
+def test_a_codec_mismatch_on_every_dga_client_fails_the_run_by_name():
+    with pytest.raises(CodecMismatchError, match=r"DGA round 1: every client update was refused: node \d+: "
+                                                 r"CodecMismatchError: client sent codec 'topk' "
+                                                 r"\(tensor 'fc1.weight'\), this server expects 'signsgd'"):
+        run(lambda c: DGA(delay=1, fraction_evaluate=0.0, min_available_nodes=N,
+                          update=UpdateConfig(compressor="signsgd")),
+            client_app([CompressionMod(TOPK), DGAMod()]))
+
+
+def test_an_uncompressed_dga_client_is_a_mismatch_too():
+    with pytest.raises(CodecMismatchError, match=r"client sent an uncompressed update \('arrays'\), this server "
+                                                 r"expects 'topk'"):
+        run(lambda c: DGA(delay=1, fraction_evaluate=0.0, min_available_nodes=N, update=TOPK),
+            client_app([DGAMod()]))

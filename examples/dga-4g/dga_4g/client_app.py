@@ -17,7 +17,5 @@ def train_fn(msg: Message, context: Context) -> Message:
     net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     x, y = load_data(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
     loss = train(net, x, y, int(context.run_config["local-steps"]), float(context.run_config["lr"]))
-    metrics = MetricRecord({"train-loss": loss, "num-examples": len(y),
-                            # fededge: DGA's simulated clock places each reply by the partition it names
-                            "partition-id": int(context.node_config["partition-id"])})
+    metrics = MetricRecord({"train-loss": loss, "num-examples": len(y)})
     return Message(RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics}), reply_to=msg)
