@@ -18,8 +18,12 @@ Every argument this command does not know is passed to ``flower-supernode`` unch
    whole process group (the SuperNode's SuperExec and ``flwr-clientapp`` children
    included), SIGKILL after ``--grace`` seconds. Both children also get
    ``PR_SET_PDEATHSIG``: if this command is killed outright, the kernel stops them.
-4. A worker that dies is logged, not restarted: the shim then runs messages cold
-   (in-process) until the node is restarted.
+4. A worker that dies is logged and started again, after 1 s, then 2 s, 4 s, ... (at
+   most 60 s) for the restarts that follow, up to ``--worker-restarts`` times (default
+   5; the environment variable ``FEDEDGE_WORKER_RESTARTS`` sets the default). A worker
+   that ran for 10 minutes before it died starts the count and the wait afresh. Until
+   it is back, and for good once the restarts are used up, the shim runs messages cold
+   (in-process): slower, never lost.
 
 ``--cold`` starts ``flower-supernode`` alone (the shim then runs every message
 in-process), for comparison.
@@ -62,6 +66,23 @@ def _exe(name: str) -> str:
     return str(exe) if exe.exists() else (shutil.which(name) or name)
 
 
+#: The default of ``--worker-restarts``.
+ENV_RESTARTS = "FEDEDGE_WORKER_RESTARTS"
+#: A worker that lived this long before it died starts the restart count afresh.
+_HEALTHY_S = 600.0
+_MAX_BACKOFF_S = 60.0
+
+
+def _restarts(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--worker-restarts / ${ENV_RESTARTS} must be an integer >= 0, got {text!r}")
+    return n
+
+
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         prog="fededge supernode", allow_abbrev=False,
@@ -73,6 +94,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--cache-dir", default=None,
                    help=f"the node's data cache (sets {ENV_CACHE_DIR}; 'off' disables it)")
     p.add_argument("--cold", action="store_true", help="no worker: every message runs in its own process")
+    p.add_argument("--worker-restarts", type=_restarts, default=os.environ.get(ENV_RESTARTS, "5"),  # argparse applies type to it
+                   help=f"how many times a worker that dies is started again (default 5, or ${ENV_RESTARTS}); "
+                        "meanwhile messages run cold")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
     p.add_argument("--worker-log", default=None, help="append the worker's log here (default: this stderr)")
     return p.parse_known_args(list(argv))
@@ -150,18 +174,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             env[ENV_SOCKET] = str(sock)
             log = open(args.worker_log, "ab") if args.worker_log else None  # noqa: SIM115
-            children.start("worker", [sys.executable, "-m", "fededge.clients.worker", "--socket", str(sock)],
-                           env, stdout=log or sys.stderr, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            print(f"fededge supernode: warm worker pid {children.procs['worker'].pid} on {sock}",
-                  file=sys.stderr, flush=True)
+            worker_cmd = [sys.executable, "-m", "fededge.clients.worker", "--socket", str(sock)]
+
+            def start_worker() -> None:
+                children.start("worker", worker_cmd, env, stdout=log or sys.stderr, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)
+                print(f"fededge supernode: warm worker pid {children.procs['worker'].pid} on {sock}",
+                      file=sys.stderr, flush=True)
+
+            start_worker()
         node = children.start("supernode", [_exe("flower-supernode"), *flower_args], env, stdin=subprocess.DEVNULL)
-        worker_told = False
+        restarts = 0  # since the last healthy worker
+        started = time.monotonic()
+        restart_at: float | None = None  # when the dead worker is to be started again
         while not stop_signal and node.poll() is None:
             w = children.procs.get("worker")
-            if w is not None and w.poll() is not None and not worker_told:
-                worker_told = True
-                print(f"fededge supernode: the warm worker exited with code {w.returncode}; messages run "
-                      "cold (in their own processes) from now on", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            if w is not None and w.poll() is not None and restart_at is None:
+                if now - started >= _HEALTHY_S:
+                    restarts = 0
+                if restarts < args.worker_restarts:
+                    wait = min(2.0 ** restarts, _MAX_BACKOFF_S)
+                    restarts += 1
+                    restart_at = now + wait
+                    print(f"fededge supernode: the warm worker exited with code {w.returncode}; restarting it "
+                          f"in {wait:.0f} s (restart {restarts} of {args.worker_restarts}); messages run cold "
+                          "meanwhile", file=sys.stderr, flush=True)
+                else:
+                    restart_at = float("inf")
+                    print(f"fededge supernode: the warm worker exited with code {w.returncode}; no restarts "
+                          f"left (--worker-restarts {args.worker_restarts}): messages run cold (in their own "
+                          "processes) from now on", file=sys.stderr, flush=True)
+            if restart_at is not None and now >= restart_at:
+                restart_at = None
+                started = now
+                start_worker()
             time.sleep(0.2)
         if stop_signal:
             children.stop()

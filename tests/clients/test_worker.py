@@ -279,33 +279,64 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _start_fededge_supernode(tmp_path: Path, *extra: str, env: dict | None = None):
+    """``fededge supernode`` against a SuperLink that is not there (the SuperNode retries):
+    the process, its runtime directory."""
+    fededge = Path(sys.executable).with_name("fededge")
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(fededge), "supernode", "--grace", "3", *extra, "--insecure", "--superlink",
+                             "127.0.0.1:1", "--node-config", "partition-id=0 num-partitions=1",
+                             "--port", str(port)], env={**os.environ, "XDG_RUNTIME_DIR": str(runtime), **(env or {})},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return proc, runtime
+
+
+def _cmdlines(pids) -> dict[int, str]:
+    out = {}
+    for k in pids:
+        try:
+            out[k] = Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            pass
+    return out
+
+
+def _wait_started(proc) -> set[int]:
+    deadline = time.monotonic() + 60
+    cmds: dict[int, str] = {}
+    while time.monotonic() < deadline:
+        cmds = _cmdlines(_descendants(proc.pid))
+        text = " ".join(cmds.values())
+        if "fededge.clients.worker" in text and "flower-superexec" in text:
+            return set(cmds)
+        time.sleep(0.2)
+    pytest.fail(f"not all started: {cmds}")
+
+
+def _stop_all(proc, kids: set[int]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for k in kids | _descendants(proc.pid):
+        try:
+            os.kill(k, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.stderr.close()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_fededge_supernode_starts_both_and_stops_both(tmp_path, sig):
     """One command: the worker and flower-supernode (with its SuperExec) come up; a signal
     to the command stops every one of them and removes the socket's directory."""
-    fededge = Path(sys.executable).with_name("fededge")
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(fededge), "supernode", "--grace", "3", "--insecure", "--superlink",
-                             "127.0.0.1:1", "--node-config", "partition-id=0 num-partitions=1",
-                             "--port", str(port)], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc, runtime = _start_fededge_supernode(tmp_path)
     kids: set[int] = set()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            kids = _descendants(proc.pid)
-            cmds = " ".join(Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace") for k in kids
-                            if Path(f"/proc/{k}/cmdline").exists())
-            if "fededge.clients.worker" in cmds and "flower-superexec" in cmds:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"not all started: {cmds}")
+        kids = _wait_started(proc)
         socks = list(runtime.glob("fededge-worker-*/worker.sock"))
         assert len(socks) == 1 and (socks[0].parent.stat().st_mode & 0o777) == 0o700
         proc.send_signal(sig)
@@ -316,12 +347,49 @@ def test_fededge_supernode_starts_both_and_stops_both(tmp_path, sig):
         assert not [k for k in kids if _alive(k)], "orphans left"
         assert list(runtime.iterdir()) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for k in kids | _descendants(proc.pid):
-            try:
-                os.kill(k, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.stderr.close()
+        _stop_all(proc, kids)
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_dead_worker_is_restarted_until_the_restarts_run_out(tmp_path, restarts):
+    """A worker killed outright is started again (1 s later, on the same socket), as many
+    times as --worker-restarts allows; then the node stays up and runs messages cold."""
+    proc, runtime = _start_fededge_supernode(tmp_path, env={"FEDEDGE_WORKER_RESTARTS": str(restarts)})
+    kids: set[int] = set()
+
+    def worker_pids() -> list[int]:
+        return [k for k, c in _cmdlines(_descendants(proc.pid)).items() if "fededge.clients.worker" in c]
+
+    try:
+        kids = _wait_started(proc)
+        (first,) = worker_pids()
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        again: list[int] = []
+        while time.monotonic() < deadline:
+            again = [p for p in worker_pids() if p != first and _alive(p)]
+            if again:
+                break
+            time.sleep(0.2)
+        if restarts:
+            assert len(again) == 1, "the worker was not started again"
+            kids |= set(again)
+            sock = next(runtime.glob("fededge-worker-*/worker.sock"))
+            deadline = time.monotonic() + 60  # it imports torch, then listens on the same socket
+            while time.monotonic() < deadline and not sock.exists():
+                time.sleep(0.2)
+            assert sock.exists()
+            os.kill(again[0], signal.SIGKILL)  # the second death: no restarts left
+            time.sleep(3)
+            assert [p for p in worker_pids() if _alive(p)] == []
+        else:
+            assert again == []
+        assert proc.poll() is None, "the node must stay up without its worker"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        err = proc.stderr.read().decode(errors="replace")
+        if restarts:
+            assert "restarting it in 1 s (restart 1 of 1)" in err, err
+        assert f"no restarts left (--worker-restarts {restarts})" in err, err
+    finally:
+        _stop_all(proc, kids)
