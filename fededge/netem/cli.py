@@ -1,11 +1,14 @@
-"""``fededge netem ...``: list and show link profiles; the proxy and kernel backends add
-their own subcommands (``proxy``, ``apply``, ``clear``) through ``register_cli``."""
+"""``fededge netem ...``: list and show link profiles, shape an interface with the kernel
+backend (``apply``, ``clear``); the proxy adds its own subcommand (``proxy``) through
+``fededge.netem.proxy.register_cli``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from fededge.netem import kernel
 from fededge.netem.profiles import ProfileError, get_profile, load_profiles
 
 __all__ = ["register"]
@@ -46,6 +49,75 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_apply(args: argparse.Namespace) -> int:
+    try:
+        profile = get_profile(args.profile, load_profiles(args.profiles_file))
+        plan = kernel.plan_apply(args.dev, profile, args.direction, side=args.side, mtu=args.mtu)
+    except (ProfileError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    prefix = f"ip netns exec {args.netns} " if args.netns else ""
+    if not plan:
+        print(f"profile {profile.name!r} shapes nothing in direction {args.direction}; nothing to do")
+        return 0
+    if args.dry_run:
+        for op in plan:
+            print(prefix + op.describe())
+        return 0
+    try:
+        applied = kernel.apply(plan, netns=args.netns)
+    except kernel.KernelShapingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for op in applied:
+        print(prefix + op.describe())
+    print(f"{args.dev}: shaped with profile {profile.name!r} ({args.direction}); undo with "
+          f"`fededge netem clear --dev {args.dev}{' --netns ' + args.netns if args.netns else ''}`")
+    return 0
+
+
+def _cmd_clear(args: argparse.Namespace) -> int:
+    prefix = f"ip netns exec {args.netns} " if args.netns else ""
+    if args.dry_run:
+        for op in kernel.plan_clear(args.dev):
+            print(prefix + op.describe())
+        return 0
+    try:
+        done = kernel.clear(args.dev, netns=args.netns)
+    except kernel.KernelShapingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for op in done:
+        print(prefix + op.describe())
+    if not done:
+        print(f"{args.dev}: no fededge shaping; nothing to clear")
+    return 0
+
+
+def _register_kernel(netem_subparsers: Any) -> None:
+    """``apply`` and ``clear``: the kernel backend (:mod:`fededge.netem.kernel`)."""
+    ap = netem_subparsers.add_parser(
+        "apply", help="shape a real interface with tc qdiscs via netlink (root or CAP_NET_ADMIN)",
+    )
+    ap.add_argument("--dev", required=True, help="interface to shape, e.g. eth0")
+    ap.add_argument("--profile", required=True, help="link profile name (see `fededge netem profiles`)")
+    ap.add_argument("--profiles-file", default=None, help="TOML file with extra profiles")
+    ap.add_argument("--direction", choices=("egress", "ingress", "both"), default="egress",
+                    help="egress (uplink on a client), ingress (downlink, via an IFB) or both")
+    ap.add_argument("--side", choices=("client", "server"), default="client",
+                    help="client: egress is the uplink; server: egress is the downlink")
+    ap.add_argument("--mtu", type=int, default=1500, help="interface MTU, for tbf's burst (default 1500)")
+    ap.add_argument("--netns", default=None, help="network namespace (as in `ip netns`) of the interface")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan as tc commands; apply nothing")
+    ap.set_defaults(func=_cmd_apply)
+
+    cl = netem_subparsers.add_parser("clear", help="remove fededge's shaping from an interface")
+    cl.add_argument("--dev", required=True)
+    cl.add_argument("--netns", default=None)
+    cl.add_argument("--dry-run", action="store_true", help="print what clear could remove; do nothing")
+    cl.set_defaults(func=_cmd_clear)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     netem = sub.add_parser("netem", help="link profiles and network emulation")
     nsub = netem.add_subparsers(dest="netem_command", required=True)
@@ -56,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("name")
     show.add_argument("--profiles-file", help="a TOML file of extra profiles")
     show.set_defaults(func=_cmd_show)
-    from fededge.netem import kernel, proxy
+    from fededge.netem import proxy
 
     proxy.register_cli(nsub)
-    kernel.register_cli(nsub)
+    _register_kernel(nsub)

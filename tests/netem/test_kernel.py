@@ -23,7 +23,9 @@ from fededge.netem.kernel import (
     CHILD_HANDLE, INGRESS_HANDLE, ROOT_HANDLE, AddFilter, AddIfb, AddQdisc, DelFilter, DelLink,
     DelQdisc, LinkUp, NetemParams, ShapingState, TbfParams,
 )
-from fededge.netem.profiles import Direction, LinkProfile
+from fededge.netem import cli as netem_cli
+from fededge.netem.kernel.netlink import _netem_msg_class
+from fededge.netem.profiles import Direction, LinkProfile, get_profile
 
 TC_H_ROOT, TC_H_INGRESS = 0xFFFFFFFF, 0xFFFFFFF1
 
@@ -194,7 +196,7 @@ def test_netem_message_encodes_delay_loss_and_gemodel():
     params = k.netem_params(Direction(delay_s=0.05, jitter_s=0.01, loss=0.01, loss_burst=4))
     msg = k.encode_netem(7, ROOT_HANDLE, TC_H_ROOT, params)
     msg.encode()
-    back = k._netem_msg_class()(msg.data)
+    back = _netem_msg_class()(msg.data)
     back.decode()
     assert (back["index"], back["handle"], back["parent"]) == (7, ROOT_HANDLE, TC_H_ROOT)
     assert back.get_attr("TCA_KIND") == "netem"
@@ -303,9 +305,8 @@ def test_rollback_failure_is_reported_not_swallowed():
 
 def _cli(argv):
     parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    k.register_cli(sub)
-    args = parser.parse_args(argv)
+    netem_cli.register(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["netem", *argv])
     return args.func(args)
 
 
@@ -313,7 +314,7 @@ def test_cli_dry_run_prints_one_tc_line_per_op_and_applies_nothing(capsys):
     assert _cli(["apply", "--dev", "nosuch0", "--profile", "wifi-congested", "--direction", "both",
                  "--netns", "ns1", "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    plan = k.plan_apply("nosuch0", k.get_profile("wifi-congested"), "both")
+    plan = k.plan_apply("nosuch0", get_profile("wifi-congested"), "both")
     assert lines == ["ip netns exec ns1 " + op.describe() for op in plan]
     assert _cli(["clear", "--dev", "eth0", "--dry-run"]) == 0
     assert capsys.readouterr().out.strip().splitlines() == [op.describe() for op in k.plan_clear("eth0")]
@@ -569,10 +570,11 @@ def test_netem_message_is_right_after_other_tc_messages_were_encoded():
         "from pyroute2.netlink.rtnl.tcmsg import tcmsg\n"
         "m = tcmsg(); m['attrs'] = [('TCA_KIND', 'tbf')]; m.encode()\n"
         "from fededge.netem import kernel as k\n"
+        "from fededge.netem.kernel.netlink import _netem_msg_class\n"
         "from fededge.netem.profiles import Direction\n"
         "p = k.netem_params(Direction(delay_s=0.05, loss=0.01, loss_burst=4))\n"
         "msg = k.encode_netem(7, 0x10000, 0xFFFFFFFF, p); msg.encode()\n"
-        "back = k._netem_msg_class()(msg.data); back.decode()\n"
+        "back = _netem_msg_class()(msg.data); back.decode()\n"
         "print(back.get_attr('TCA_OPTIONS').get_attr('TCA_NETEM_LOSS').get_attr('NETEM_LOSS_GE')['p'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
