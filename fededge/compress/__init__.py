@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fededge.compress.codec import REGISTRY, Codec, decode_any, register
+from fededge.compress.codec import REGISTRY, Codec, CodecConfig, decode_any, register
 from fededge.compress.codecs import (
-    BF16, FP16, QSGD, CodecConfig, Int8, Int8Config, OneBit, QSGDConfig, RandK, Raw, SignSGD,
+    BF16, FP16, QSGD, Int8, Int8Config, OneBit, QSGDConfig, RandK, Raw, SignSGD,
     SparsifyConfig, TernGrad, Threshold, ThresholdConfig, TopK, decode_index_set, encode_index_set,
 )
 from fededge.compress.dgc import DGCConfig, DGCEncoder

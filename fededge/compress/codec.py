@@ -17,13 +17,14 @@ Pure: no Flower.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from fededge.compress.wire import Header, MalformedPayloadError, unpack
 
-__all__ = ["Codec", "all_finite", "decode_any", "register", "REGISTRY"]
+__all__ = ["Codec", "CodecConfig", "ConfiguredCodec", "all_finite", "decode_any", "register", "REGISTRY"]
 
 REGISTRY: dict[str, type["Codec"]] = {}
 
@@ -66,6 +67,43 @@ class Codec(ABC):
         if header.codec != cls.name:
             raise MalformedPayloadError(f"payload is codec {header.codec!r}, not {cls.name!r}")
         return _checked(cls.decode_body(header, body), header, cls)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecConfig:
+    """Knobs every codec has.
+
+    Parameters
+    ----------
+    lossless : bool
+        Follow the codec with the zlib lossless stage (``Header.zlib``). Pays off for
+        bodies with redundancy (sparse bitmaps, low-entropy levels), rarely for floats.
+    """
+
+    lossless: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lossless, bool):
+            raise ValueError(f"lossless must be True or False, got {self.lossless!r}")
+
+
+class ConfiguredCodec(Codec):
+    """A codec configured by ``Config``: built from a config object or from keyword arguments
+    (which :func:`fededge.compress.build_codec` passes)."""
+
+    Config: ClassVar[type[CodecConfig]] = CodecConfig
+
+    def __init__(self, config: CodecConfig | None = None, /, **kwargs: Any) -> None:
+        if config is None:
+            config = self.Config(**kwargs)
+        elif kwargs:
+            raise ValueError("pass either a config object or keyword arguments, not both")
+        elif not isinstance(config, self.Config):
+            raise ValueError(f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
 
 
 def decode_any(payload: bytes) -> torch.Tensor:

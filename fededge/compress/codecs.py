@@ -18,13 +18,17 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from fededge.compress.codec import Codec, all_finite, register
-from fededge.compress.wire import DTYPES, Header, MalformedPayloadError, pack
+from fededge.compress._bits import (
+    as_output, bf16_bytes, bf16_values, check_body_size, codec_header, finite_f32s, flat32,
+    local_generator, pack_bools, pack_uints, pack_varints, read_params, read_varint, read_varints,
+    unpack_bools, unpack_uints, varint_lengths,
+)
+from fededge.compress.codec import CodecConfig, ConfiguredCodec, register
+from fededge.compress.wire import Header, MalformedPayloadError, pack
 
 __all__ = [
     "CodecConfig", "Int8Config", "QSGDConfig", "ThresholdConfig", "SparsifyConfig",
@@ -34,24 +38,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- configs
-
-
-@dataclass(frozen=True, kw_only=True)
-class CodecConfig:
-    """Knobs every codec has.
-
-    Parameters
-    ----------
-    lossless : bool
-        Follow the codec with the zlib lossless stage (``Header.zlib``). Pays off for
-        bodies with redundancy (sparse bitmaps, low-entropy levels), rarely for floats.
-    """
-
-    lossless: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lossless, bool):
-            raise ValueError(f"lossless must be True or False, got {self.lossless!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,177 +163,7 @@ def keep_count(ratio: float, d: int) -> int:
     return min(d, max(1, math.ceil(round(ratio * d, 6))))
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-class _Configured(Codec):
-    """Builds ``self.config`` from a config object or from keyword arguments."""
-
-    Config: ClassVar[type[CodecConfig]] = CodecConfig
-
-    def __init__(self, config: CodecConfig | None = None, /, **kwargs: Any) -> None:
-        if config is None:
-            config = self.Config(**kwargs)
-        elif kwargs:
-            raise ValueError("pass either a config object or keyword arguments, not both")
-        elif not isinstance(config, self.Config):
-            raise ValueError(f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}")
-        self.config = config
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.config!r})"
-
-
-def _flat32(x: torch.Tensor, *, check_finite: bool = True) -> torch.Tensor:
-    """``x`` as a contiguous flat float32 CPU tensor; refuses non-float and non-finite input.
-
-    ``check_finite=False`` is for encoders that check their (smaller) output instead."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
-        raise ValueError(f"encode needs a float tensor of dtype {sorted(map(str, DTYPES))}, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    f = x.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-    if check_finite and not all_finite(f):
-        raise ValueError("cannot encode a tensor holding NaN or Inf (in float32); fix the update first")
-    return f
-
-
-def _generator(generator: torch.Generator | None) -> torch.Generator:
-    if generator is None:
-        generator = torch.Generator()
-        generator.seed()  # local and non-deterministic; pass a seeded one to reproduce
-    return generator
-
-
-def _header(codec: str, x: torch.Tensor, params: bytes, cfg: CodecConfig) -> Header:
-    return Header(codec, x.dtype, tuple(int(s) for s in x.shape), params, cfg.lossless)
-
-
-def _params(header: Header, fmt: str) -> tuple:
-    size = struct.calcsize(fmt)
-    if len(header.params) != size:
-        raise MalformedPayloadError(
-            f"{header.codec} parameters are {len(header.params)} bytes, expected {size}"
-        )
-    return struct.unpack(fmt, header.params)
-
-
-def _need(header: Header, body: bytes, size: int) -> None:
-    if len(body) != size:
-        raise MalformedPayloadError(
-            f"{header.codec} body of shape {header.shape} must be {size} bytes, got {len(body)}"
-        )
-
-
-def _bf16_bytes(t: torch.Tensor) -> bytes:
-    """float32 -> bfloat16 (round to nearest even), little-endian u16 each."""
-    return t.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
-
-
-def _bf16_values(buf: bytes) -> np.ndarray:
-    """Little-endian u16 bfloat16 -> float32 (the top half of each float32)."""
-    return (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def _f32s(buf: bytes, what: str) -> np.ndarray:
-    a = np.frombuffer(buf, dtype="<f4").astype(np.float32)
-    if not np.isfinite(a).all():
-        raise MalformedPayloadError(f"{what} holds NaN or Inf")
-    return a
-
-
-def _pack_uints(values: np.ndarray, bits: int) -> bytes:
-    """Unsigned ints of ``bits`` bits each, element i at bit offset i*bits, LSB first."""
-    v = values.astype(np.uint32).reshape(-1, 1)
-    field = ((v >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.bool_)
-    return np.packbits(field.reshape(-1), bitorder="little").tobytes()
-
-
-def _unpack_uints(data: bytes, n: int, bits: int, what: str) -> np.ndarray:
-    if len(data) != (n * bits + 7) // 8:
-        raise MalformedPayloadError(f"{what}: {len(data)} bytes for {n} x {bits} bits")
-    raw = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
-    if raw[n * bits:].any():
-        raise MalformedPayloadError(f"{what}: padding bits after the last field are not zero")
-    field = raw[: n * bits].reshape(n, bits).astype(np.uint32)
-    return (field << np.arange(bits, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
-
-
-def _bits_np(data: bytes, n: int, what: str) -> np.ndarray:
-    return _unpack_uints(data, n, 1, what).astype(np.bool_)
-
-
-def _pack_bits_np(bits: np.ndarray) -> bytes:
-    return np.packbits(bits.astype(np.bool_).reshape(-1), bitorder="little").tobytes()
-
-
-def _out(values: np.ndarray, header: Header) -> torch.Tensor:
-    # np.require copies read-only views of the body (torch wants writable memory).
-    return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(header.shape)
-
-
-# ---------------------------------------------------------------- varints and index sets
-
-
-def _varint_lengths(v: np.ndarray) -> np.ndarray:
-    """Bytes of the LEB128 encoding of each value (values < 2**35)."""
-    v = v.astype(np.uint64)
-    n = np.ones(v.shape, dtype=np.int64)
-    for j in range(1, 5):
-        n += v >= (np.uint64(1) << np.uint64(7 * j))
-    return n
-
-
-def _varints(v: np.ndarray) -> bytes:
-    """Unsigned LEB128 (7 bits per byte, low group first, 0x80 = more follow), vectorized."""
-    v = v.astype(np.uint64).reshape(-1)
-    if v.size == 0:
-        return b""
-    n = _varint_lengths(v)
-    j = np.arange(5, dtype=np.uint64)
-    groups = ((v[:, None] >> (np.uint64(7) * j)) & np.uint64(0x7F)).astype(np.uint8)
-    more = (np.arange(5)[None, :] < (n[:, None] - 1)).astype(np.uint8) << 7
-    keep = np.arange(5)[None, :] < n[:, None]
-    return (groups | more)[keep].tobytes()
-
-
-def _read_varint(buf: bytes, off: int, what: str) -> tuple[int, int]:
-    value = 0
-    for j in range(5):
-        if off + j >= len(buf):
-            raise MalformedPayloadError(f"{what}: varint truncated at byte {off + j}")
-        b = buf[off + j]
-        value |= (b & 0x7F) << (7 * j)
-        if b < 0x80:
-            if value >= 2**32:
-                raise MalformedPayloadError(f"{what}: varint {value} exceeds 32 bits")
-            return value, off + j + 1
-    raise MalformedPayloadError(f"{what}: varint longer than 5 bytes")
-
-
-def _read_varints(buf: bytes, off: int, count: int, what: str) -> tuple[np.ndarray, int]:
-    """``count`` LEB128 values from ``buf[off:]`` -> (uint64 array, offset after them)."""
-    if count == 0:
-        return np.zeros(0, dtype=np.uint64), off
-    if count > len(buf) - off:
-        raise MalformedPayloadError(f"{what}: {count} varints announced but only {len(buf) - off} bytes follow")
-    b = np.frombuffer(buf, dtype=np.uint8, offset=off)
-    ends = np.flatnonzero(b < 0x80)
-    if ends.size < count:
-        raise MalformedPayloadError(f"{what}: {count} varints announced, {ends.size} found before the body ends")
-    ends = ends[:count]
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    if lengths.max() > 5:
-        raise MalformedPayloadError(f"{what}: varint longer than 5 bytes")
-    stop = int(ends[-1]) + 1
-    seg = b[:stop].astype(np.uint64) & np.uint64(0x7F)
-    group = np.repeat(np.arange(count), lengths)
-    pos = np.arange(stop) - np.repeat(starts, lengths)
-    vals = np.zeros(count, dtype=np.uint64)
-    np.add.at(vals, group, seg << (np.uint64(7) * pos.astype(np.uint64)))
-    if (vals >= np.uint64(2**32)).any():
-        raise MalformedPayloadError(f"{what}: varint exceeds 32 bits")
-    return vals, off + stop
+# --------------------------------------------------------------------------- index sets
 
 
 TAG_BITMAP = 0
@@ -364,12 +180,12 @@ def encode_index_set(idx: np.ndarray, d: int) -> bytes:
     idx = np.asarray(idx, dtype=np.int64)
     gaps = np.diff(idx, prepend=-1) - 1
     bitmap_len = (d + 7) // 8
-    varint_len = int(_varint_lengths(np.array([idx.size]))[0] + _varint_lengths(gaps).sum())
+    varint_len = int(varint_lengths(np.array([idx.size]))[0] + varint_lengths(gaps).sum())
     if varint_len < bitmap_len:
-        return bytes([TAG_VARINT]) + _varints(np.array([idx.size])) + _varints(gaps)
+        return bytes([TAG_VARINT]) + pack_varints(np.array([idx.size])) + pack_varints(gaps)
     mask = np.zeros(d, dtype=np.bool_)
     mask[idx] = True
-    return bytes([TAG_BITMAP]) + _pack_bits_np(mask)
+    return bytes([TAG_BITMAP]) + pack_bools(mask)
 
 
 def decode_index_set(body: bytes, d: int, what: str) -> tuple[np.ndarray, int]:
@@ -381,13 +197,13 @@ def decode_index_set(body: bytes, d: int, what: str) -> tuple[np.ndarray, int]:
         nb = (d + 7) // 8
         if len(body) < 1 + nb:
             raise MalformedPayloadError(f"{what}: bitmap needs {nb} bytes, body has {len(body) - 1}")
-        mask = _bits_np(body[1:1 + nb], d, f"{what} bitmap")
+        mask = unpack_bools(body[1:1 + nb], d, f"{what} bitmap")
         return np.flatnonzero(mask).astype(np.int64), 1 + nb
     if tag == TAG_VARINT:
-        k, off = _read_varint(body, 1, f"{what} index count")
+        k, off = read_varint(body, 1, f"{what} index count")
         if k > d:
             raise MalformedPayloadError(f"{what}: {k} indices for a tensor of {d} elements")
-        gaps, off = _read_varints(body, off, k, f"{what} index gaps")
+        gaps, off = read_varints(body, off, k, f"{what} index gaps")
         idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
         if k and idx[-1] >= d:
             raise MalformedPayloadError(f"{what}: index {int(idx[-1])} out of range for {d} elements")
@@ -399,7 +215,7 @@ def decode_index_set(body: bytes, d: int, what: str) -> tuple[np.ndarray, int]:
 
 
 @register
-class Raw(_Configured):
+class Raw(ConfiguredCodec):
     """float32 as is (lossless). Body: d float32. With ``lossless=True`` a zlib stage follows.
 
     Examples
@@ -412,18 +228,18 @@ class Raw(_Configured):
     biased = False
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
-        return pack(_header(self.name, x, b"", self.config), f.numpy().astype("<f4").tobytes())
+        f = flat32(x)
+        return pack(codec_header(self.name, x, b"", self.config), f.numpy().astype("<f4").tobytes())
 
     @classmethod
     def decode_body(cls, header, body):
-        _params(header, "")
-        _need(header, body, 4 * header.numel)
-        return _out(np.frombuffer(body, dtype="<f4"), header)
+        read_params(header, "")
+        check_body_size(header, body, 4 * header.numel)
+        return as_output(np.frombuffer(body, dtype="<f4"), header)
 
 
 @register
-class FP16(_Configured):
+class FP16(ConfiguredCodec):
     """IEEE half precision (round to nearest even). Body: d float16. Overflow (|x| > 65504)
     becomes Inf, which the decoder rejects, so encode refuses it up front."""
 
@@ -431,40 +247,40 @@ class FP16(_Configured):
     biased = True
 
     def encode(self, x, *, generator=None):
-        h = _flat32(x).to(torch.float16)
+        h = flat32(x).to(torch.float16)
         if not torch.isfinite(h).all():
             raise ValueError("tensor overflows float16 (|x| > 65504); use bf16 or int8 instead")
-        return pack(_header(self.name, x, b"", self.config), h.numpy().astype("<f2").tobytes())
+        return pack(codec_header(self.name, x, b"", self.config), h.numpy().astype("<f2").tobytes())
 
     @classmethod
     def decode_body(cls, header, body):
-        _params(header, "")
-        _need(header, body, 2 * header.numel)
-        return _out(np.frombuffer(body, dtype="<f2"), header)
+        read_params(header, "")
+        check_body_size(header, body, 2 * header.numel)
+        return as_output(np.frombuffer(body, dtype="<f2"), header)
 
 
 @register
-class BF16(_Configured):
+class BF16(ConfiguredCodec):
     """bfloat16 (the top 16 bits of float32, rounded to nearest even). Body: d uint16."""
 
     name = "bf16"
     biased = True
 
     def encode(self, x, *, generator=None):
-        return pack(_header(self.name, x, b"", self.config), _bf16_bytes(_flat32(x)))
+        return pack(codec_header(self.name, x, b"", self.config), bf16_bytes(flat32(x)))
 
     @classmethod
     def decode_body(cls, header, body):
-        _params(header, "")
-        _need(header, body, 2 * header.numel)
-        return _out(_bf16_values(body), header)
+        read_params(header, "")
+        check_body_size(header, body, 2 * header.numel)
+        return as_output(bf16_values(body), header)
 
 
 # --------------------------------------------------------------------------- quantizers
 
 
 @register
-class Int8(_Configured):
+class Int8(ConfiguredCodec):
     """Uniform symmetric int8 with a per-tensor or per-block scale.
 
     scale = max|x| / 127 over the tensor (``block=0``) or over each run of ``block``
@@ -486,7 +302,7 @@ class Int8(_Configured):
         self.biased = not self.config.stochastic
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         d = f.numel()
         block = min(self.config.block, d) if self.config.block else d
         block = max(block, 1)
@@ -498,34 +314,34 @@ class Int8(_Configured):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         r = blocks / safe[:, None]
         if self.config.stochastic:
-            r = torch.floor(r + torch.rand(r.shape, generator=_generator(generator)))
+            r = torch.floor(r + torch.rand(r.shape, generator=local_generator(generator)))
         else:
             r = torch.round(r)
         q = r.clamp_(-127, 127).to(torch.int8).reshape(-1)[:d]
         params = struct.pack("<IB", self.config.block, int(self.config.stochastic))
         body = scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
-        return pack(_header(self.name, x, params, self.config), body)
+        return pack(codec_header(self.name, x, params, self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        block, flags = _params(header, "<IB")
+        block, flags = read_params(header, "<IB")
         if flags & ~1:
             raise MalformedPayloadError(f"int8 flags 0x{flags:02x} has unknown bits")
         d = header.numel
         nblocks = 1 if block == 0 else -(-d // block)
-        _need(header, body, 4 * nblocks + d)
-        scale = _f32s(body[: 4 * nblocks], "int8 scales")
+        check_body_size(header, body, 4 * nblocks + d)
+        scale = finite_f32s(body[: 4 * nblocks], "int8 scales")
         if (scale < 0).any():
             raise MalformedPayloadError("int8 scales must be >= 0")
         q = np.frombuffer(body, dtype=np.int8, offset=4 * nblocks)
         if (q == -128).any():
             raise MalformedPayloadError("int8 value -128 is outside the symmetric range [-127, 127]")
         per = scale[np.arange(d) // block] if block else np.full(d, scale[0], dtype=np.float32)
-        return _out(q.astype(np.float32) * per, header)
+        return as_output(q.astype(np.float32) * per, header)
 
 
 @register
-class QSGD(_Configured):
+class QSGD(ConfiguredCodec):
     """QSGD: stochastic quantization to s levels of |x_i| / ||x_B||_2 per bucket B of
     ``bucket`` consecutive elements (Alistarh et al., 2017, "QSGD: Communication-Efficient
     SGD via Gradient Quantization and Encoding"). The default is bucket = 512, as in the
@@ -570,7 +386,7 @@ class QSGD(_Configured):
         return 4 * cls.num_buckets(d, bucket) + (d + 7) // 8 + (d * cls.level_bits(s) + 7) // 8
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         d = f.numel()
         s, bucket = self.config.levels, self.config.bucket
         nb = self.num_buckets(d, bucket)
@@ -583,16 +399,16 @@ class QSGD(_Configured):
         per = norms.repeat_interleave(width)[:d]  # each element's bucket norm
         live = per > 0
         r = f.abs() / torch.where(live, per, torch.ones_like(per)) * s
-        lv = torch.floor(r + torch.rand(f.shape, generator=_generator(generator))).clamp_(0, s)
+        lv = torch.floor(r + torch.rand(f.shape, generator=local_generator(generator))).clamp_(0, s)
         lv = torch.where(live, lv, torch.zeros_like(lv))
-        body = (norms.numpy().astype("<f4").tobytes() + _pack_bits_np((f < 0).numpy())
-                + _pack_uints(lv.to(torch.int64).numpy(), self.level_bits(s)))
+        body = (norms.numpy().astype("<f4").tobytes() + pack_bools((f < 0).numpy())
+                + pack_uints(lv.to(torch.int64).numpy(), self.level_bits(s)))
         params = struct.pack("<HI", s, bucket)
-        return pack(_header(self.name, x, params, self.config), body)
+        return pack(codec_header(self.name, x, params, self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        s, bucket = _params(header, "<HI")
+        s, bucket = read_params(header, "<HI")
         if s < 1:
             raise MalformedPayloadError("qsgd levels must be >= 1, got 0")
         d, b = header.numel, cls.level_bits(s)
@@ -604,21 +420,21 @@ class QSGD(_Configured):
                 f"qsgd body of shape {header.shape} (d = {d}) with bucket = {bucket} and s = {s} must be "
                 f"{size} bytes ({nb} norms x 4 + {nsign} sign + {(d * b + 7) // 8} level), got {len(body)}"
             )
-        norms = _f32s(body[: 4 * nb], "qsgd norms")
+        norms = finite_f32s(body[: 4 * nb], "qsgd norms")
         if (norms < 0).any():
             raise MalformedPayloadError(f"qsgd norm {float(norms.min())} is negative")
-        neg = _bits_np(body[4 * nb:4 * nb + nsign], d, "qsgd signs")
-        lv = _unpack_uints(body[4 * nb + nsign:], d, b, "qsgd levels")
+        neg = unpack_bools(body[4 * nb:4 * nb + nsign], d, "qsgd signs")
+        lv = unpack_uints(body[4 * nb + nsign:], d, b, "qsgd levels")
         if (lv > s).any():
             raise MalformedPayloadError(f"qsgd level {int(lv.max())} exceeds s = {s}")
         # min(): a forged huge bucket must not allocate more than d elements
         per = np.repeat(norms, min(bucket, d))[:d] if bucket else np.full(d, norms[0], dtype=np.float32)
         mag = per * (lv.astype(np.float32) / np.float32(s))
-        return _out(np.where(neg, -mag, mag), header)
+        return as_output(np.where(neg, -mag, mag), header)
 
 
 @register
-class TernGrad(_Configured):
+class TernGrad(ConfiguredCodec):
     """TernGrad: stochastic ternary quantization with max scaling (Wen et al., 2017,
     "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning").
 
@@ -633,29 +449,29 @@ class TernGrad(_Configured):
     biased = False
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         s = f.abs().max() if f.numel() else torch.tensor(0.0)
         if s > 0:
-            keep = torch.rand(f.shape, generator=_generator(generator)) < f.abs() / s
+            keep = torch.rand(f.shape, generator=local_generator(generator)) < f.abs() / s
         else:
             keep = torch.zeros(f.shape, dtype=torch.bool)
         code = torch.where(keep, torch.where(f < 0, 2, 1), 0)
-        body = s.numpy().astype("<f4").tobytes() + _pack_uints(code.numpy(), 2)
-        return pack(_header(self.name, x, b"", self.config), body)
+        body = s.numpy().astype("<f4").tobytes() + pack_uints(code.numpy(), 2)
+        return pack(codec_header(self.name, x, b"", self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        _params(header, "")
+        read_params(header, "")
         d = header.numel
-        _need(header, body, 4 + (2 * d + 7) // 8)
-        s = _f32s(body[:4], "terngrad scale")[0]
+        check_body_size(header, body, 4 + (2 * d + 7) // 8)
+        s = finite_f32s(body[:4], "terngrad scale")[0]
         if s < 0:
             raise MalformedPayloadError(f"terngrad scale {s} is negative")
-        code = _unpack_uints(body[4:], d, 2, "terngrad codes")
+        code = unpack_uints(body[4:], d, 2, "terngrad codes")
         if (code == 3).any():
             raise MalformedPayloadError("terngrad code 3 is not a ternary value (0, 1 = +1, 2 = -1)")
         t = np.where(code == 2, -1.0, code.astype(np.float64)).astype(np.float32)
-        return _out(np.float32(s) * t, header)
+        return as_output(np.float32(s) * t, header)
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -668,7 +484,7 @@ def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 @register
-class OneBit(_Configured):
+class OneBit(ConfiguredCodec):
     """1-bit SGD with per-column reconstruction values (Seide et al., 2014, "1-Bit
     Stochastic Gradient Descent and its Application to Data-Parallel Distributed Training
     of Speech DNNs").
@@ -687,7 +503,7 @@ class OneBit(_Configured):
     biased = True
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         rows, cols = _matrix_shape(tuple(x.shape))
         m = f.view(rows, cols).double()
         neg = m < 0
@@ -696,23 +512,23 @@ class OneBit(_Configured):
         pos_mean = torch.where(~neg, m, 0).sum(0) / npos.clamp(min=1)
         neg_mean = torch.where(neg, m, 0).sum(0) / nneg.clamp(min=1)
         body = (pos_mean.float().numpy().astype("<f4").tobytes()
-                + neg_mean.float().numpy().astype("<f4").tobytes() + _pack_bits_np(neg.numpy()))
-        return pack(_header(self.name, x, b"", self.config), body)
+                + neg_mean.float().numpy().astype("<f4").tobytes() + pack_bools(neg.numpy()))
+        return pack(codec_header(self.name, x, b"", self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        _params(header, "")
+        read_params(header, "")
         rows, cols = _matrix_shape(header.shape)
         d = header.numel
-        _need(header, body, 8 * cols + (d + 7) // 8)
-        pos = _f32s(body[: 4 * cols], "onebit positive means")
-        negm = _f32s(body[4 * cols: 8 * cols], "onebit negative means")
-        neg = _bits_np(body[8 * cols:], d, "onebit signs").reshape(rows, cols)
-        return _out(np.where(neg, negm[None, :], pos[None, :]), header)
+        check_body_size(header, body, 8 * cols + (d + 7) // 8)
+        pos = finite_f32s(body[: 4 * cols], "onebit positive means")
+        negm = finite_f32s(body[4 * cols: 8 * cols], "onebit negative means")
+        neg = unpack_bools(body[8 * cols:], d, "onebit signs").reshape(rows, cols)
+        return as_output(np.where(neg, negm[None, :], pos[None, :]), header)
 
 
 @register
-class SignSGD(_Configured):
+class SignSGD(ConfiguredCodec):
     """Scaled sign, as in EF-signSGD (Karimireddy et al., 2019, "Error Feedback Fixes
     SignSGD and other Gradient Compression Schemes").
 
@@ -726,25 +542,25 @@ class SignSGD(_Configured):
     biased = True
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         scale = (f.double().abs().sum() / max(f.numel(), 1)).float()
-        body = scale.numpy().astype("<f4").tobytes() + _pack_bits_np((f < 0).numpy())
-        return pack(_header(self.name, x, b"", self.config), body)
+        body = scale.numpy().astype("<f4").tobytes() + pack_bools((f < 0).numpy())
+        return pack(codec_header(self.name, x, b"", self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        _params(header, "")
+        read_params(header, "")
         d = header.numel
-        _need(header, body, 4 + (d + 7) // 8)
-        s = _f32s(body[:4], "signsgd scale")[0]
+        check_body_size(header, body, 4 + (d + 7) // 8)
+        s = finite_f32s(body[:4], "signsgd scale")[0]
         if s < 0:
             raise MalformedPayloadError(f"signsgd scale {s} is negative")
-        neg = _bits_np(body[4:], d, "signsgd signs")
-        return _out(np.where(neg, -s, s), header)
+        neg = unpack_bools(body[4:], d, "signsgd signs")
+        return as_output(np.where(neg, -s, s), header)
 
 
 @register
-class Threshold(_Configured):
+class Threshold(ConfiguredCodec):
     """Threshold quantization (Strom, 2015, "Scalable Distributed DNN Training Using
     Commodity GPU Cloud Computing").
 
@@ -761,32 +577,32 @@ class Threshold(_Configured):
     Config = ThresholdConfig
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         tau = np.float32(self.config.tau)
         fn = f.numpy()
         idx = np.flatnonzero(np.abs(fn) >= tau)
-        body = encode_index_set(idx, fn.size) + _pack_bits_np(fn[idx] < 0)
-        return pack(_header(self.name, x, struct.pack("<f", tau), self.config), body)
+        body = encode_index_set(idx, fn.size) + pack_bools(fn[idx] < 0)
+        return pack(codec_header(self.name, x, struct.pack("<f", tau), self.config), body)
 
     @classmethod
     def decode_body(cls, header, body):
-        (tau,) = _params(header, "<f")
+        (tau,) = read_params(header, "<f")
         if not (math.isfinite(tau) and tau > 0):
             raise MalformedPayloadError(f"threshold tau must be positive and finite, got {tau}")
         d = header.numel
         idx, off = decode_index_set(body, d, "threshold")
-        _need(header, body, off + (idx.size + 7) // 8)
-        neg = _bits_np(body[off:], idx.size, "threshold signs")
+        check_body_size(header, body, off + (idx.size + 7) // 8)
+        neg = unpack_bools(body[off:], idx.size, "threshold signs")
         out = np.zeros(d, dtype=np.float32)
         out[idx] = np.where(neg, -np.float32(tau), np.float32(tau))
-        return _out(out, header)
+        return as_output(out, header)
 
 
 def _value_bytes(values: torch.Tensor, precision: str) -> bytes:
     if precision == "fp32":
         return values.numpy().astype("<f4").tobytes()
     if precision == "bf16":
-        return _bf16_bytes(values)
+        return bf16_bytes(values)
     h = values.to(torch.float16)
     if not torch.isfinite(h).all():
         raise ValueError("a kept value overflows float16 (|x| > 65504); use values='bf16' or 'fp32'")
@@ -809,32 +625,32 @@ def topk_payload(x: torch.Tensor, flat: torch.Tensor, idx: torch.Tensor, values:
 
 def _sparse_decode(header: Header, body: bytes) -> torch.Tensor:
     if len(header.params) == 5:
-        ratio, code = _params(header, "<fB")
+        ratio, code = read_params(header, "<fB")
         if code >= len(SPARSE_VALUES):
             raise MalformedPayloadError(
                 f"{header.codec} value code {code} is unknown (0 fp32, 1 fp16, 2 bf16)")
     else:
-        (ratio,), code = _params(header, "<f"), 0
+        (ratio,), code = read_params(header, "<f"), 0
     if not (0 < ratio <= 1):
         raise MalformedPayloadError(f"{header.codec} ratio must be in (0, 1], got {ratio}")
     d = header.numel
     idx, off = decode_index_set(body, d, header.codec)
     width = 4 if code == 0 else 2
-    _need(header, body, off + width * idx.size)
+    check_body_size(header, body, off + width * idx.size)
     label = f"{header.codec} values"
     if code == 0:
-        vals = _f32s(body[off:], label)
+        vals = finite_f32s(body[off:], label)
     elif code == 1:
         vals = np.frombuffer(body[off:], dtype="<f2").astype(np.float32)
     else:
-        vals = _bf16_values(body[off:])
+        vals = bf16_values(body[off:])
     out = np.zeros(d, dtype=np.float32)
     out[idx] = vals
-    return _out(out, header)
+    return as_output(out, header)
 
 
 @register
-class TopK(_Configured):
+class TopK(ConfiguredCodec):
     """Top-k sparsification: the k = max(1, ceil(ratio d)) largest-magnitude elements
     (as in Aji & Heafield, 2017; Stich et al., 2018, "Sparsified SGD with Memory").
 
@@ -856,7 +672,7 @@ class TopK(_Configured):
         return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         idx = self.select(f)
         return topk_payload(x, f, idx, f[idx], self.config.ratio, self.config.lossless,
                             precision=self.config.values)
@@ -867,7 +683,7 @@ class TopK(_Configured):
 
 
 @register
-class RandK(_Configured):
+class RandK(ConfiguredCodec):
     """Random-k sparsification: k = max(1, ceil(ratio d)) indices drawn uniformly without
     replacement, values scaled by d / k so the estimate is unbiased (Stich et al., 2018,
     "Sparsified SGD with Memory"; Wangni et al., 2018).
@@ -880,10 +696,10 @@ class RandK(_Configured):
     Config = SparsifyConfig
 
     def encode(self, x, *, generator=None):
-        f = _flat32(x)
+        f = flat32(x)
         d = f.numel()
         k = self.config.k(d)
-        idx = torch.randperm(d, generator=_generator(generator))[:k].sort().values
+        idx = torch.randperm(d, generator=local_generator(generator))[:k].sort().values
         vals = f[idx] * (d / k) if k else f[idx]
         return topk_payload(x, f, idx, vals, self.config.ratio, self.config.lossless, "randk",
                             precision=self.config.values)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fededge.compress.codecs import _flat32, keep_count, topk_payload
+from fededge.compress._bits import flat32
+from fededge.compress.codecs import keep_count, topk_payload
 
 __all__ = ["DGCConfig", "DGCEncoder"]
 
@@ -113,7 +114,7 @@ class DGCEncoder:
     def encode(self, name: str, delta: torch.Tensor, *, round: int) -> bytes:
         """The top-k payload of tensor ``name``'s accumulated velocity at ``round`` (0-based)."""
         cfg = self.config
-        f = _flat32(delta)
+        f = flat32(delta)
         if cfg.clip_norm is not None:
             norm = float(torch.linalg.vector_norm(f.double()))
             if norm > cfg.clip_norm:

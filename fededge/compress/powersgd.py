@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fededge.compress.codec import Codec, all_finite, register
-from fededge.compress.codecs import BF16, FP16, CodecConfig, Raw, _Configured, _f32s, _flat32, _generator, _need, _params
+from fededge.compress._bits import check_body_size, finite_f32s, flat32, local_generator, read_params
+from fededge.compress.codec import Codec, CodecConfig, ConfiguredCodec, all_finite, register
+from fededge.compress.codecs import BF16, FP16, Raw
 from fededge.compress.wire import Header, MalformedPayloadError, pack
 
 __all__ = ["PowerSGDConfig", "PowerSGD", "PowerSGDEncoder", "reconstruct"]
@@ -105,7 +106,7 @@ def _payload(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lossless: bool) 
 
 
 @register
-class PowerSGD(_Configured):
+class PowerSGD(ConfiguredCodec):
     """Stateless PowerSGD: one power step from a random Q, no warm start, no feedback.
 
     For training use :class:`PowerSGDEncoder`, which keeps the warm-started Q and the
@@ -127,23 +128,23 @@ class PowerSGD(_Configured):
             raise ValueError(f"PowerSGD needs a non-empty tensor of >= 2 dims, got shape {tuple(x.shape)}; "
                              "send it with the fallback codec (PowerSGDEncoder does)")
         n, m = _matrix(tuple(x.shape))
-        mat = _flat32(x).view(n, m)
+        mat = flat32(x).view(n, m)
         r = min(self.config.rank, n, m)
-        q = torch.randn(m, r, generator=_generator(generator))
+        q = torch.randn(m, r, generator=local_generator(generator))
         p, q = power_step(mat, q)
         return _payload(x, p, q, self.config.lossless)
 
     @classmethod
     def decode_body(cls, header, body):
-        (r,) = _params(header, "<H")
+        (r,) = read_params(header, "<H")
         if len(header.shape) < 2:
             raise MalformedPayloadError(f"powersgd needs >= 2 dimensions, header shape is {header.shape}")
         n, m = _matrix(header.shape)
         if not 1 <= r <= min(n, m):
             raise MalformedPayloadError(f"powersgd rank {r} outside 1..min(n, m) = {min(n, m)}")
-        _need(header, body, 4 * r * (n + m))
-        p = torch.from_numpy(_f32s(body[: 4 * r * n], "powersgd P")).view(n, r)
-        q = torch.from_numpy(_f32s(body[4 * r * n:], "powersgd Q")).view(m, r)
+        check_body_size(header, body, 4 * r * (n + m))
+        p = torch.from_numpy(finite_f32s(body[: 4 * r * n], "powersgd P")).view(n, r)
+        q = torch.from_numpy(finite_f32s(body[4 * r * n:], "powersgd Q")).view(m, r)
         # P and Q are finite (checked above); every entry of P Q^T is at most
         # r * max|P| * max|Q|, so below float32's max the product is finite without a
         # pass over it (the generic check is skipped: output_finite_by_construction).
@@ -238,7 +239,7 @@ class PowerSGDEncoder:
         r = min(self.config.rank, n, m)
         # NaN or Inf anywhere in x reaches P and Q through M Q and M^T P: checking those
         # small factors replaces a pass over the whole tensor.
-        mat = _flat32(x, check_finite=False).view(n, m)
+        mat = flat32(x, check_finite=False).view(n, m)
         res = self.residual.get(name)
         owned = False
         if res is not None:
