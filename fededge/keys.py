@@ -59,6 +59,9 @@ CACHE_DIR = "cache-dir"  # the node cache's directory (fededge.nodecache), ``off
 STATE_SAMPLER = "fededge.sampler"
 STATE_DGA = "fededge.dga"  # DGA: the client's local model and its updates in flight
 STATE_COMPRESS = "fededge.compress"  # the update encoder's state (residuals, PowerSGD's Q, DGC)
+# ... and in the server's: where fededge's ServerApp leaves the run directory (``run-dir``)
+# for a caller holding the Context (fededge.server.inprocess.run_inprocess).
+SERVER_RESULT_KEY = "fededge.result"
 
 # Delayed Gradient Averaging (fededge.strategies.dga): train config the server sends ...
 DGA_GLOBAL_ROUND = "dga-global-round"  # g: the round of the global model the client holds

@@ -6,8 +6,9 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fededge.config import RunConfig
+from fededge.keys import SERVER_RESULT_KEY
 from fededge.server.experiment import run_experiment
-from fededge.server.inprocess import SERVER_RESULT_KEY, InProcessGrid
+from fededge.server.grid import InProcessGrid
 from fededge.server.results import new_run_id
 
 __all__ = ["app"]

@@ -27,7 +27,7 @@ from fededge.clients.device import resolve_device
 from fededge.clients.train import evaluate
 from fededge.config import RunConfig
 from fededge.models.zoo import count_parameters
-from fededge.server.inprocess import InProcessGrid
+from fededge.server.grid import InProcessGrid
 from fededge.server.measure import (
     Experiment, ExperimentResult, NotEnoughNodesError, RoundFailedError, seeded_sampling, wait_for_nodes,
 )

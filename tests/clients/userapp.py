@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from torch import nn
 
-from fededge.server.inprocess import InProcessGrid, run_server
+from fededge.server.grid import InProcessGrid, run_server
 
 RUN_CONFIG = {"num-server-rounds": 5, "my-lr": 0.5, "local-steps": 5, "not-fededge": "at all"}
 FEATURES, HIDDEN, CLASSES, PER_CLIENT = 16, 32, 3, 60

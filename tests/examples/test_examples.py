@@ -16,7 +16,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
 from fededge._flwr_internals import wire_size
-from fededge.server.inprocess import InProcessGrid, run_server
+from fededge.server.grid import InProcessGrid, run_server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NAMES = ["quickstart-compressed", "dga-4g", "choco-ring", "fedbuff-stragglers"]

@@ -23,7 +23,8 @@ from fededge.clients.mods import config_error_mod
 from fededge.keys import COMPRESSED
 from fededge.config import ConfigError, RunConfig
 from fededge.server.app import app as fededge_server
-from fededge.server.inprocess import InProcessGrid, run_inprocess
+from fededge.server.grid import InProcessGrid
+from fededge.server.inprocess import run_inprocess
 from fededge.server.metering import MeteredGrid
 from fededge.workload import check_partition, client_data
 

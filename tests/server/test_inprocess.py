@@ -15,7 +15,8 @@ from fededge import keys
 from fededge.clients.train import BatchSampler, local_sgd
 from fededge.config import ConfigError, RunConfig
 from fededge.server.experiment import NotEnoughNodesError, RoundFailedError, wait_for_nodes
-from fededge.server.inprocess import InProcessGrid, run_inprocess
+from fededge.server.grid import InProcessGrid
+from fededge.server.inprocess import run_inprocess
 from fededge.server.metering import MeteredGrid, wire_size
 from fededge.server.results import METRIC_FIELDS
 from fededge.workload import client_data, dataset_for, model_for

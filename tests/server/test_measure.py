@@ -29,7 +29,8 @@ from fededge.clients.train import evaluate
 from fededge.config import RunConfig
 from fededge.netem.profiles import ProfileError
 from fededge.server.experiment import train_config
-from fededge.server.inprocess import InProcessGrid, run_inprocess, run_server
+from fededge.server.grid import InProcessGrid, run_server
+from fededge.server.inprocess import run_inprocess
 from fededge.server.measure import Experiment
 from fededge.server.replay import replay_sim_s
 from fededge.strategies.fedbuff import FedBuff

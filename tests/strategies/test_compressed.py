@@ -99,7 +99,7 @@ def test_flower_fedadam_behind_the_wrapper(tmp_path):
 
 def test_encoder_state_lives_in_context_state(tmp_path):
     from fededge.clients.app import app as default_app
-    from fededge.server.inprocess import InProcessGrid  # noqa: F401 - for the type below
+    from fededge.server.grid import InProcessGrid  # noqa: F401 - for the type below
 
     seen = {}
 
