@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What fededge costs per message on a real deployment, over plain Flower apps.
 
-Rows (``--rows``), each on its own :class:`fededge.server.deploy.LocalDeployment` with the
+Rows (``--rows``), each on its own :class:`fededge.deploy.local.LocalDeployment` with the
 same shape (a SuperLink and ``--supernodes`` SuperNodes on 127.0.0.1, no proxy), the same
 number of rounds and the same model size on the wire, one after the other:
 
@@ -76,7 +76,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dga_deploy import CpuMeter, fmt, print_provenance, require_positive, steady_per_round, write_json
 
-from fededge.server.deploy import LocalDeployment, write_app_variant
+from fededge.deploy.local import LocalDeployment, write_app_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ("flower", "flower-torch", "fededge-cold", "fededge-cache", "fededge-warm")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """DGA against FedAvg in a real Flower deployment: wall-clock seconds per round.
 
-One :class:`fededge.server.deploy.LocalDeployment` on 127.0.0.1: a SuperLink and
+One :class:`fededge.deploy.local.LocalDeployment` on 127.0.0.1: a SuperLink and
 ``--supernodes`` SuperNodes (default 4), each dialling its own userspace netem proxy at
 ``--profile`` (default ``4g``: 27.5 ms each way, 6.3 Mbit/s up, 21.3 Mbit/s down). In
 that one deployment, one after the other, with the same rounds (``--rounds``, default 8)
@@ -49,9 +49,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fededge.cli import parse_run_config
+from fededge.deploy.local import LocalDeployment
 from fededge.netem.profiles import get_profile
-from fededge.server.deploy import LocalDeployment
+from fededge.runconfig_text import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Run-config keys the benchmark sets itself.

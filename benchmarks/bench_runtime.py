@@ -17,7 +17,7 @@ seed 0) runs three ways in one invocation:
     messages serialised as Flower's, no SuperLink, no Ray.
 ``flwr-sim``
     ``flwr run`` on Flower's local simulation (SuperLink + Ray), through
-    :func:`fededge.server.launch.flwr_run_local`; its wall time includes start-up.
+    :func:`fededge.deploy.launch.flwr_run_local`; its wall time includes start-up.
 
 Per mode it prints total wall time, steady-state seconds per round
 (``(wall at round R - wall at round 1) / (R - 1)``; round 1 carries one-off costs such as
@@ -216,7 +216,7 @@ def run_inproc(overrides: dict[str, Any], num_clients: int, tmp: Path) -> ModeRu
 
 
 def run_flwr(overrides: dict[str, Any], num_clients: int, tmp: Path, timeout_s: float) -> ModeRun:
-    from fededge.server.launch import flwr_run_local
+    from fededge.deploy.launch import flwr_run_local
 
     results = tmp / "flwr-results"
     try:
@@ -371,8 +371,8 @@ def build_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
     Raises ValueError for what the floor does not implement.
     """
-    from fededge.cli import parse_run_config
     from fededge.config import RunConfig
+    from fededge.runconfig_text import parse_run_config
 
     user = parse_run_config(args.run_config)
     taken = [k for k in user if k in CONTROLLED]

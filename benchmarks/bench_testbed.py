@@ -42,9 +42,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dga_deploy import CpuMeter, fmt, print_provenance, read_run, require_positive, write_json
 
-from fededge.cli import parse_run_config
 from fededge.deploy import testbed as tb
-from fededge.server.launch import parent_pid, proc_state
+from fededge.deploy.procs import parent_pid, proc_state
+from fededge.deploy.testbed import host
+from fededge.deploy.testbed.plan import PREFIX
+from fededge.runconfig_text import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLLED = ("strategy", "num-rounds", "local-steps", "dga-delay", "netem", "seed", "results-dir", "run-name",
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             _reap_zombies()
             if adopted:
                 _subreaper(False)
-    left_ns = [ns for ns in tb.list_netns() if ns.startswith(tb.PREFIX + tb.testbed_tag(state_dir))]
+    left_ns = [ns for ns in host.list_netns() if ns.startswith(PREFIX + tb.testbed_tag(state_dir))]
     if own_state and not left_ns:
         shutil.rmtree(state_dir, ignore_errors=True)
     load_after = os.getloadavg()

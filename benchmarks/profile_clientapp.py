@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where one message's ``flwr-clientapp`` process spends its seconds, end to end.
 
-Runs an app on a :class:`fededge.server.deploy.LocalDeployment` whose SuperNodes start,
+Runs an app on a :class:`fededge.deploy.local.LocalDeployment` whose SuperNodes start,
 for every message, not Flower's ``flwr-clientapp`` but a wrapper of the same name first
 on ``PATH`` that runs Flower's entry point under :mod:`cProfile` (the whole process:
 imports, pulling the message, the FAB, loading the app, the ClientApp's call, pushing the
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fededge.server.deploy import LocalDeployment
+from fededge.deploy.local import LocalDeployment
 
 ROOT = Path(__file__).resolve().parents[1]
 

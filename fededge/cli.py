@@ -28,7 +28,6 @@ is otherwise ``fededge: run failed: ...``).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 try:
     import tomllib
@@ -37,32 +36,9 @@ except ModuleNotFoundError:  # Python 3.10
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["main", "parse_run_config"]
+from fededge.runconfig_text import parse_run_config
 
-_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
-
-
-def parse_run_config(text: str | None) -> dict[str, Any]:
-    """Parse ``"k=v k2=v2"`` as ``flwr run --run-config`` does, or a ``.toml`` file.
-
-    Values are TOML (``3``, ``0.1``, ``true``, ``"text"``); a bare word that is not
-    valid TOML (``dataset=digits``) is taken as a string, a convenience Flower lacks.
-    """
-    if not text:
-        return {}
-    if text.endswith(".toml"):
-        with open(text, "rb") as f:
-            return tomllib.load(f)
-    out: dict[str, Any] = {}
-    consumed = _PAIR.sub("", text).strip()
-    if consumed:
-        raise ValueError(f"could not parse {consumed!r} in --run-config; write key=value pairs")
-    for key, raw in _PAIR.findall(text):
-        try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw.strip("'\"")
-    return out
+__all__ = ["main"]
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -130,7 +106,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     import tempfile
 
     from fededge.config import ConfigError
-    from fededge.server.launch import flwr_run_local
+    from fededge.deploy.launch import flwr_run_local
 
     try:
         overrides = parse_run_config(args.run_config)

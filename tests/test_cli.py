@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from fededge.cli import main, parse_run_config
+from fededge.cli import main
+from fededge.deploy.procs import FlwrRun
+from fededge.runconfig_text import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Issue 15's impossible split, scaled down: 100 clients cannot each get min-partition-size=10
@@ -62,7 +64,7 @@ def test_run_that_cannot_split_the_data_prints_one_line_and_exits_2(tmp_path):
 
 
 def test_simulate_checks_the_split_before_starting_flower(monkeypatch, capsys):
-    import fededge.server.launch as launch
+    import fededge.deploy.launch as launch
 
     def never(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("flwr run was started")
@@ -81,21 +83,21 @@ def test_simulate_checks_the_split_before_starting_flower(monkeypatch, capsys):
 def test_simulate_reports_a_config_error_raised_inside_the_simulation(monkeypatch, capsys):
     """The ServerApp checks too (for plain ``flwr run``); then the error comes from
     Flower's run log, whose status details keep the message but not its type."""
-    import fededge.server.launch as launch
+    import fededge.deploy.launch as launch
 
     msg = "a client (node 7) reports: partition='dirichlet' cannot give ..."
     output = ("INFO :      [ROUND 1/3]\nERROR :     Simulation raised an exception\n"
               "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
               f"fededge.errors.ConfigError: {msg}\n")
-    failed = launch.FlwrRun(0, output, "finished:failed", 1, 30.0, [],
+    failed = FlwrRun(0, output, "finished:failed", 1, 30.0, [],
                             {"status-details": f"Simulation failed with exception: {msg}"})
     monkeypatch.setattr(launch, "flwr_run_local", lambda *a, **k: failed)
     assert main(["simulate", str(ROOT), "--num-supernodes", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"fededge: configuration error: {msg}"
-    other = launch.FlwrRun(0, "boom", "finished:failed", 1, 3.0, [],
+    other = FlwrRun(0, "boom", "finished:failed", 1, 3.0, [],
                            {"status-details": "Simulation failed with exception: boom"})
     assert other.failure() == "run failed: Simulation failed with exception: boom"
-    assert launch.FlwrRun(0, "", "finished:completed", 1, 3.0, []).failure() is None
+    assert FlwrRun(0, "", "finished:completed", 1, 3.0, []).failure() is None
 
 
 def test_plot_of_missing_dir_exits_2(tmp_path, capsys):
@@ -129,10 +131,10 @@ def test_testbed_up_bad_input_exits_2_naming_it(tmp_path, capsys, args, needle):
 
 
 def test_testbed_up_without_root_exits_2_and_says_why(tmp_path, capsys, monkeypatch):
-    from fededge.deploy import testbed
+    from fededge.deploy.testbed import host
 
-    monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(testbed, "_capabilities", lambda: 0)
+    monkeypatch.setattr(host.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(host, "_capabilities", lambda: 0)
     assert main(["testbed", "up", "--clients", "2", "--state-dir", str(tmp_path / "tb")]) == 2
     assert "needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)" in capsys.readouterr().err
 

@@ -5,7 +5,7 @@ the message's content and the node's context (run config, node config,
 ``context.state``) to the node's warm worker (:mod:`fededge.clients.worker`) over a local
 Unix socket, and returns the worker's reply and updated state. The worker runs
 fededge's own ClientApp (``fededge.clients.app.app``), so the replies are those of the
-cold path, bit for bit (``tests/server/test_deploy.py``).
+cold path, bit for bit (``tests/deploy/test_local.py``).
 
 Where the worker is: the environment variable :data:`ENV_SOCKET` (``fededge supernode``
 sets it for the SuperNode it starts, which passes it on to its ClientApp processes), or

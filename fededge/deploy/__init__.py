@@ -1,7 +1,16 @@
-"""Deployment helpers that import nothing of Flower: certificates and node keys
-(:mod:`fededge.deploy.certs`) and the network-namespace testbed
-(:mod:`fededge.deploy.testbed`, imported on demand: ``fededge testbed``). The loopback
-deployment itself is :mod:`fededge.server.deploy`; docs/deployment.md ties them together."""
+"""Deployment tooling, none of it the ServerApp and none of it importing Flower.
+
+- :mod:`fededge.deploy.certs`: certificates and SuperNode keys (``fededge certs``);
+- :mod:`fededge.deploy.procs`: processes and Flower's command line, shared by the three
+  tools below;
+- :mod:`fededge.deploy.launch`: ``flwr run`` on Flower's local simulation SuperLink,
+  cleaned up afterwards (``fededge simulate``);
+- :mod:`fededge.deploy.local`: ``LocalDeployment``, a SuperLink and SuperNodes on
+  loopback;
+- :mod:`fededge.deploy.testbed`: SuperNodes in network namespaces (``fededge testbed``).
+
+Only the certificates are imported here; the rest on demand. docs/deployment.md ties them
+together."""
 
 from fededge.deploy.certs import CertBundle, CertError, generate_certs, parse_hosts
 

@@ -23,7 +23,7 @@ its overlap in wall-clock time.
 Everything the deployment starts runs with a private ``FLWR_HOME`` (``WORKDIR/flwr-home``)
 whose path is on every command line it starts (the SuperLink's ``--database``, a
 ``deploy-home`` node-config key on each SuperNode), so that
-:func:`fededge.server.launch.stop_processes_of` finds them and all their children
+:func:`fededge.deploy.procs.stop_processes_of` finds them and all their children
 (``flwr-serverapp``, ``flwr-clientapp``). :meth:`LocalDeployment.stop` stops them, then
 the ``Popen`` objects that are left, the proxies, and closes the logs; it runs on leaving
 the ``with`` block, also on an exception or ``KeyboardInterrupt``, and is idempotent.
@@ -31,9 +31,9 @@ Runtime dependency installation is disabled (it needs the network and would inst
 CUDA torch) and telemetry is off. Each process logs to ``WORKDIR/logs/NAME.log``; error
 messages and :meth:`DeploymentRun.describe` quote their tails.
 
-The module-level helpers (:func:`flower_env`, :func:`superlink_command`,
-:func:`supernode_command`, :func:`wait_listening`, :func:`submit_run`, ...) are shared
-with the namespace testbed, :mod:`fededge.deploy.testbed`.
+The command lines, the environment, waiting for a port and ``flwr run`` with its real
+status are :mod:`fededge.deploy.procs`, which the namespace testbed
+(:mod:`fededge.deploy.testbed`) uses as well.
 
 Example
 -------
@@ -51,44 +51,36 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, TextIO
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from fededge import keys
+from fededge.deploy.procs import (
+    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, flwr_cli, list_nodes, list_runs, stop_processes_of,
+    submit_run, superlink_command, supernode_command, wait_listening, write_connection,
+)
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
-from fededge.server.launch import FlwrRun, flower_env, format_run_config, stop_processes_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from fededge.deploy.certs import CertBundle
 
-__all__ = [
-    "DeploymentError", "DeploymentRun", "LocalDeployment", "SHIM_CLIENTAPP",
-    "flower_bin", "flower_env", "list_runs", "submit_run", "superlink_command", "supernode_command",
-    "wait_listening", "write_app_variant", "write_connection", "write_insecure_connection",
-]
+__all__ = ["DeploymentError", "DeploymentRun", "LocalDeployment", "SHIM_CLIENTAPP", "write_app_variant"]
 
-HOST = "127.0.0.1"
+HOST = LOOPBACK  # every process of the deployment listens here
 CONNECTION = "fededge-local"
-MARKER_KEY = "deploy-home"  # node-config key that puts FLWR_HOME on a SuperNode's command line
-_RUN_ID = re.compile(r"Successfully started run (\d+)")
-
-
-class DeploymentError(RuntimeError):
-    """A process of the deployment did not start, did not listen, or died."""
 
 
 @dataclass
 class DeploymentRun(FlwrRun):
-    """A :class:`~fededge.server.launch.FlwrRun` on a :class:`LocalDeployment`.
+    """A :class:`~fededge.deploy.procs.FlwrRun` on a :class:`LocalDeployment`.
 
     ``leftover_pids`` is always empty: the deployment's processes outlive a run and are
     stopped by :meth:`LocalDeployment.stop`. ``log_tails`` holds the tails of the
@@ -133,13 +125,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def flower_bin(name: str) -> str:
-    """The path of a Flower (or fededge) executable: this interpreter's, else PATH's."""
-    exe = Path(sys.executable).with_name(name)
-    return str(exe) if exe.exists() else (shutil.which(name) or name)
-
-
-
 def _tail(path: Path, chars: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -148,248 +133,6 @@ def _tail(path: Path, chars: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-def _parse_runs(text: str) -> list[dict[str, Any]]:
-    try:
-        runs = json.loads(text).get("runs", [])
-    except (json.JSONDecodeError, AttributeError):
-        return []
-    return [r for r in runs if isinstance(r, dict)]
-
-
-# --------------------------------------------------------------------------- shared helpers
-# Used by LocalDeployment and by the namespace testbed (fededge.deploy.testbed): the
-# environment of every process, the connection file, waiting for a port, and one
-# `flwr run` with its real status.
-
-
-def superlink_command(*, host: str, port: int, home: str | os.PathLike[str],
-                      certs: CertBundle | None = None, supernode_auth: bool = False) -> list[str]:
-    """``flower-superlink`` on ``host:port``, its database under ``home``.
-
-    Without ``certs`` it is ``--insecure``. With a :class:`~fededge.deploy.certs.CertBundle`
-    it speaks TLS (``--ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile
-    server.key``); ``supernode_auth`` adds ``--enable-supernode-auth`` (Flower refuses it
-    without TLS, and so does this function). The ``--database`` path puts ``home`` (the
-    marker that :func:`~fededge.server.launch.stop_processes_of` looks for) on the
-    command line.
-    """
-    if certs is None:
-        if supernode_auth:
-            raise ValueError("supernode_auth needs TLS: give certs (Flower refuses "
-                             "--enable-supernode-auth with --insecure)")
-        security = ["--insecure"]
-    else:
-        security = ["--ssl-ca-certfile", str(certs.ca_cert), "--ssl-certfile", str(certs.server_cert),
-                    "--ssl-keyfile", str(certs.server_key)]
-        if supernode_auth:
-            security.append("--enable-supernode-auth")
-    return [flower_bin("flower-superlink"), *security, "--host", host, "--port", str(port),
-            "--database", str(Path(home) / "state.db"), "--disable-runtime-dependency-installation"]
-
-
-def supernode_command(*, superlink: str, partition_id: int, num_partitions: int,
-                      home: str | os.PathLike[str], node_config: Mapping[str, Any] | None = None,
-                      runtime_host: str = HOST, runtime_port: int,
-                      root_certificates: str | os.PathLike[str] | None = None,
-                      auth_key: str | os.PathLike[str] | None = None, warm: bool = False) -> list[str]:
-    """``flower-supernode`` dialling ``superlink`` (``HOST:PORT``) for one partition.
-
-    With ``warm`` the command is ``fededge supernode ...`` with the same arguments: a
-    warm worker (:mod:`fededge.clients.worker`) started and stopped with the SuperNode,
-    which fededge's shim ClientApp (:mod:`fededge.clients.shim`) hands each message to.
-
-    ``--node-config`` carries ``partition-id``, ``num-partitions``, the extra
-    ``node_config`` keys and ``deploy-home=HOME`` (the marker on its command line);
-    ``runtime_host:runtime_port`` is its runtime API for its ClientApp processes.
-    Without ``root_certificates`` it is ``--insecure``; with it, it checks the
-    SuperLink's certificate against that CA. ``auth_key`` (the node's private key,
-    OpenSSH format; needs TLS) is passed as ``--auth-supernode-private-key``.
-    """
-    if root_certificates is None:
-        if auth_key is not None:
-            raise ValueError("auth_key needs TLS: give root_certificates (Flower refuses "
-                             "SuperNode authentication with --insecure)")
-        security = ["--insecure"]
-    else:
-        security = ["--root-certificates", str(root_certificates)]
-        if auth_key is not None:
-            security += ["--auth-supernode-private-key", str(auth_key)]
-    config = {keys.PARTITION_ID: partition_id, keys.NUM_PARTITIONS: num_partitions, **(node_config or {}),
-              MARKER_KEY: str(home)}
-    head = [flower_bin("fededge"), "supernode", "--grace", "5"] if warm else [flower_bin("flower-supernode")]
-    return [*head, *security, "--superlink", superlink,
-            "--node-config", format_run_config(config), "--host", runtime_host, "--port", str(runtime_port)]
-
-
-def write_connection(home: str | os.PathLike[str], connection: str, address: str, *,
-                     root_certificates: str | os.PathLike[str] | None = None) -> Path:
-    """``FLWR_HOME/config.toml`` with one connection, the default.
-
-    With ``root_certificates`` (the CA's certificate) ``flwr`` speaks TLS and checks the
-    SuperLink's certificate; without, the connection is ``insecure = true``.
-    """
-    path = Path(home) / "config.toml"
-    security = ("insecure = true" if root_certificates is None
-                else f"root-certificates = {json.dumps(str(root_certificates))}")
-    path.write_text(
-        f'[superlink]\ndefault = "{connection}"\n\n'
-        f'[superlink.{connection}]\naddress = "{address}"\n{security}\n')
-    return path
-
-
-def write_insecure_connection(home: str | os.PathLike[str], connection: str, address: str) -> Path:
-    """``FLWR_HOME/config.toml`` with one insecure connection, the default."""
-    return write_connection(home, connection, address)
-
-
-def wait_listening(host: str, port: int, proc: subprocess.Popen[Any], *, timeout_s: float,
-                   what: str, log: Callable[[], str]) -> None:
-    """Return once ``host:port`` accepts TCP connections; raise if ``proc`` exits first.
-
-    ``what`` names the process in the error (``"the SuperLink"``); ``log`` gives the tail
-    of its log for the message.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None:
-                raise DeploymentError(f"{what} exited with code {proc.returncode} before "
-                                      f"listening\n{log()}") from None
-            if time.monotonic() > deadline:
-                raise DeploymentError(f"{what} did not listen on {host}:{port} "
-                                      f"within {timeout_s} s\n{log()}") from None
-            time.sleep(0.2)
-
-
-def _flwr_cli(args: Sequence[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str],
-              timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([flower_bin("flwr"), *args], check=False, env=dict(env), capture_output=True,
-                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=cwd)
-
-
-def list_runs(connection: str, *, env: Mapping[str, str], cwd: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """``flwr ls CONNECTION --format json``: every run the SuperLink knows."""
-    ls = _flwr_cli(["ls", connection, "--format", "json"], env=env, cwd=cwd)
-    runs = _parse_runs(ls.stdout)
-    if not runs and not ls.stdout.strip().startswith("{"):
-        raise DeploymentError(f"flwr ls gave no JSON (rc {ls.returncode}): "
-                              f"{ls.stdout[-1000:]} {ls.stderr[-1000:]}")
-    return runs
-
-
-def _run_info(connection: str, run_id: int | None, *, env: Mapping[str, str],
-              cwd: str | os.PathLike[str]) -> dict[str, Any] | None:
-    # `flwr run --stream` may return a moment before the SuperLink marks the run finished.
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            runs = list_runs(connection, env=env, cwd=cwd)
-        except (DeploymentError, subprocess.TimeoutExpired):
-            runs = []
-        if run_id is not None:
-            runs = [r for r in runs if str(r.get("run-id")) == str(run_id)]
-        last = max(runs, key=lambda r: str(r.get("pending-at", "")), default=None)
-        if (last is not None and str(last.get("status", "")).startswith("finished")) \
-                or time.monotonic() > deadline:
-            return last
-        time.sleep(1)
-
-
-def _stream(cmd: list[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str], log_path: Path,
-            timeout_s: float, echo: TextIO | None, dead: Callable[[], list[str]],
-            on_start: Callable[[subprocess.Popen[str] | None], None] | None) -> tuple[int, str]:
-    lines: list[str] = []
-    log = open(log_path, "w")  # noqa: SIM115 - closed below once the reader is done with it
-    proc = subprocess.Popen(cmd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, bufsize=1, cwd=cwd)
-    if on_start is not None:
-        on_start(proc)
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            log.write(line)
-            log.flush()
-            if echo is not None:
-                echo.write(line)
-                echo.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout_s
-    rc: int | None = None
-    try:
-        while rc is None:
-            try:
-                rc = proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                gone = dead()
-                if gone:
-                    lines.append(f"\n[fededge] {'; '.join(gone)}: run abandoned\n")
-                    rc = 125
-                elif time.monotonic() > deadline:
-                    lines.append(f"\n[fededge] flwr run timed out after {timeout_s} s\n")
-                    rc = 124
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=10)
-        if not reader.is_alive():
-            log.close()
-        if on_start is not None:
-            on_start(None)
-    return rc, "".join(lines)
-
-
-def submit_run(
-    app_dir: str | os.PathLike[str],
-    connection: str,
-    run_config: Mapping[str, Any] | None = None,
-    *,
-    env: Mapping[str, str],
-    cwd: str | os.PathLike[str],
-    log_path: str | os.PathLike[str],
-    timeout_s: float = 600,
-    echo: TextIO | None = None,
-    dead: Callable[[], list[str]] = lambda: [],
-    on_start: Callable[[subprocess.Popen[str] | None], None] | None = None,
-) -> FlwrRun:
-    """``flwr run APP_DIR CONNECTION --stream --run-config ...`` and the run's real status.
-
-    Returns when ``flwr run`` exits, after ``timeout_s`` (return code 124; the run is then
-    stopped on the SuperLink with ``flwr stop``), or as soon as ``dead()`` names a dead
-    process of the deployment (return code 125). ``status`` is Flower's
-    (``finished:completed`` when the run succeeded), read with ``flwr ls``: ``flwr run``
-    exits 0 even when the run failed. ``on_start`` is called with the ``flwr run``
-    process when it starts and with None when it is gone. ``leftover_pids`` is empty.
-    """
-    cfg = dict(run_config or {})
-    cmd = [flower_bin("flwr"), "run", str(app_dir), connection, "--stream"]
-    if cfg:
-        cmd += ["--run-config", format_run_config(cfg)]
-    t0 = time.perf_counter()
-    rc, out = _stream(cmd, env=env, cwd=cwd, log_path=Path(log_path), timeout_s=timeout_s, echo=echo,
-                      dead=dead, on_start=on_start)
-    wall = time.perf_counter() - t0
-    m = _RUN_ID.search(out)
-    run_id = int(m.group(1)) if m else None
-    if rc == 124 and run_id is not None:
-        stop = _flwr_cli(["stop", str(run_id), connection], env=env, cwd=cwd)
-        out += f"\n[fededge] flwr stop {run_id}: rc {stop.returncode} {stop.stdout[-300:]}"
-    info = _run_info(connection, run_id, env=env, cwd=cwd)
-    if info is None:
-        out += "\n[fededge] flwr ls did not list the run"
-    status = (str(info.get("status", "")) or None) if info else None
-    if run_id is None and info:
-        run_id = int(info["run-id"])
-    return FlwrRun(rc, out, status, run_id, wall, [], info or {})
 
 
 class LocalDeployment:
@@ -610,7 +353,7 @@ class LocalDeployment:
 
     # ----------------------------------------------------------------- run
     def _flwr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        return _flwr_cli(args, env=self.env, cwd=self.workdir, timeout_s=timeout_s)
+        return flwr_cli(args, env=self.env, cwd=self.workdir, timeout_s=timeout_s)
 
     def list_runs(self) -> list[dict[str, Any]]:
         """``flwr ls CONNECTION --format json``: every run the SuperLink knows."""
@@ -618,13 +361,7 @@ class LocalDeployment:
 
     def list_nodes(self) -> list[dict[str, Any]]:
         """``flwr supernode list CONNECTION --format json``: the SuperLink's nodes."""
-        out = self._flwr("supernode", "list", self.connection, "--format", "json")
-        try:
-            nodes = json.loads(out.stdout).get("nodes", [])
-        except (json.JSONDecodeError, AttributeError):
-            raise DeploymentError(f"flwr supernode list gave no JSON (rc {out.returncode}): "
-                                  f"{out.stdout[-1000:]} {out.stderr[-1000:]}") from None
-        return [n for n in nodes if isinstance(n, dict)]
+        return list_nodes(self.connection, env=self.env, cwd=self.workdir)
 
     def register_supernode(self, public_key: str | os.PathLike[str]) -> int:
         """``flwr supernode register PUBLIC_KEY CONNECTION``; the node id it was given.

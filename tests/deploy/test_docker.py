@@ -35,7 +35,8 @@ import pytest
 from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store
 
-from fededge.cli import build_parser, parse_run_config
+from fededge.cli import build_parser
+from fededge.runconfig_text import parse_run_config
 from fededge.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, generate_certs
 from fededge.netem.profiles import get_profile
 

@@ -32,15 +32,19 @@ from pathlib import Path
 
 import pytest
 
-from fededge.cli import build_parser, parse_run_config
+from fededge.cli import build_parser
 from fededge.deploy import testbed as tb
+from fededge.deploy.procs import cmdline, parent_pid, proc_state
 from fededge.deploy.testbed import (
     AlreadyUp, IpOp, NetemUnavailable, NotPrivileged, TestbedConfig, ToolMissing, plan_teardown, plan_testbed,
 )
+from fededge.deploy.testbed import host as tb_host
+from fededge.deploy.testbed import lifecycle as tb_lifecycle
+from fededge.deploy.testbed import plan as tb_plan
 from fededge.netem import kernel
 from fededge.netem.assign import assign_links
 from fededge.netem.profiles import get_profile
-from fededge.server.launch import cmdline, parent_pid, proc_state
+from fededge.runconfig_text import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MIX = "wifi:0.5,4g:0.5"
@@ -282,22 +286,22 @@ def test_the_testbed_module_does_not_import_flower():
 
 def test_up_without_the_ip_tool_names_iproute2(tmp_path, monkeypatch):
     real = shutil.which
-    monkeypatch.setattr(tb.shutil, "which", lambda name: None if name == "ip" else real(name))
+    monkeypatch.setattr(tb_host.shutil, "which", lambda name: None if name == "ip" else real(name))
     with pytest.raises(ToolMissing, match="iproute2"):
         tb.up(config(tmp_path))
     assert not (tmp_path / "state").exists()
 
 
 def test_up_without_root_or_cap_net_admin_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(tb.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(tb, "_capabilities", lambda: 1 << tb.CAP_NET_ADMIN)  # no CAP_SYS_ADMIN
+    monkeypatch.setattr(tb_host.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(tb_host, "_capabilities", lambda: 1 << tb_host.CAP_NET_ADMIN)  # no CAP_SYS_ADMIN
     with pytest.raises(NotPrivileged, match=r"needs root \(or CAP_NET_ADMIN and CAP_SYS_ADMIN\).*sudo"):
         tb.up(config(tmp_path))
     assert not (tmp_path / "state").exists()
 
 
 def test_up_refuses_when_a_testbed_is_already_up_and_leaves_it_alone(tmp_path, monkeypatch):
-    monkeypatch.setattr(tb, "check_machine", lambda: None)
+    monkeypatch.setattr(tb_host, "check_machine", lambda: None)
     cfg = config(tmp_path)
     cfg.state_dir.mkdir()
     state = plan_testbed(cfg, superlink_port=9092).to_state()
@@ -318,7 +322,7 @@ def test_down_refuses_a_state_file_naming_foreign_links_before_touching_anything
     cfg.state_dir.mkdir()
     state = {**plan_testbed(cfg, superlink_port=9092).to_state(), "links": ["eth0"]}
     (cfg.state_dir / tb.STATE_FILE).write_text(json.dumps(state))
-    monkeypatch.setattr(tb, "_ip", lambda *a, **k: pytest.fail(f"ran ip {a}"))
+    monkeypatch.setattr(tb_host, "run_ip", lambda *a, **k: pytest.fail(f"ran ip {a}"))
     with pytest.raises(ValueError, match="'eth0'.*refusing"):
         tb.down(cfg.state_dir)
     assert (cfg.state_dir / tb.STATE_FILE).exists()
@@ -377,7 +381,7 @@ def machine(tmp_path):
         pytest.skip(reason)
     adopted = _set_subreaper(True)
     state_dir = tmp_path / "state"
-    before = {"netns": set(tb.list_netns()), "links": set(tb.list_links())}
+    before = {"netns": set(tb_host.list_netns()), "links": set(tb_host.list_links())}
     try:
         yield state_dir, before
     finally:
@@ -453,12 +457,12 @@ def _uplink_goodput_bps(ns: str, gateway: str, nbytes: int) -> float:
 def _assert_nothing_left(state: dict, before: dict, pids: set[int]) -> None:
     _reap_adopted()
     tag = state["tag"]
-    netns, links = set(tb.list_netns()), set(tb.list_links())
+    netns, links = set(tb_host.list_netns()), set(tb_host.list_links())
     assert not [x for x in netns | links if x.startswith(f"fdg{tag}")], (netns, links)
     new = {x for x in (netns - before["netns"]) | (links - before["links"]) if not _OTHER_TESTS.match(x)}
     assert not new, f"left behind: {new}"
     assert not [p for p in pids if _exists(p)], {p: cmdline(p) for p in pids if _exists(p)}
-    assert not tb.flower_processes_of(state["home"])
+    assert not tb_host.flower_processes_of(state["home"])
     assert not (Path(state["state_dir"]) / tb.STATE_FILE).exists()
 
 
@@ -478,7 +482,7 @@ def test_up_then_down_with_kernel_shaping_leaves_nothing_behind(machine):
     if first.returncode == 2 and "sch_netem" in first.stderr:  # this kernel: refused, nothing made
         assert "--rate-only" in first.stderr and "modprobe sch_netem" in first.stderr
         tag = tb.testbed_tag(state_dir)
-        assert not [x for x in tb.list_netns() + tb.list_links() if x.startswith(f"fdg{tag}")]
+        assert not [x for x in tb_host.list_netns() + tb_host.list_links() if x.startswith(f"fdg{tag}")]
         assert not (state_dir / tb.STATE_FILE).exists()
         first = cli(*base, "--rate-only")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -487,7 +491,7 @@ def test_up_then_down_with_kernel_shaping_leaves_nothing_behind(machine):
     assert state["status"] == "up" and len(state["nodes"]) == 2
     pids = {rec["pid"] for rec in state["processes"]}
     try:
-        netns, links = tb.list_netns(), tb.list_links()
+        netns, links = tb_host.list_netns(), tb_host.list_links()
         assert set(state["namespaces"]) <= set(netns) and set(state["links"]) <= set(links)
         for node in state["nodes"]:
             ns = node["netns"]
@@ -498,14 +502,14 @@ def test_up_then_down_with_kernel_shaping_leaves_nothing_behind(machine):
             assert kernel.read_state(node["host_veth"]).root_handle == kernel.ROOT_HANDLE  # downlink
             # The SuperNode really runs inside its namespace, and reaches the SuperLink from there.
             (rec,) = [r for r in state["processes"] if r["name"] == f"supernode-{node['index']}"]
-            assert tb._is_recorded(rec) and "fededge supernode" in cmdline(rec["pid"])
+            assert tb_host.is_recorded(rec) and "fededge supernode" in cmdline(rec["pid"])
             assert os.stat(f"/proc/{rec['pid']}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino
             host, port = state["superlink_address"].rsplit(":", 1)
             assert _in_netns(CONNECT, ns, host, port).stdout.startswith("open")
         (link,) = [r for r in state["processes"] if r["name"] == "superlink"]
-        assert tb._is_recorded(link) and os.stat(f"/proc/{link['pid']}/ns/net").st_ino == \
+        assert tb_host.is_recorded(link) and os.stat(f"/proc/{link['pid']}/ns/net").st_ino == \
             os.stat("/proc/self/ns/net").st_ino
-        pids |= tb.flower_processes_of(state["home"])  # their children too (flower-superexec)
+        pids |= tb_host.flower_processes_of(state["home"])  # their children too (flower-superexec)
         # The uplink of the slowest node is shaped to its profile's rate (tbf counts frames).
         slow = min(state["nodes"], key=lambda n: get_profile(n["profile"]).up.rate_bps)
         rate = get_profile(slow["profile"]).up.rate_bps
@@ -534,16 +538,16 @@ def test_up_then_down_with_kernel_shaping_leaves_nothing_behind(machine):
 def test_a_failing_up_tears_down_what_it_made(machine, monkeypatch):
     """A SuperNode that exits at once: `up` raises naming it, and nothing is left."""
     state_dir, before = machine
-    monkeypatch.setattr(tb, "supernode_command", lambda **kw: [shutil.which("false") or "/bin/false"])
+    monkeypatch.setattr(tb_plan, "supernode_command", lambda **kw: [shutil.which("false") or "/bin/false"])
     cfg = TestbedConfig(clients=2, profiles=MIX, state_dir=state_dir)
     with pytest.raises(tb.TestbedError, match="supernode-0 exited with code 1"):
         tb.up(cfg, wait_s=30)
-    netns, links = set(tb.list_netns()), set(tb.list_links())
+    netns, links = set(tb_host.list_netns()), set(tb_host.list_links())
     tag = tb.testbed_tag(state_dir)
     assert not [x for x in netns | links if x.startswith(f"fdg{tag}")]
     assert not (state_dir / tb.STATE_FILE).exists()
-    assert not tb.flower_processes_of(str(state_dir / "flwr-home"))
-    assert not tb._CHILDREN  # every process it started was reaped
+    assert not tb_host.flower_processes_of(str(state_dir / "flwr-home"))
+    assert not tb_host._CHILDREN  # every process it started was reaped
 
 
 @pytest.mark.root
@@ -560,9 +564,9 @@ def test_up_run_down_a_tiny_experiment_through_the_proxies(machine, tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     t_up = time.perf_counter() - t0
     state = json.loads((state_dir / tb.STATE_FILE).read_text())
-    pids = {rec["pid"] for rec in state["processes"]} | tb.flower_processes_of(state["home"])
+    pids = {rec["pid"] for rec in state["processes"]} | tb_host.flower_processes_of(state["home"])
     try:
-        assert tb.online_nodes(state) == 2  # the SuperLink lists both SuperNodes, through their proxies
+        assert tb_lifecycle.online_nodes(state) == 2  # the SuperLink lists both SuperNodes, through their proxies
         port = state["superlink_address"].rsplit(":", 1)[1]
         for node in state["nodes"]:
             ns, (phost, pport) = node["netns"], node["dial"].rsplit(":", 1)
@@ -581,7 +585,7 @@ def test_up_run_down_a_tiny_experiment_through_the_proxies(machine, tmp_path):
         (metrics,) = results.rglob("metrics.jsonl")
         last = json.loads(metrics.read_text().splitlines()[-1])
         assert last["round"] == 1 and last["num_clients"] == 2, last
-        pids |= tb.flower_processes_of(state["home"])
+        pids |= tb_host.flower_processes_of(state["home"])
         down = cli("down", "--state-dir", str(state_dir))
         assert down.returncode == 0, down.stdout + down.stderr
         _assert_nothing_left(state, before, pids)

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from fededge.deploy.certs import generate_certs
-from fededge.server.deploy import HOST, LocalDeployment, supernode_command
-from fededge.server.launch import processes_of, stop_processes_of
+from fededge.deploy.local import HOST, LocalDeployment
+from fededge.deploy.procs import processes_of, stop_processes_of, supernode_command
 
 try:
     import tomllib

@@ -430,8 +430,8 @@ def test_flower_deployment_round_trip_through_the_proxy(tmp_path: Path):
     """SuperLink <- proxy (20 ms each way) <- SuperNode, twice; ``flwr run`` one round."""
     import json
 
-    from fededge.server.deploy import LocalDeployment
-    from fededge.server.launch import processes_of
+    from fededge.deploy.local import LocalDeployment
+    from fededge.deploy.procs import processes_of
 
     results = tmp_path / "results"
     prof = profile(Direction(delay_s=0.020))

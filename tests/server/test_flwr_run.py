@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fededge.server.launch import flwr_run_local, processes_of
+from fededge.deploy.launch import flwr_run_local
+from fededge.deploy.procs import processes_of
 from fededge.server.results import METRIC_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,15 +11,14 @@ import pytest
 
 from fededge.deploy.certs import generate_certs
 from fededge.netem.profiles import Direction, LinkProfile
-from fededge.server.deploy import (
-    LocalDeployment,
+from fededge.deploy.local import LocalDeployment, write_app_variant
+from fededge.deploy.procs import (
+    processes_of,
     superlink_command,
     supernode_command,
-    write_app_variant,
     write_connection,
     write_insecure_connection,
 )
-from fededge.server.launch import processes_of
 
 try:
     import tomllib
@@ -203,7 +202,7 @@ def _warm_run(tmp_path: Path, name: str, *, warm: bool, rounds: int = 3, during=
 
 
 def _worker_pids(home: Path) -> list[int]:
-    from fededge.server.launch import cmdline
+    from fededge.deploy.procs import cmdline
 
     return [p for p in processes_of(str(home)) if "fededge.clients.worker" in cmdline(p)]
 
@@ -231,7 +230,7 @@ def test_killing_the_worker_mid_run_falls_back_to_cold_and_leaves_nothing(tmp_pa
     import threading
     import time
 
-    from fededge.server.launch import cmdline
+    from fededge.deploy.procs import cmdline
 
     killed: dict = {}
 
