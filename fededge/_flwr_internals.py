@@ -23,6 +23,12 @@ Internals used (checked against flwr 1.41):
   order; Ray simulation may run two at once), for strategies that push rounds ahead,
   and for the server's check of the clients' data split, done in simulation only; and
   whether replies arrive in real time (a SuperLink), for the asynchronous strategies.
+- ``flwr.serverapp.strategy.strategy_utils.sample_nodes`` / ``aggregate_arrayrecords``:
+  the node sampling (wait for ``min_available_nodes``, then ``random.sample``) and the
+  weighted average Flower's own strategies use, for the strategies with their own round
+  loop (DGA, gossip, the asynchronous ones), so that they sample and average as FedAvg does.
+- ``flwr.clientapp.typing.ClientAppCallable`` / ``Mod``: the signatures of a ClientApp
+  callable and of a client mod (annotations of fededge's mods).
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
+    "ClientAppCallable",
+    "Mod",
     "FlowerInternalsChanged",
+    "aggregate_arrayrecords",
     "check",
     "message_objects",
     "message_from_objects",
@@ -44,6 +53,7 @@ __all__ = [
     "is_deployment",
     "is_flower_simulation",
     "runs_messages_in_order",
+    "sample_nodes",
     "wire_size",
 ]
 
@@ -82,6 +92,14 @@ try:
     from flwr.supercore.run import Run
 except ImportError as e:  # pragma: no cover
     raise _fail("flwr.supercore.run.Run", e) from e
+try:
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
+except ImportError as e:  # pragma: no cover
+    raise _fail("flwr.serverapp.strategy.strategy_utils.{sample_nodes, aggregate_arrayrecords}", e) from e
+try:
+    from flwr.clientapp.typing import ClientAppCallable, Mod
+except ImportError as e:  # pragma: no cover
+    raise _fail("flwr.clientapp.typing.{ClientAppCallable, Mod}", e) from e
 
 from flwr.app import Message
 
@@ -199,7 +217,7 @@ def is_flower_simulation(grid: object) -> bool:
 def check() -> None:
     """Exercise every internal above on a small message; raise FlowerInternalsChanged."""
     import numpy as np
-    from flwr.app import Array, ArrayRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
     expected = np.arange(4, dtype=np.float32)
     name = "flwr.supercore.task_identity.TaskIdentity"
@@ -222,6 +240,11 @@ def check() -> None:
         name = "flwr.supercore.run.Run.create_empty"
         if empty_run(7).run_id != 7:
             raise AssertionError("run id not kept")
+        name = "flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords"
+        weighted = [RecordDict({"a": ArrayRecord({"x": Array(np.full(2, v, dtype=np.float32))}),
+                                "m": MetricRecord({"n": w})}) for v, w in ((0.0, 1), (2.0, 3))]
+        if not np.allclose(aggregate_arrayrecords(weighted, "n")["x"].numpy(), 1.5):
+            raise AssertionError("not the weighted average")
         name = "flwr.superlink.grid.{http_grid.HttpGrid, inmemory_grid.InMemoryGrid}"
         if runs_messages_in_order(object()) is not None or is_flower_simulation(object()) or is_deployment(object()):
             raise AssertionError("an unknown grid was classified")

@@ -24,10 +24,10 @@ from functools import lru_cache
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.clientapp.typing import ClientAppCallable, Mod
 from torch import nn
 
 from fededge import keys
+from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.clients.device import resolve_device
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
 from fededge.clients.train import BatchSampler, evaluate, local_sgd

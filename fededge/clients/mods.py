@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
-from flwr.clientapp.typing import ClientAppCallable
 
 from fededge import keys
+from fededge._flwr_internals import ClientAppCallable
 from fededge.algorithms.dga import DGAClient, DGAConfig, round_delta
 from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,

@@ -6,9 +6,9 @@ import re
 
 from flwr.app import Message
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fededge import keys
+from fededge._flwr_internals import sample_nodes
 
 __all__ = ["DROPOUT_REASON", "dropout_partition", "dropout_reason", "fixed_participants", "is_dropout",
            "reported_partition", "usable_reply"]

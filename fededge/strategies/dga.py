@@ -43,10 +43,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fededge import keys
-from fededge._flwr_internals import runs_messages_in_order, wire_size
+from fededge._flwr_internals import aggregate_arrayrecords, runs_messages_in_order, wire_size
 from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived
 from fededge.compress import MalformedPayloadError
 from fededge.compress.update import DownlinkConfig, UpdateConfig

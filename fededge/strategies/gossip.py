@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
-from fededge._flwr_internals import wire_size
+from fededge._flwr_internals import sample_nodes, wire_size
 from fededge.algorithms.gossip import (
     ChocoConfig,
     GossipConfig,
@@ -241,8 +241,6 @@ class Gossip(FedAvg):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        from flwr.serverapp.strategy.strategy_utils import sample_nodes
-
         _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
         self.nodes = sorted(int(n) for n in nodes)
         n = len(self.nodes)

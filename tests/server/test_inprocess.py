@@ -1,6 +1,7 @@
 """The in-process runtime: Flower's Grid semantics, FedAvg arithmetic, bytes on the wire."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -163,6 +164,22 @@ def test_a_changed_internal_is_named(monkeypatch):
     monkeypatch.setattr(fi, "inflate_object_from_contents", broken)
     with pytest.raises(fi.FlowerInternalsChanged, match="inflate_object_from_contents"):
         fi.check()
+
+
+def test_a_changed_aggregation_is_named(monkeypatch):
+    monkeypatch.setattr(fi, "aggregate_arrayrecords", lambda records, key: records[0]["a"])
+    with pytest.raises(fi.FlowerInternalsChanged, match="aggregate_arrayrecords"):
+        fi.check()
+
+
+def test_a_moved_grid_class_is_named_not_taken_for_another_runtime(monkeypatch):
+    """The asynchronous strategies ask whether a grid is a SuperLink's (HttpGrid): if Flower
+    moved it, the answer is an error naming it, never a silent "no"."""
+    monkeypatch.setitem(sys.modules, "flwr.superlink.grid.http_grid", None)  # import fails
+    with pytest.raises(fi.FlowerInternalsChanged, match="HttpGrid"):
+        fi.is_deployment(object())
+    with pytest.raises(fi.FlowerInternalsChanged, match="HttpGrid"):
+        fi.runs_messages_in_order(object())
 
 
 def test_bad_config_key_stops_before_any_training(tmp_path):
