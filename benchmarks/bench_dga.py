@@ -6,7 +6,7 @@ momentum 0.9) in the in-process Flower runtime, with the same budget of local st
 client (``--steps``), so K = 5 runs 4x as many rounds as K = 20. Training does not depend
 on the emulated network, so each configuration is trained once, on an ideal network, and
 its per-client record (measured compute, bytes each way) is replayed on the simulated
-clock under each profile (fededge.server.replay; the same rules the run itself uses:
+clock under each profile (fededge.analysis.replay; the same rules the run itself uses:
 synchronous rounds for FedAvg, DGA's overlap for DGA).
 
 Table 1: for each data split (IID, Dirichlet 0.3) and profile: FedAvg with K = 5, 10, 20
@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fededge.server.inprocess import run_inprocess  # noqa: E402
-from fededge.server.replay import replay_sim_s  # noqa: E402
+from fededge.analysis.replay import replay_sim_s  # noqa: E402
 
 SPLITS = {"iid": {"partition": "iid"}, "dir0.3": {"partition": "dirichlet", "alpha": 0.3}}
 

@@ -135,7 +135,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from fededge.server.plot import plot_runs
+    from fededge.analysis.plot import plot_runs
 
     out = Path(args.output) if args.output else Path(args.run_dirs[0]) / "comparison.png"
     try:

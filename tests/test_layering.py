@@ -13,7 +13,7 @@ PURE = [
     "fededge.config", "fededge.keys", "fededge.errors", "fededge.workload", "fededge.clients.train",
     "fededge.clients.device", "fededge.server.results", "fededge.netem.profiles",
     "fededge.netem.trace", "fededge.netem.clock", "fededge.netem.assign", "fededge.compress.bundle",
-    "fededge.compress.update", "fededge.algorithms.dga", "fededge.algorithms.outer", "fededge.server.replay",
+    "fededge.compress.update", "fededge.algorithms.dga", "fededge.algorithms.outer", "fededge.analysis.replay",
     "fededge.topology.graph", "fededge.topology.mixing", "fededge.topology.registry",
     "fededge.algorithms.gossip", "fededge.algorithms.asyncfl", "fededge.netem.runclock",
     "fededge.strategies.report",

@@ -343,7 +343,7 @@ class _Rounds:
         if dropped and "dropped" not in extra:
             extra["dropped"] = sorted(dropped)
         # What each client did, so that the run can be re-timed under another network
-        # (fededge.server.replay) without training again.
+        # (fededge.analysis.replay) without training again.
         extra["clients"] = [
             {"partition": pid, "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None,
                                                                         n.wall_s), 6),

@@ -32,7 +32,7 @@ from fededge.server.experiment import train_config
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.server.inprocess import run_inprocess
 from fededge.server.measure import Experiment
-from fededge.server.replay import replay_sim_s
+from fededge.analysis.replay import replay_sim_s
 from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.registry import build_strategy
 from fededge.strategies.report import RoundReport

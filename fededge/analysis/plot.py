@@ -15,7 +15,7 @@ pyplot state is created and the caller's matplotlib backend is left alone.
 
 Examples
 --------
->>> from fededge.server.plot import load_run, plot_runs      # doctest: +SKIP
+>>> from fededge.analysis.plot import load_run, plot_runs      # doctest: +SKIP
 >>> run = load_run("results/fedavg-digits-0")                 # doctest: +SKIP
 >>> run.cum_bytes_up[-1]                                      # doctest: +SKIP
 >>> plot_runs(["results/a", "results/b"], "compare.png")      # doctest: +SKIP

@@ -1,4 +1,4 @@
-"""Properties of fededge.server.plot: reading run directories and drawing comparisons."""
+"""Properties of fededge.analysis.plot: reading run directories and drawing comparisons."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fededge
-from fededge.server.plot import _disambiguate, load_run, plot_runs
+from fededge.analysis.plot import _disambiguate, load_run, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The subprocess must import this checkout of fededge, installed or not.
@@ -134,7 +134,7 @@ def test_plot_runs_accepts_explicit_labels_and_single_run(
 def test_plot_runs_never_imports_pyplot(two_runs: list[Path], tmp_path: Path) -> None:
     # pyplot would pick (and could switch) the user's backend and keep global figures.
     code = (
-        "import sys; from fededge.server.plot import plot_runs; "
+        "import sys; from fededge.analysis.plot import plot_runs; "
         f"plot_runs({[str(d) for d in two_runs]!r}, {str(tmp_path / 'c.png')!r}); "
         "sys.exit('matplotlib.pyplot' in sys.modules)"
     )
