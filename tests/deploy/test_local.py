@@ -224,7 +224,10 @@ def test_warm_deployment_trains_the_same_model_as_cold_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
-def test_killing_the_worker_mid_run_falls_back_to_cold_and_leaves_nothing(tmp_path):
+def test_killing_the_worker_mid_run_is_survived_and_leaves_nothing(tmp_path):
+    """SIGKILL to a node's warm worker after round 1: fededge supernode starts it again
+    (messages run cold until it is back), the run finishes every round, and the stop
+    leaves no process and no socket directory behind."""
     import os
     import signal
     import threading
@@ -253,7 +256,7 @@ def test_killing_the_worker_mid_run_falls_back_to_cold_and_leaves_nothing(tmp_pa
 
     results, logs = _warm_run(tmp_path, "kill", warm=True, rounds=3, during=during)
     assert "pid" in killed, "the worker was never found to kill"
-    assert "the warm worker exited" in logs and "running cold" in logs
+    assert "the warm worker exited" in logs and "restarting it in 1 s (restart 1 of" in logs, logs
     rounds = _metrics(results)
     assert [m["round"] for m in rounds][-1] == 3
     for sock in killed["socket"]:  # fededge supernode made these directories; it removed them
