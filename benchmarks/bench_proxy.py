@@ -41,55 +41,25 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
+from fededge.netem import loopback
 from fededge.netem.profiles import LinkProfile, load_profiles
 from fededge.netem.proxy import MSS_BYTES, mathis_ceiling_bps
 
-HOST = "127.0.0.1"
+HOST = loopback.HOST
+#: The loopback server and client of the proxy's tests, with room for the slowest profiles.
+tcp_server = partial(loopback.tcp_server, conn_timeout_s=60)
+connect = partial(loopback.connect, timeout_s=60)
+
 _PROXY_MAIN = (
     "import argparse, sys\n"
     "from fededge.netem.proxy import register_cli\n"
     "p = argparse.ArgumentParser(); register_cli(p.add_subparsers(dest='c'))\n"
     "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
 )
-
-
-@contextmanager
-def tcp_server(handler: Callable[[socket.socket], None]) -> Iterator[int]:
-    lsock = socket.socket()
-    lsock.bind((HOST, 0))
-    lsock.listen(16)
-    lsock.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (socket.timeout, OSError):
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(60)
-
-            def run(c: socket.socket = conn) -> None:
-                with c:
-                    try:
-                        handler(c)
-                    except OSError:
-                        pass
-
-            threading.Thread(target=run, daemon=True).start()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield lsock.getsockname()[1]
-    finally:
-        stop.set()
-        t.join(5)
-        lsock.close()
 
 
 @contextmanager
@@ -113,12 +83,6 @@ def proxy_process(profile: str, upstream_port: int, profiles_file: str | None = 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-
-
-def connect(addr: tuple[str, int]) -> socket.socket:
-    s = socket.create_connection(addr, timeout=60)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
 
 
 def echo(conn: socket.socket) -> None:

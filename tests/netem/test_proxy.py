@@ -19,13 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import pytest
 
+from fededge.netem.loopback import HOST, connect, tcp_server
 from fededge.netem.profiles import Direction, LinkProfile
 from fededge.netem.proxy import (
     MSS_BYTES, ProxyConfig, _GilbertElliott, _TraceCursor, mathis_ceiling_bps, parse_hostport,
@@ -36,8 +35,6 @@ from fededge.netem.trace import DeliveryTrace
 # Processes with deadlines and measured times: scripts/test.sh runs these apart from
 # the CPU-bound tests.
 pytestmark = pytest.mark.timing
-
-HOST = "127.0.0.1"
 
 
 def profile(up: Direction, down: Direction | None = None, name: str = "t") -> LinkProfile:
@@ -53,43 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
-
-
-@contextmanager
-def tcp_server(handler: Callable[[socket.socket], None]) -> Iterator[int]:
-    """A threaded TCP server on 127.0.0.1:0 running ``handler(conn)`` per connection."""
-    lsock = socket.socket()
-    lsock.bind((HOST, 0))
-    lsock.listen(32)
-    lsock.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (socket.timeout, OSError):
-                continue
-            conn.settimeout(30)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def run(c: socket.socket = conn) -> None:
-                with c:
-                    try:
-                        handler(c)
-                    except OSError:
-                        pass
-
-            threading.Thread(target=run, daemon=True).start()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield lsock.getsockname()[1]
-    finally:
-        stop.set()
-        t.join(5)
-        lsock.close()
 
 
 def echo(conn: socket.socket) -> None:
@@ -123,12 +83,6 @@ class Sink:
                 self.digest.update(data)
         finally:
             self.done.set()
-
-
-def connect(addr: tuple[str, int]) -> socket.socket:
-    s = socket.create_connection(addr, timeout=30)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:
