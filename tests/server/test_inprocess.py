@@ -1,6 +1,7 @@
 """The in-process runtime: Flower's Grid semantics, FedAvg arithmetic, bytes on the wire."""
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -170,6 +171,14 @@ def test_a_changed_aggregation_is_named(monkeypatch):
     monkeypatch.setattr(fi, "aggregate_arrayrecords", lambda records, key: records[0]["a"])
     with pytest.raises(fi.FlowerInternalsChanged, match="aggregate_arrayrecords"):
         fi.check()
+
+
+def test_a_moved_internal_module_is_named_at_import():
+    code = ("import sys; sys.modules['flwr.supercore.inflatable.inflatable_utils'] = None\n"
+            "import fededge._flwr_internals\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "FlowerInternalsChanged: Flower internal 'flwr.supercore.inflatable.inflatable_utils'" in out.stderr
 
 
 def test_a_moved_grid_class_is_named_not_taken_for_another_runtime(monkeypatch):
