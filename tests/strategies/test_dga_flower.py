@@ -135,7 +135,9 @@ def test_dga_with_a_lossless_codec_trains_the_uncompressed_model(tmp_path, pipel
 
 
 def test_dga_with_topk_sends_less_shortens_rounds_and_learns(tmp_path):
-    over = {**BASE, "num-rounds": 8, "strategy": "dga", "dga-delay": 2, "netem": "4g"}
+    # sim-step-s: a fixed compute charge, so the comparison of the clock's rounds below
+    # does not depend on how busy the machine is (the suite runs beside other tests).
+    over = {**BASE, "num-rounds": 8, "strategy": "dga", "dga-delay": 2, "netem": "4g", "sim-step-s": 0.02}
     plain = _lines(run_inprocess({**over, "results-dir": str(tmp_path / "plain")}, num_clients=3))
     on = run_inprocess({**over, "compressor": "topk", "topk-ratio": 0.01, "error-feedback": True,
                         "results-dir": str(tmp_path / "on")}, num_clients=3)
