@@ -48,7 +48,9 @@ def test_pipelined_and_lockstep_train_the_same_model(tmp_path):
 
 
 def test_delay_shows_in_staleness_bytes_and_the_clock(tmp_path):
-    over = {**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 2, "netem": "4g"}
+    # sim-step-s: a fixed compute charge, so the clock's comparison below does not depend
+    # on how busy the machine is (the suite runs beside other tests).
+    over = {**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 2, "netem": "4g", "sim-step-s": 0.02}
     run = _lines(run_inprocess({**over, "results-dir": str(tmp_path / "dga")}, num_clients=3))
     sync = _lines(run_inprocess({**over, "strategy": "fedavg", "results-dir": str(tmp_path / "fedavg")},
                                 num_clients=3))
