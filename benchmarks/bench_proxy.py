@@ -45,6 +45,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
+from fededge.deploy.procs import stop_popen
 from fededge.netem import loopback
 from fededge.netem.profiles import LinkProfile, load_profiles
 from fededge.netem.proxy import MSS_BYTES, mathis_ceiling_bps
@@ -77,12 +78,7 @@ def proxy_process(profile: str, upstream_port: int, profiles_file: str | None = 
         host, _, port = line.split()[2].rpartition(":")
         yield host, int(port)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_popen(proc, grace_s=10)
 
 
 def echo(conn: socket.socket) -> None:

@@ -61,8 +61,8 @@ from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from fededge import keys
 from fededge.deploy.procs import (
-    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, flwr_cli, list_nodes, list_runs, stop_processes_of,
-    submit_run, superlink_command, supernode_command, wait_listening, write_connection,
+    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, flwr_cli, list_nodes, list_runs, stop_popen,
+    stop_processes_of, submit_run, superlink_command, supernode_command, wait_listening, write_connection,
 )
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
@@ -418,13 +418,7 @@ class LocalDeployment:
             self._stopped = True
         survivors = stop_processes_of(str(self.home), grace_s=5)
         for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            stop_popen(proc, grace_s=5)
         for proxy in self.proxies:
             proxy.stop()
         for log in self._logs:

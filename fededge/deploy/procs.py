@@ -49,7 +49,7 @@ __all__ = [
     "LOOPBACK", "MARKER_KEY", "DeploymentError", "FlwrRun",
     "alive", "cmdline", "flower_bin", "flower_env", "flwr_cli", "latest_run", "list_nodes", "list_runs",
     "parent_pid", "proc_state", "processes_of", "run_fields", "start_time", "stop_processes_of", "stream",
-    "submit_run", "superlink_command", "supernode_command", "terminate", "wait_listening", "write_connection",
+    "stop_popen", "submit_run", "superlink_command", "supernode_command", "terminate", "wait_listening", "write_connection",
     "write_insecure_connection",
 ]
 
@@ -265,6 +265,19 @@ def processes_of(marker: str, *, root: Callable[[str], bool] | None = None) -> l
                 family.add(p)
                 changed = True
     return sorted(family)
+
+
+def stop_popen(proc: subprocess.Popen, *, grace_s: float) -> None:
+    """Stop one child this process started: SIGTERM, wait up to ``grace_s``, then SIGKILL
+    and wait up to 5 s more. Nothing happens if it has exited already."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def terminate(pids: Iterable[int], *, grace_s: float,
