@@ -228,6 +228,33 @@ class SimClock:
         link = self.clients[client]
         return at + link.message_overhead_s + measured_s / link.speed
 
+    def state_dict(self) -> dict:
+        """What the clock has done so far (each used link direction's queue, trace
+        position, counters and random stream), for a checkpoint; plain values only."""
+        return {"now": self.now, "seed": self.seed, "num_clients": len(self.clients), "links": [
+            [client, which, None if d is None else {
+                "busy_until": d.busy_until, "next_opportunity": d.next_opportunity, "bytes_sent": d.bytes_sent,
+                "loss_events": d.loss_events, "rng": d.rng.bit_generator.state}]
+            for (client, which), d in sorted(self._dirs.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` on a clock built with the same links."""
+        if state["seed"] != self.seed or state["num_clients"] != len(self.clients):
+            raise ValueError(f"clock state of {state['num_clients']} clients (seed {state['seed']}) cannot be "
+                             f"loaded into a clock of {len(self.clients)} clients (seed {self.seed})")
+        self.now = float(state["now"])
+        self._dirs = {}
+        for client, which, saved in state["links"]:
+            link = self._link(int(client), int(which))
+            if (link is None) != (saved is None):
+                raise ValueError(f"clock state: client {client}'s link is not the one the state was saved with")
+            if link is not None:
+                link.busy_until = float(saved["busy_until"])
+                link.next_opportunity = int(saved["next_opportunity"])
+                link.bytes_sent = int(saved["bytes_sent"])
+                link.loss_events = int(saved["loss_events"])
+                link.rng.bit_generator.state = saved["rng"]
+
     def stats(self) -> dict[str, int]:
         dirs = [d for d in self._dirs.values() if d is not None]
         return {"loss_events": sum(d.loss_events for d in dirs)}

@@ -150,6 +150,20 @@ class RunClock:
             self.clock = SimClock(links, seed=self.seed)
         return self.clock
 
+    def state_dict(self) -> dict:
+        """The run's clock so far, for a checkpoint (plain values): the known nodes and,
+        once built, the clock's own state (:meth:`SimClock.state_dict`)."""
+        return {"nodes": list(self.nodes),
+                "clock": None if self.clock is None else self.clock.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (same knobs and seed; ``netem.json`` is not
+        written again)."""
+        self.nodes = [int(n) for n in state["nodes"]]
+        if state["clock"] is not None:
+            self.clock = SimClock(self._links(int(state["clock"]["num_clients"])), seed=self.seed)
+            self.clock.load_state_dict(state["clock"])
+
     def _links(self, num_clients: int) -> list[ClientLink]:
         return assign_links(self.netem, num_clients, seed=self.seed, netem_file=self.netem_file,
                             speed=self.compute_speed, message_overhead_s=self.message_overhead_s)

@@ -123,6 +123,31 @@ class InProcessGrid(Grid):
             for c in self.contexts.values() if keys.NUM_PARTITIONS in c.node_config
         }, key=lambda s: (s[0], s[1] or ""))
 
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every node's ``context.state`` (error-feedback residuals, PowerSGD's Q, DGA's
+        and gossip's client state, batch-sampler positions), serialised as Flower would
+        store it, for a checkpoint. Taken between rounds: a message still pending (pushed,
+        not yet run) would be lost, so it raises instead."""
+        if self._pending or self._replies:
+            raise RuntimeError(f"a checkpoint of the in-process grid needs no message in flight; "
+                               f"{len(self._pending)} pending, {len(self._replies)} replies not pulled")
+        states = {}
+        for nid, ctx in self.contexts.items():
+            holder = Message(ctx.state, nid, "train")
+            states[nid] = {"root": holder.object_id, "objects": dict(fi.message_objects(holder))}
+        return {"nodes": list(self.contexts), "states": states, "messages_run": self.messages_run}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Give every node the ``context.state`` of :meth:`state_dict` (same node ids:
+        the grid's are seeded, so the same ``seed`` and ``num_nodes`` give them)."""
+        if list(state["nodes"]) != list(self.contexts):
+            raise ValueError("the checkpoint's in-process nodes are not this grid's: build the grid with the "
+                             "same num_nodes and seed as the run that wrote it")
+        for nid, saved in state["states"].items():
+            self.contexts[int(nid)].state = fi.message_from_objects(saved["root"], dict(saved["objects"])).content
+        self.messages_run = int(state["messages_run"])
+
     # -- Grid API ----------------------------------------------------------------
     def set_run(self, run) -> None:  # noqa: ANN001
         self._run = run
