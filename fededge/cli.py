@@ -6,6 +6,9 @@
 - ``fededge simulate [--num-supernodes N] [--run-config ...]``: ``flwr run .`` in Flower's
   simulation runtime on a private local SuperLink, which it stops afterwards; exits
   non-zero when the run failed (``flwr run`` itself exits 0 either way).
+- ``fededge resume RUN_DIR [--num-rounds N]``: continue a run (written with
+  ``checkpoint-every``) from its newest intact checkpoint, in the runtime it ran in; its
+  files go on as if it had never stopped.
 - ``fededge netem profiles | show NAME | proxy ... | apply ... | clear ...``: link
   profiles and the network-emulation backends.
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
@@ -60,6 +63,54 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(f"results: {run_dir}")
     return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    import json
+
+    from fededge.config import ConfigError
+    from fededge.server.checkpoint import CheckpointError, checkpoint_files
+    from fededge.server.experiment import NotEnoughNodesError, RoundFailedError
+    from fededge.server.inprocess import run_inprocess
+    from fededge.strategies.resume import ResumeError
+
+    run_dir = Path(args.run_dir)
+    try:
+        meta = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        print(f"fededge resume: {run_dir} is not a fededge run directory ({err})", file=sys.stderr)
+        return 2
+    if not checkpoint_files(run_dir):
+        print(f"fededge resume: {run_dir} has no checkpoint (checkpoints/round-*.ckpt): it wrote none before it "
+              "stopped (checkpoint-every=0, or it stopped before its first checkpoint round); start it again",
+              file=sys.stderr)
+        return 2
+    try:
+        overrides = {**meta["config"], **parse_run_config(args.run_config)}
+    except ValueError as err:
+        print(f"fededge resume: {err}", file=sys.stderr)
+        return 2
+    if args.num_rounds is not None:
+        overrides["num-rounds"] = args.num_rounds
+    overrides["resume-from"] = str(run_dir.resolve())
+    runtime = meta.get("runtime")
+    if runtime == "inprocess":
+        try:
+            out = run_inprocess(overrides, num_clients=int(meta["inprocess_nodes"]))
+        except ConfigError as err:
+            print(f"fededge: configuration error: {err}", file=sys.stderr)
+            return 2
+        except (CheckpointError, ResumeError) as err:
+            print(f"fededge resume: {err}", file=sys.stderr)
+            return 2
+        except (RoundFailedError, NotEnoughNodesError) as err:
+            print(f"fededge: run failed: {err}", file=sys.stderr)
+            return 1
+        print(f"results: {out}")
+        return 0
+    # Flower's simulation (fededge simulate, flwr run): the same app, resumed by its ServerApp.
+    args.run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+    return _cmd_simulate(args)
 
 
 def _fededge_app_config(app: str, overrides: dict[str, Any]) -> dict[str, Any] | None:
@@ -190,6 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run-config", default=None, help='overrides: "num-rounds=5 alpha=0.1"')
     sim.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is killed")
     sim.set_defaults(func=_cmd_simulate)
+
+    resume = sub.add_parser("resume", help="continue a run from its newest intact checkpoint")
+    resume.add_argument("run_dir", metavar="RUN_DIR")
+    resume.add_argument("--num-rounds", type=int, default=None, help="run to this many rounds in all "
+                        "(default: the run's own num-rounds)")
+    resume.add_argument("--run-config", default=None, help="overrides of the keys a resumed run may change "
+                        '(num-rounds, progress, checkpoint-every, ...): "progress=\'off\'"')
+    resume.add_argument("app", nargs="?", default=".", help="Flower app directory, for a run in Flower's simulation")
+    resume.add_argument("--num-supernodes", type=int, default=10, help="for a run in Flower's simulation")
+    resume.add_argument("--cpus-per-client", type=float, default=1.0, help=argparse.SUPPRESS)
+    resume.add_argument("--gpus-per-client", type=float, default=0.0, help=argparse.SUPPRESS)
+    resume.add_argument("--timeout", type=float, default=3600.0, help="seconds before a simulation is killed")
+    resume.set_defaults(func=_cmd_resume)
 
     from fededge.netem.cli import register as register_netem
 

@@ -112,6 +112,8 @@ OWNED: dict[str, tuple[type, str]] = {
     "target-accuracy": (ResultsConfig, "target_accuracy"),
     "progress": (ResultsConfig, "progress"),
     "save-model": (ResultsConfig, "save_model"),
+    "checkpoint-every": (ResultsConfig, "checkpoint_every"),
+    "resume-from": (ResultsConfig, "resume_from"),
 }
 
 
@@ -266,6 +268,8 @@ class RunConfig:
     results_dir: str = ResultsConfig.results_dir
     run_name: str = ResultsConfig.run_name
     save_model: bool = ResultsConfig.save_model
+    checkpoint_every: int = ResultsConfig.checkpoint_every
+    resume_from: str = ResultsConfig.resume_from
     server_lr: float = 0.0
     server_momentum: float = 0.9
     proximal_mu: float = 0.01

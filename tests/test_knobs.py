@@ -105,7 +105,7 @@ CONTEXT = {
     "threshold-tau": {"compressor": "threshold"},
 }
 #: Knobs every probe of which is valid: any path names a file (read when the clock or graph is built).
-UNBOUNDED = {"netem-file", "topology-file"}
+UNBOUNDED = {"netem-file", "topology-file", "resume-from"}
 
 
 def _probes(owner, param):

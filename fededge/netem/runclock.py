@@ -161,7 +161,8 @@ class RunClock:
         written again)."""
         self.nodes = [int(n) for n in state["nodes"]]
         if state["clock"] is not None:
-            self.clock = SimClock(self._links(int(state["clock"]["num_clients"])), seed=self.seed)
+            if self.clock is None:
+                self.clock = SimClock(self._links(int(state["clock"]["num_clients"])), seed=self.seed)
             self.clock.load_state_dict(state["clock"])
 
     def _links(self, num_clients: int) -> list[ClientLink]:

@@ -14,8 +14,10 @@ Before round 1, in simulation, the server makes the clients' data split once its
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -25,18 +27,18 @@ from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.clients.device import resolve_device
 from fededge.clients.train import evaluate
-from fededge.config import RunConfig
+from fededge.config import ConfigError, RunConfig
 from fededge.models.zoo import count_parameters
 from fededge.server.grid import InProcessGrid
 from fededge.server.measure import (
-    Experiment, ExperimentResult, NotEnoughNodesError, RoundFailedError, seeded_sampling, wait_for_nodes,
+    RESUME_MAY_CHANGE, Experiment, ExperimentResult, NotEnoughNodesError, RoundFailedError, seeded_sampling, wait_for_nodes,
 )
 from fededge.server.results import new_run_id
 from fededge.strategies.registry import build_strategy
 from fededge.workload import check_partition, dataset_for, model_for
 
 __all__ = [
-    "ExperimentResult", "NotEnoughNodesError", "RoundFailedError", "check_data_split", "run_experiment",
+    "ExperimentResult", "NotEnoughNodesError", "RoundFailedError", "check_data_split", "check_resumable", "run_experiment",
     "seeded_sampling", "simulated_data_splits", "train_config", "wait_for_nodes",
 ]
 
@@ -154,8 +156,10 @@ def run_experiment(
         evaluate_fn=evaluate_fn, results_dir=cfg.results_dir, run_id=run_id or new_run_id(cfg.run_name),
         netem=cfg.netem, netem_file=cfg.netem_file, compute_speed=cfg.compute_speed, sim_step_s=cfg.sim_step_s,
         message_overhead_s=cfg.message_overhead_s, seed=cfg.seed, target_accuracy=cfg.target_accuracy, progress=cfg.progress, save_model=cfg.save_model,
+        checkpoint_every=cfg.checkpoint_every,
         min_nodes=max(needed, cfg.min_available_nodes), config=cfg.to_mapping(),
         metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
+                  **({"inprocess_nodes": len(list(grid.get_node_ids()))} if isinstance(grid, InProcessGrid) else {}),
                   "train_examples": len(ds.x_train), "test_examples": len(ds.x_test)},
         title=f"{cfg.strategy}, {cfg.model} on {cfg.dataset} ({cfg.partition}), device {device}",
     )
@@ -163,5 +167,31 @@ def run_experiment(
     def before_start(g: Grid) -> None:
         log.debug("the clients' data split checked in %.3f s", check_data_split(g, cfg))
 
+    resume_from = None
+    if cfg.resume_from:
+        resume_from = Path(cfg.resume_from)
+        check_resumable(resume_from, cfg)
     return experiment.run(strategy, grid, initial_arrays=initial, num_rounds=cfg.num_rounds,
-                          timeout=cfg.round_timeout, train_config=train_config(cfg), before_start=before_start)
+                          timeout=cfg.round_timeout, train_config=train_config(cfg), before_start=before_start,
+                          resume_from=resume_from)
+
+
+def check_resumable(run_dir: Path, cfg: RunConfig) -> None:
+    """Raise :class:`~fededge.config.ConfigError` unless ``cfg`` may resume ``run_dir``:
+    a run directory fededge wrote, whose run config equals ``cfg``'s but for the keys of
+    :data:`~fededge.server.measure.RESUME_MAY_CHANGE`; each other difference is named."""
+    meta_path = run_dir / "config.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"resume-from={str(run_dir)!r}: {meta_path} cannot be read ({err}); give the "
+                          "directory of a run fededge wrote") from err
+    saved, now = dict(meta.get("config", {})), cfg.to_mapping()
+    differ = sorted(k for k in set(saved) | set(now)
+                    if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
+    if differ:
+        shown = ", ".join(f"{k}={now.get(k)!r} (the run had {saved.get(k)!r})" for k in differ[:5])
+        raise ConfigError(
+            f"resume-from={str(run_dir)!r}: the run config differs from the run's in what a round computes: "
+            f"{shown}{' ...' if len(differ) > 5 else ''}; resume with the run's own values (fededge resume reads "
+            f"them from {meta_path}), or start a new run")

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
@@ -51,11 +52,23 @@ from flwr.serverapp.strategy import Result, Strategy
 from fededge.netem.clock import ClientRound, synchronous_round
 from fededge.netem.runclock import ClockConfig, RunClock
 from fededge.server.metering import MeteredGrid, RoundTraffic
+from fededge.server.checkpoint import CheckpointError, latest_checkpoint, write_checkpoint
 from fededge.server.results import PROGRESS_MODES, Progress, ResultsConfig, RoundRecord, RunRecorder, new_run_id
 from fededge.strategies.report import RoundReport, attach_clock, report_of
+from fededge.strategies.resume import (
+    FromRound, ResumeError, arrays_from_state, arrays_to_state, attach_checkpoint, load_strategy_state,
+    strategy_state,
+)
+
+#: Run-config keys a resumed run may give other values than the run it resumes: they
+#: change what is recorded or how long it goes on, not what a round computes.
+RESUME_MAY_CHANGE = frozenset({
+    "num-rounds", "progress", "checkpoint-every", "save-model", "target-accuracy", "results-dir",
+    "run-name", "round-timeout", "resume-from",
+})
 
 __all__ = [
-    "EvaluateFn", "Experiment", "ExperimentResult", "NotEnoughNodesError", "PROGRESS_MODES", "RoundFailedError",
+    "CheckpointError", "EvaluateFn", "Experiment", "RESUME_MAY_CHANGE", "ResumeError", "ExperimentResult", "NotEnoughNodesError", "PROGRESS_MODES", "RoundFailedError",
     "seeded_sampling", "wait_for_nodes",
 ]
 
@@ -136,9 +149,12 @@ class Experiment:
         ``loss`` (Flower's ``evaluate_fn``): called on the global model after every round,
         and on each node's model for decentralised strategies. Other metrics it returns
         are written to ``metrics.jsonl`` too, under their own names.
-    results_dir, run_name, target_accuracy, progress, save_model
+    results_dir, run_name, target_accuracy, progress, save_model, checkpoint_every
         :class:`fededge.server.results.ResultsConfig`'s knobs (defaults, checks and
-        meaning declared there, once).
+        meaning declared there, once). With ``checkpoint_every = k > 0`` a checkpoint of
+        the whole run (model, strategy, random generators, clock, recorder and, on
+        fededge's in-process runtime, every client's ``context.state``) is written after
+        every k-th round; :meth:`run` with ``resume_from`` continues from it.
     run_id : str, optional
         The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
         existing one is never overwritten (``-2``, ``-3``, ... are appended).
@@ -188,6 +204,7 @@ class Experiment:
         target_accuracy: float = ResultsConfig.target_accuracy,
         progress: str = ResultsConfig.progress,
         save_model: bool = ResultsConfig.save_model,
+        checkpoint_every: int = ResultsConfig.checkpoint_every,
         min_nodes: int = 1,
         config: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -197,7 +214,7 @@ class Experiment:
             raise ValueError(f"evaluate_fn must be a callable (server_round, arrays) -> MetricRecord, "
                              f"got {evaluate_fn!r}")
         ResultsConfig(results_dir=str(results_dir), run_name=run_name, target_accuracy=target_accuracy,
-                      progress=progress, save_model=save_model)  # checks them
+                      progress=progress, save_model=save_model, checkpoint_every=checkpoint_every)  # checks them
         if min_nodes < 0:
             raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
         self.clock_settings = {"netem": netem, "netem_file": netem_file, "compute_speed": compute_speed,
@@ -212,6 +229,7 @@ class Experiment:
         self.target_accuracy = target_accuracy
         self.progress = progress
         self.save_model = save_model
+        self.checkpoint_every = checkpoint_every
         self.min_nodes = min_nodes
         self.config = dict(config or {})
         self.metadata = dict(metadata or {})
@@ -228,6 +246,7 @@ class Experiment:
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         before_start: Callable[[Grid], None] | None = None,
+        resume_from: str | Path | None = None,
     ) -> ExperimentResult:
         """Run ``strategy.start`` on a metered ``grid`` and record every round.
 
@@ -244,6 +263,11 @@ class Experiment:
         before_start : callable, optional
             Called with the grid once the nodes are connected, before round 1 (fededge's
             app checks the clients' data split there).
+        resume_from : path, optional
+            A run directory with checkpoints: continue that run from its newest intact
+            checkpoint (``initial_arrays`` is then not used), appending to its files.
+            ``strategy`` must be built as the run's was (the caller's job: fededge's app
+            compares the run config, :data:`RESUME_MAY_CHANGE`).
 
         Raises
         ------
@@ -251,20 +275,33 @@ class Experiment:
             A round had no usable update and not because its clients dropped out.
         NotEnoughNodesError
             Fewer than ``min_nodes`` nodes connected within ``timeout``.
+        CheckpointError, ResumeError
+            ``resume_from`` has no usable checkpoint, or it cannot be resumed here.
         """
         strategy_class = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
-        recorder = RunRecorder(
-            self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
-            target_accuracy=self.target_accuracy,
-            extra={**self.metadata, "strategy_class": strategy_class,
-                   "clock": {k.replace("_", "-"): v for k, v in self.clock_settings.items()}})
+        checkpoint = None
+        if resume_from is not None:
+            path, checkpoint = latest_checkpoint(resume_from)
+            if checkpoint.get("strategy_class") != strategy_class:
+                raise ResumeError(f"{path} was written by a run of {checkpoint.get('strategy_class')}, "
+                                  f"not {strategy_class}: resume it with the strategy it was run with")
+            recorder = RunRecorder.reopen(resume_from, checkpoint["recorder"], target_accuracy=self.target_accuracy)
+        else:
+            recorder = RunRecorder(
+                self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
+                target_accuracy=self.target_accuracy,
+                extra={**self.metadata, "strategy_class": strategy_class,
+                       "clock": {k.replace("_", "-"): v for k, v in self.clock_settings.items()}})
         progress = Progress(self.progress, num_rounds)
+        done = 0 if checkpoint is None else int(checkpoint["round"])
         progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "
-                      f"results in {recorder.run_dir.resolve()}")
-        clock = RunClock(**self.clock_settings, run_dir=recorder.run_dir)
+                      + (f"resumed after round {done} from {path.name}; " if checkpoint is not None else "")
+                      + f"results in {recorder.run_dir.resolve()}")
+        clock = RunClock(**self.clock_settings, run_dir=None if checkpoint is not None else recorder.run_dir)
         rounds = _Rounds(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout)
         rounds.final = initial_arrays
         attach_clock(strategy, clock)
+        own_loop = attach_checkpoint(strategy, rounds)
         try:
             connected = wait_for_nodes(grid, self.min_nodes, timeout)
             clock.know_nodes(grid.get_node_ids())
@@ -272,7 +309,12 @@ class Experiment:
             if before_start is not None:
                 before_start(grid)
             with seeded_sampling(self.seed):
-                result = strategy.start(
+                runner: Strategy = strategy
+                if checkpoint is not None:
+                    initial_arrays = rounds.restore(checkpoint)
+                    if not own_loop:
+                        runner = FromRound(strategy, done)
+                result = runner.start(
                     grid=rounds.metered, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
                     train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=rounds.close)
         except BaseException as err:
@@ -300,6 +342,11 @@ class Experiment:
         return float(metrics["accuracy"]), float(metrics["loss"]), others
 
 
+def _tuples(value: Any) -> Any:
+    """``random.setstate`` wants tuples where a checkpoint may give lists back."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 class _Rounds:
     """One run's state between rounds: Flower calls :meth:`close` after every round."""
 
@@ -314,6 +361,79 @@ class _Rounds:
         self.timeout = timeout
         self.final: ArrayRecord | None = None
         self.summary: dict[str, Any] = {}
+        self.resumed = 0  # the checkpoint's round: rounds up to it are recorded already
+        self.checkpoints: list[dict[str, float]] = []  # each written: round, bytes, seconds
+
+    # -- checkpoints (fededge.strategies.resume.CheckpointHook) ----------------------
+    def due(self, server_round: int) -> bool:
+        every = self.exp.checkpoint_every
+        return every > 0 and server_round > self.resumed and server_round % every == 0
+
+    def _inner_grid(self) -> Any:
+        inner: Any = self.metered.inner
+        while hasattr(inner, "inner"):
+            inner = inner.inner
+        return inner
+
+    def save(self, server_round: int) -> None:
+        """Write the checkpoint of ``server_round`` (recorded already, nothing of a later
+        round outstanding): model, strategy, generators, clock, recorder, and the
+        in-process runtime's client states."""
+        last = self.recorder.records[-1].round if self.recorder.records else None
+        if last != server_round:
+            raise RuntimeError(f"checkpoint of round {server_round} asked for, but the last recorded round is {last}")
+        grid = self._inner_grid()
+        np_state = np.random.get_state(legacy=False)
+        payload = {
+            "format": 1, "round": server_round, "run_id": self.recorder.run_id,
+            "strategy_class": f"{type(self.strategy).__module__}.{type(self.strategy).__qualname__}",
+            "config": self.exp.config,
+            "arrays": arrays_to_state(self.final),
+            "strategy": strategy_state(self.strategy),
+            "random": random.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": {"bit_generator": np_state["bit_generator"], "pos": int(np_state["state"]["pos"]),
+                          "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                          "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+            "clock": self.clock.state_dict(),
+            "recorder": self.recorder.state_dict(),
+            "summary": self.summary,
+            "partition_of": dict(self.metered.partition_of),
+            "checkpoints": list(self.checkpoints),
+            "grid": grid.state_dict() if hasattr(grid, "state_dict") else None,
+        }
+        path, size, seconds = write_checkpoint(self.recorder.run_dir, server_round, payload)
+        self.checkpoints.append({"round": server_round, "bytes": size, "seconds": round(seconds, 6)})
+        self.summary["checkpoints"] = len(self.checkpoints)  # over the whole run, resumed or not
+        self.summary["checkpoint_bytes_last"] = size
+        self.summary["checkpoint_s_total"] = round(sum(c["seconds"] for c in self.checkpoints), 6)
+        log.debug("checkpoint of round %d: %s, %d bytes in %.3f s", server_round, path, size, seconds)
+
+    def restore(self, checkpoint: dict[str, Any]) -> ArrayRecord:
+        """Put back what :meth:`save` wrote (inside the run's seeded sampling); return
+        the checkpoint's global model."""
+        self.resumed = int(checkpoint["round"])
+        # The clock first: a strategy rebuilds its timeline on it while it loads.
+        self.clock.load_state_dict(checkpoint["clock"])
+        load_strategy_state(self.strategy, checkpoint["strategy"])
+        grid = self._inner_grid()
+        if checkpoint["grid"] is not None:
+            if not hasattr(grid, "load_state_dict"):
+                raise ResumeError("the checkpoint holds the in-process runtime's client states, but this grid "
+                                  f"({type(grid).__name__}) is not fededge's in-process grid")
+            grid.load_state_dict(checkpoint["grid"])
+        random.setstate(_tuples(checkpoint["random"]))
+        torch.set_rng_state(checkpoint["torch_rng"])
+        npr = checkpoint["numpy_rng"]
+        np.random.set_state((npr["bit_generator"], npr["key"].numpy().astype(np.uint32), npr["pos"],
+                             npr["has_gauss"], npr["gauss"]))
+        self.summary = dict(checkpoint["summary"])
+        # The checkpoints written before this one, and this one (its writing time was not
+        # known when it was written: not counted in checkpoint_s_total).
+        self.checkpoints = [*checkpoint["checkpoints"], {"round": self.resumed, "bytes": None, "seconds": 0.0}]
+        self.metered.partition_of.update({int(k): int(v) for k, v in checkpoint["partition_of"].items()})
+        self.final = arrays_from_state(checkpoint["arrays"])
+        return self.final
 
     def report(self, text: str) -> None:
         """One line per client problem: on the progress stream, or logged when it is off."""
@@ -323,7 +443,17 @@ class _Rounds:
             self.progress.note(text)
 
     def close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord:
-        """Evaluate round ``rnd``'s model, take its traffic and report, write its line."""
+        """Evaluate round ``rnd``'s model, take its traffic and report, write its line;
+        write a checkpoint when one is due and the strategy runs on Flower's loop."""
+        if 0 < self.resumed and rnd <= self.resumed:  # a resumed run's round recorded already (Flower's loop re-evaluates it)
+            rec = next(r for r in self.recorder.records if r.round == rnd)
+            return MetricRecord({"accuracy": rec.accuracy, "loss": rec.loss})
+        metrics = self._close(rnd, arrays)
+        if self.due(rnd) and getattr(self.strategy, "attach_checkpoint", None) is None:
+            self.save(rnd)  # Flower's loop: nothing is in flight between rounds
+        return metrics
+
+    def _close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord:
         self.final = arrays
         acc, loss, others = self.exp.evaluate(rnd, arrays)
         report = report_of(self.strategy, rnd)

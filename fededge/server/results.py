@@ -54,6 +54,19 @@ class ResultsConfig:
     save_model : bool
         [save-model] Write the final global model to ``<run dir>/model.pt`` (a torch
         state dict).
+    checkpoint_every : int
+        [checkpoint-every] Write a checkpoint of the whole run into
+        ``<run dir>/checkpoints/`` after every this many rounds (0: never), so that
+        ``fededge resume <run dir>`` continues it after a crash or a kill. Atomic, the
+        last two kept. Each costs a few milliseconds for the default model and clients
+        (BENCHMARKS.md, "What a checkpoint costs"), so the default is every round; raise
+        it for large models with many in-process clients, whose states it holds too.
+    resume_from : str
+        [resume-from] A run directory to continue from its newest intact checkpoint
+        instead of starting a new run (``fededge resume`` sets it). The run config must
+        match the checkpoint's but for the keys that only change what is recorded or for
+        how long (``num-rounds``, ``progress``, ...); a difference that matters is
+        refused, naming the key.
     """
 
     results_dir: str = "results"
@@ -61,6 +74,8 @@ class ResultsConfig:
     target_accuracy: float = 0.9
     progress: str = "auto"
     save_model: bool = True
+    checkpoint_every: int = 1
+    resume_from: str = ""
 
     def __post_init__(self) -> None:
         import re
@@ -71,6 +86,10 @@ class ResultsConfig:
             raise ValueError(f"run_name may hold only letters, digits, '.', '_' and '-', got {self.run_name!r}")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an integer >= 0 (rounds; 0: no checkpoints), "
+                             f"got {self.checkpoint_every!r}")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
 
@@ -137,6 +156,13 @@ class RoundRecord:
         out.update(self.extra)
         return out
 
+    @classmethod
+    def from_json(cls, line: dict[str, Any]) -> "RoundRecord":
+        """The record of one metrics.jsonl line (:meth:`to_json`'s inverse)."""
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        return cls(**{k: v for k, v in line.items() if k in names},
+                   extra={k: v for k, v in line.items() if k not in names})
+
 
 class RunRecorder:
     """Writes a run's directory as the run goes, so a crashed run keeps its rounds.
@@ -188,6 +214,49 @@ class RunRecorder:
         # A run killed from outside (SIGKILL, flwr stop) still leaves a summary that says
         # it never finished.
         self._write_summary(self.summary() | {"status": "running"})
+
+    @classmethod
+    def reopen(cls, run_dir: str | os.PathLike[str], state: dict[str, Any], *,
+               target_accuracy: float) -> "RunRecorder":
+        """Continue an existing run directory from a checkpoint's :meth:`state_dict`.
+
+        metrics.jsonl keeps its lines up to the checkpoint's round and loses those after
+        it (written before the run died, they are recorded again as the resumed run
+        makes them, so no round is duplicated and none is missing); a line cut short by
+        the kill is dropped. The file is rewritten atomically, then appended to.
+        """
+        self = cls.__new__(cls)
+        self.run_dir = Path(run_dir)
+        self.run_id = self.run_dir.name
+        self.target_accuracy = target_accuracy
+        upto = int(state["round"])
+        kept: list[str] = []
+        path = self.run_dir / "metrics.jsonl"
+        for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # the kill cut this line short: nothing after it was written whole
+            if int(rec["round"]) <= upto:
+                kept.append(line)
+        self.records = [RoundRecord.from_json(json.loads(x)) for x in kept]
+        if [r.round for r in self.records][-1:] != [upto]:
+            raise ValueError(f"{path} lacks round {upto}, the checkpoint's: the run directory is not the one "
+                             "the checkpoint was written in")
+        tmp = self.run_dir / "metrics.jsonl.tmp"
+        tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+        tmp.replace(path)
+        self._cum_up, self._cum_down, self._sim_s = int(state["cum_up"]), int(state["cum_down"]), float(state["sim_s"])
+        self._t0 = time.perf_counter() - float(state["wall_s"])  # wall_s goes on from where it was
+        self._metrics = open(path, "a", encoding="utf-8")
+        self._write_summary(self.summary() | {"status": "running"})
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a resumed run continues from (:meth:`reopen`)."""
+        last = self.records[-1] if self.records else None
+        return {"round": last.round if last else -1, "cum_up": self._cum_up, "cum_down": self._cum_down,
+                "sim_s": self._sim_s, "wall_s": last.wall_s if last else 0.0}
 
     @property
     def elapsed(self) -> float:

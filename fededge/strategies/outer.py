@@ -29,6 +29,14 @@ class FedAvgOuter(FedAvg):
         self.outer = OuterSGD(lr=lr, momentum=momentum, nesterov=nesterov)
         self._current: ArrayRecord | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The outer momentum buffers, for a checkpoint (Flower's loop runs this
+        strategy, so nothing else lives between rounds)."""
+        return {"buffers": {k: v.clone() for k, v in self.outer.buffers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.outer.buffers = {k: v.clone() for k, v in state["buffers"].items()}
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self._current = arrays

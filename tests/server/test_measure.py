@@ -240,10 +240,10 @@ def test_the_measurement_never_branches_on_strategy_classes():
     for module in (experiment_module, measure_module):
         path = Path(module.__file__)
         assert not _isinstance_targets(path) & strategies, path
-        # ... nor imports them: the registry builds them, the report interface describes them.
+        # ... nor imports them: the registry builds them, the report and resume interfaces describe them.
         imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)}
         assert {m for m in imported if m and m.startswith("fededge.strategies")} <= \
-            {"fededge.strategies.registry", "fededge.strategies.report"}, path
+            {"fededge.strategies.registry", "fededge.strategies.report", "fededge.strategies.resume"}, path
 
 
 def test_experiment_knobs_default_as_the_run_config_does():

@@ -1,0 +1,67 @@
+"""Runs one in-process fededge run and SIGKILLs itself at a chosen point (for test_resume.py).
+
+    python -m tests.server.resume_driver RESULTS_DIR WHEN ROUND JSON_OVERRIDES
+
+WHEN is ``between`` (right after round ROUND's checkpoint, before the next round starts),
+``mid-round`` (while a client trains round ROUND), ``mid-checkpoint`` (round ROUND's
+checkpoint fully written to its temporary file but not yet renamed) or ``never``. The
+kill is a real SIGKILL of this process: nothing is flushed or closed on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from fededge import keys
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    results, when, at, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+    num_clients = int(overrides.pop("__num_clients", 4))
+    from fededge.clients.app import app as fededge_app
+    from fededge.server import checkpoint, measure
+    from fededge.server.inprocess import run_inprocess
+
+    client_app = fededge_app
+    if when == "mid-round":
+        def client_app(msg, ctx):  # noqa: ANN001,ANN202 - any callable (msg, ctx) is a ClientApp here
+            conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else {}
+            if int(conf.get(keys.SERVER_ROUND, 0)) == at and int(ctx.node_config[keys.PARTITION_ID]) == 1:
+                _die()
+            return fededge_app(msg, ctx)
+    elif when == "between":
+        real_write = measure.write_checkpoint
+
+        def write(run_dir, server_round, payload):  # noqa: ANN001,ANN202
+            out = real_write(run_dir, server_round, payload)
+            if server_round == at:
+                _die()
+            return out
+        measure.write_checkpoint = write
+    elif when == "mid-checkpoint":
+        real_replace = checkpoint.os.replace
+
+        class _Os:  # checkpoint's ``os``, but its rename of round ``at`` never happens
+            def __getattr__(self, name):  # noqa: ANN001,ANN204
+                return getattr(os, name)
+
+            @staticmethod
+            def replace(src, dst):  # noqa: ANN001,ANN205
+                if str(dst).endswith(f"round-{at:06d}.ckpt"):
+                    _die()
+                return real_replace(src, dst)
+        checkpoint.os = _Os()
+    elif when != "never":
+        raise SystemExit(f"unknown WHEN {when!r}")
+    run_inprocess({**overrides, "results-dir": results}, num_clients=num_clients, client_app=client_app)
+
+
+if __name__ == "__main__":
+    main()
