@@ -302,6 +302,16 @@ class Experiment:
         rounds.final = initial_arrays
         attach_clock(strategy, clock)
         own_loop = attach_checkpoint(strategy, rounds)
+        if not own_loop and type(strategy).start is not Strategy.start:
+            # Its own round loop, and no way to stop it at a round boundary: a checkpoint
+            # written from outside would not hold its state. Say so, write none.
+            rounds.uncheckpointable = (f"{type(strategy).__name__} runs its own round loop and does not "
+                                       "implement attach_checkpoint (fededge.strategies.resume)")
+            if checkpoint is not None:
+                raise ResumeError(f"{rounds.uncheckpointable}: it cannot be resumed")
+            if self.checkpoint_every > 0:
+                log.warning("%s: no checkpoints are written (checkpoint-every=%d)", rounds.uncheckpointable,
+                            self.checkpoint_every)
         try:
             connected = wait_for_nodes(grid, self.min_nodes, timeout)
             clock.know_nodes(grid.get_node_ids())
@@ -362,12 +372,14 @@ class _Rounds:
         self.final: ArrayRecord | None = None
         self.summary: dict[str, Any] = {}
         self.resumed = 0  # the checkpoint's round: rounds up to it are recorded already
+        self.uncheckpointable: str | None = None  # why no checkpoint can be written, if so
         self.checkpoints: list[dict[str, float]] = []  # each written: round, bytes, seconds
 
     # -- checkpoints (fededge.strategies.resume.CheckpointHook) ----------------------
     def due(self, server_round: int) -> bool:
         every = self.exp.checkpoint_every
-        return every > 0 and server_round > self.resumed and server_round % every == 0
+        return (every > 0 and self.uncheckpointable is None and server_round > self.resumed
+                and server_round % every == 0)
 
     def _inner_grid(self) -> Any:
         inner: Any = self.metered.inner
