@@ -427,6 +427,9 @@ class _Rounds:
         self.resumed = int(checkpoint["round"])
         # The clock first: a strategy rebuilds its timeline on it while it loads.
         self.clock.load_state_dict(checkpoint["clock"])
+        # Nodes that report no partition id are placed by their index among this grid's
+        # node ids (a resumed run on Flower's simulation or a SuperLink gets new ones).
+        self.clock.know_nodes(self.metered.get_node_ids())
         load_strategy_state(self.strategy, checkpoint["strategy"])
         grid = self._inner_grid()
         if checkpoint["grid"] is not None:
