@@ -188,3 +188,26 @@ def test_flwr_run_gossip_ring_on_ray(tmp_path):
         assert r["bytes_p2p"] > 0 and r["bytes_eval_up"] > 0 and r["round_sim_s"] > 0
     # Round 2 relays round 1's messages: each top-5% message down to two neighbours.
     assert lines[2]["bytes_down"] == pytest.approx(lines[2]["bytes_p2p"], rel=0.05)
+
+
+def test_flwr_run_resumes_a_run_on_ray(tmp_path):
+    """resume-from under Flower's simulation (issue 18): a new Flower run continues the run
+    directory from its checkpoint: its rounds appended, the earlier lines kept as they were.
+    The clients' context.state is Ray's, not in the checkpoint: they start afresh."""
+    results = tmp_path / "results"
+    conf = {"num-rounds": 2, "local-steps": 3, "model": "mlp", "results-dir": str(results), "checkpoint-every": 1,
+            "compressor": "topk", "error-feedback": True}
+    first = flwr_run_local(ROOT, flwr_home=tmp_path / "flwr-home", num_supernodes=3, timeout_s=420, run_config=conf)
+    assert first.ok, f"status={first.status} rc={first.returncode}\n{first.output[-4000:]}"
+    (run_dir,) = list(results.iterdir())
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    again = flwr_run_local(ROOT, flwr_home=tmp_path / "flwr-home-2", num_supernodes=3, timeout_s=420,
+                           run_config={**conf, "num-rounds": 3, "resume-from": str(run_dir)})
+    assert again.leftover_pids == []
+    assert again.ok, f"status={again.status} rc={again.returncode}\n{again.output[-4000:]}"
+    assert "resumed after round 2" in again.output
+    after = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert after[:3] == before and [json.loads(x)["round"] for x in after] == [0, 1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 3
+    assert list(results.iterdir()) == [run_dir]  # no second run directory
