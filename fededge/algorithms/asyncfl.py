@@ -31,7 +31,10 @@ The event-driven part, :class:`AsyncScheduler`, decides who may start training w
 (concurrency, the SSP bound, clients written off after a timeout) and
 :class:`EventQueue` orders arrivals by simulated time. The Flower strategy
 (:mod:`fededge.strategies.asyncfl`) moves messages; this module holds no Flower and no
-network, so the rules are tested in milliseconds.
+network, so the rules are tested in milliseconds. :class:`AsyncServer`,
+:class:`AsyncScheduler` and :class:`EventQueue` save and load their state
+(``state_dict`` / ``load_state_dict``, plain values) so that a run can be checkpointed
+between two events and continued exactly.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -280,6 +283,35 @@ class AsyncServer:
         self.models[self.version] = out
         return True
 
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything :meth:`receive` continues from, as plain values (a checkpoint): the
+        version, every model version kept, the FedBuff buffer and the staleness record.
+        The tensors are the server's own (it never changes one in place)."""
+        return {"version": self.version,
+                "models": {v: dict(m) for v, m in self.models.items()},
+                "buffer": [(n, s, dict(d)) for n, s, d in self._buffer],
+                "staleness": list(self.staleness)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (a server built with the same config and
+        number of clients); raises ``ValueError`` for the state of another model."""
+        version = int(state["version"])
+        models = {int(v): {k: torch.as_tensor(t) for k, t in m.items()} for v, m in state["models"].items()}
+        if version not in models:
+            raise ValueError(f"server state at version {version} does not keep that version "
+                             f"(it keeps {sorted(models)})")
+        names = list(self.model)
+        for v, m in models.items():
+            if list(m) != names:
+                raise ValueError(f"server state's version {v} has tensors {sorted(m)}, this server's model "
+                                 f"has {sorted(names)}")
+        self.version = version
+        self.models = models
+        self._buffer = [(float(n), float(s), {k: torch.as_tensor(t) for k, t in d.items()})
+                        for n, s, d in state["buffer"]]
+        self.staleness = [int(t) for t in state["staleness"]]
+
 
 def first_arrivals(arrivals: Mapping[int, float], m: int) -> list[int]:
     """Backup workers: the ``m`` clients whose replies arrive first (ties by client id).
@@ -330,6 +362,22 @@ class EventQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def state_dict(self, encode: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+        """The queued events as plain values; ``encode`` turns a payload into one (the
+        strategy's: a reply Message into its serialised objects)."""
+        enc = encode or (lambda p: p)
+        return {"events": [(e.time, e.seq, e.client, e.dropped, None if e.payload is None else enc(e.payload))
+                           for e in self._heap]}
+
+    def load_state_dict(self, state: Mapping[str, Any], decode: Callable[[Any], Any] | None = None) -> None:
+        """Continue from :meth:`state_dict`; ``decode`` undoes its ``encode``. Events pop
+        in the same order ((time, seq) orders them totally)."""
+        dec = decode or (lambda p: p)
+        self._heap = [Event(float(t), int(seq), int(client), dropped=bool(dropped),
+                            payload=None if payload is None else dec(payload))
+                      for t, seq, client, dropped, payload in state["events"]]
+        heapq.heapify(self._heap)
 
 
 class AsyncScheduler:
@@ -427,3 +475,33 @@ class AsyncScheduler:
         """How far the fastest active client's clock is ahead of the slowest's."""
         active = [self.done[c] for c in self.clients if c not in self.lagging]
         return max(active) - min(active) if active else 0
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the scheduler continues from, as plain values (a checkpoint): the
+        messages running, the clients' SSP clocks, who lags, the counters, the dispatch
+        sequence and the state of its own random generator."""
+        return {"clients": list(self.clients), "concurrency": self.concurrency, "ssp_bound": self.ssp_bound,
+                "rng": self.rng.getstate(), "done": dict(self.done),
+                "running": [(d.client, d.version, d.at, d.seq) for d in self.running.values()],
+                "lagging": sorted(self.lagging), "dropped": dict(self.dropped),
+                "contributions": dict(self.contributions), "seq": self._seq}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (a scheduler built with the same clients,
+        concurrency and bound; ``ValueError`` otherwise)."""
+        saved = (list(state["clients"]), int(state["concurrency"]), state["ssp_bound"])
+        if saved != (self.clients, self.concurrency, self.ssp_bound):
+            raise ValueError(f"scheduler state of clients {saved[0]}, concurrency {saved[1]}, SSP bound {saved[2]} "
+                             f"cannot be loaded into a scheduler of clients {self.clients}, concurrency "
+                             f"{self.concurrency}, SSP bound {self.ssp_bound}")
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        self.done = {int(c): int(n) for c, n in state["done"].items()}
+        self.running = {}
+        for client, version, at, seq in state["running"]:
+            self.running[int(client)] = Dispatch(int(client), int(version), float(at), int(seq))
+        self.lagging = {int(c) for c in state["lagging"]}
+        self.dropped = {int(c): int(n) for c, n in state["dropped"].items()}
+        self.contributions = {int(c): int(n) for c, n in state["contributions"].items()}
+        self._seq = int(state["seq"])

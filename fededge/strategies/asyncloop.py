@@ -47,6 +47,15 @@ unusable update: at its arrival); the client is asked again with the current mod
 then, and SSP stops waiting for it until it answers again. Nothing stalls. If more than
 three messages per participant in a row are written off, nobody is answering and the
 run stops with an error that says so.
+
+**Checkpoints** (:mod:`fededge.strategies.resume`). After version ``v`` is made and
+evaluated, a due checkpoint first pulls every reply still out onto the event queue,
+unused (under clock order they are used in simulated-arrival order whenever they were
+pulled, so nothing changes; under arrival order the checkpoint is a point where the loop
+waits), then saves: the server, the scheduler with its generator, the queued replies,
+the version being assembled and the simulated time. The other arrivals at ``v``'s
+instant are then used before the clients are sent the model again, in the resumed run
+too. A resumed run continues with version ``v + 1`` on the same participants.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -75,6 +84,7 @@ from fededge.strategies._replies import (
     dropout_partition, fixed_participants, is_dropout, reported_partition, usable_reply,
 )
 from fededge.strategies.report import RoundReport
+from fededge.strategies.resume import CheckpointHook, ResumeError, check_nodes, message_from_state, message_to_state
 
 __all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncLoop", "AsyncRoundInfo", "Puller", "ReplyTiming"]
 
@@ -118,6 +128,7 @@ class ReplyTiming:
         self.clock: SimClock | None = None
         self.partition: dict[int, int] = {}  # reported
         self.placed: dict[int, int] = {}  # reported, or by node id (a ClientApp that reports none)
+        self._clock_clients: int | None = None  # loaded: the clock to time on again (resume_clock)
 
     def attach(self, source: RunClock | None) -> None:
         self.source = source
@@ -145,6 +156,35 @@ class ReplyTiming:
     def name(self, node: int) -> int:
         """The partition id of ``node`` where known (what users assign), else its node id."""
         return self.partition.get(node, node)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Who is placed where (plain values); of the clock only whether it was built: the
+        clock itself is the experiment's to save."""
+        return {"partition": dict(self.partition), "placed": dict(self.placed),
+                "clock_clients": None if self.clock is None else len(self.clock.clients)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; :meth:`resume_clock` then finds the clock."""
+        self.partition = {int(k): int(v) for k, v in state["partition"].items()}
+        self.placed = {int(k): int(v) for k, v in state["placed"].items()}
+        self.clock = None
+        self._clock_clients = state["clock_clients"]
+
+    def resume_clock(self) -> None:
+        """After :meth:`load_state_dict`: time replies on the attached clock again, the
+        one the experiment restored (:meth:`RunClock.build
+        <fededge.netem.runclock.RunClock.build>` returns it)."""
+        n, self._clock_clients = self._clock_clients, None
+        if n is None or self.clock is not None:
+            return
+        if self.source is None or self.source.clock is None:
+            raise ResumeError("the checkpoint's replies were timed on a simulated clock, but the clock attached "
+                              "has none: load the clock's state (RunClock.load_state_dict) and attach it "
+                              "(attach_clock) before start")
+        self.clock = self.source.build(int(n))
+        if len(self.clock.clients) != int(n):
+            raise ResumeError(f"the checkpoint's clock has {n} clients, the restored one "
+                              f"{len(self.clock.clients)}")
 
     def compute_s(self, reply: Message, measured_s: float | None = None) -> float:
         metrics = _metrics(reply)
@@ -263,10 +303,36 @@ class AsyncLoop(FedAvg):
         self.tally: dict[str, Counter] = {"staleness": Counter(), "contributions": Counter(),
                                           "dropped": Counter(), "late": Counter()}
         self.participants: list[int] = []
+        self._hook: CheckpointHook | None = None
+        self._resume: dict[str, Any] | None = None  # a loaded state, for the next start()
 
     def attach_clock(self, clock: RunClock) -> None:
         """Order and stamp replies on the experiment's clock (see :class:`ReplyTiming`)."""
         self.timing.attach(clock)
+
+    # -- checkpoints (fededge.strategies.resume) -------------------------------------
+    def attach_checkpoint(self, hook: CheckpointHook) -> None:
+        """Ask ``hook`` after every version (round) whether to checkpoint; when it is
+        due, the loop first takes in every reply still out (used later, in order, as
+        if it had not been), then calls ``hook.save`` (:mod:`fededge.strategies.resume`)."""
+        self._hook = hook
+
+    def _due(self, server_round: int) -> bool:
+        return self._hook is not None and self._hook.due(server_round)
+
+    def _loop_state(self) -> dict[str, Any]:
+        """What every loop keeps between versions: timing, tallies, reports not yet taken."""
+        return {"participants": list(self.participants), "timing": self.timing.state_dict(),
+                "tally": {k: dict(c) for k, c in self.tally.items()},
+                "reported_sim_s": self._reported_sim_s,
+                "info": [asdict(i) for i in self._info.values()]}
+
+    def _load_loop_state(self, state: dict[str, Any]) -> None:
+        self.participants = [int(n) for n in state["participants"]]
+        self.timing.load_state_dict(state["timing"])
+        self.tally = {k: Counter(dict(state["tally"][k])) for k in self.tally}
+        self._reported_sim_s = float(state["reported_sim_s"])
+        self._info = {int(i["version"]): AsyncRoundInfo(**i) for i in state["info"]}
 
     def _made(self, info: AsyncRoundInfo) -> None:
         """A version (round) is made: keep what it was made of for its report."""
@@ -362,6 +428,7 @@ class AsyncFL(AsyncLoop):
         super().__init__(**loop)
         self.config = config if concurrency is None else replace(config, concurrency=concurrency)
         self.seed = seed
+        self._run: _AsyncRun | None = None  # the loop of a start() in progress
 
     def summary(self) -> None:
         log.info("%s: %s", self.config.mode, self.config)
@@ -382,140 +449,270 @@ class AsyncFL(AsyncLoop):
                      "of one node at once; this loop keeps one message per node", self.config.mode)
         train_config = ConfigRecord() if train_config is None else train_config
         self._result = Result()
-        self._keys = set(initial_arrays.keys())
-        self._evaluate(0, initial_arrays, evaluate_fn)
-        self.participants = fixed_participants(
-            grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
-            min_available=self.min_available_nodes)
-        server = AsyncServer(self.config, initial_arrays.to_torch_state_dict(),
-                             num_clients=len(self.participants))
-        sched = AsyncScheduler(self.participants, concurrency=self.config.concurrency,
-                               ssp_bound=self.config.ssp_bound if self.config.mode == "ssp" else None,
-                               seed=self.seed)
-        log.info("%s: %d participants, %d training at once, replies used in %s order%s",
-                 self.config.mode, len(self.participants), sched.concurrency,
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self._keys = set(initial_arrays.keys())
+            self._evaluate(0, initial_arrays, evaluate_fn)
+            self.participants = fixed_participants(
+                grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
+                min_available=self.min_available_nodes)
+            run = _AsyncRun(self, self._server(initial_arrays.to_torch_state_dict()), self._scheduler(), order)
+            run.arrays = {0: initial_arrays}
+        else:  # continue after the checkpoint's version: no evaluation of version 0, same participants
+            check_nodes(self.participants, grid, f"{self.config.mode} resumed")
+            self.timing.resume_clock()
+            run = _AsyncRun.resumed(self, resume, order)
+            self._keys = set(run.server.model)
+        log.info("%s: %d participants, %d training at once, replies used in %s order%s%s",
+                 self.config.mode, len(self.participants), run.sched.concurrency,
                  "simulated-clock" if order == "clock" else "real arrival",
-                 f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "")
-        arrays = {0: initial_arrays}  # versions being sent
-        queue = EventQueue()
-        inflight: dict[str, tuple[Dispatch, float, int]] = {}  # msg id -> (dispatch, real t0, bytes down)
-        pending = AsyncRoundInfo(version=1, sim_s=0.0, order=order)
-        now = 0.0
-        streak = {"n": 0}  # messages written off since an update was last used
+                 f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "",
+                 "" if resume is None else f", resumed after version {run.server.version}")
+        self._run = run
+        try:
+            run.loop(grid, num_rounds, timeout, train_config, evaluate_fn)
+        finally:
+            self._run = None
+        return self._result
 
-        def dispatch() -> None:
-            starts = sched.startable()
-            if not starts:
-                return
-            v = server.version
-            if v not in arrays:
-                arrays[v] = ArrayRecord({k: t for k, t in server.model.items()})
-            msgs, ds = [], []
-            for node in starts:
-                d = sched.start(node, version=v, at=now)
-                config = ConfigRecord(dict(train_config))
-                config[keys.SERVER_ROUND] = v + 1
-                msgs.append(Message(RecordDict({self.arrayrecord_key: arrays[v], self.configrecord_key: config}),
-                                    dst_node_id=node, message_type=MessageType.TRAIN, group_id=f"a{d.seq}"))
-                ds.append(d)
-            cache: dict[str, int] = {}
-            sizes = [wire_size(m, cache) for m in msgs]
-            t0 = time.monotonic()
-            for mid, d, size in zip(grid.push_messages(msgs), ds, sizes):
-                inflight[mid] = (d, t0, size)
+    def _server(self, initial: dict[str, Any]) -> AsyncServer:
+        return AsyncServer(self.config, initial, num_clients=len(self.participants))
 
-        def use(ev: Event) -> None:
-            nonlocal pending, now
-            now = max(now, ev.time)
-            d = sched.running[ev.client]
-            pending.groups.append(f"a{d.seq}")
-            reply: Message | None = ev.payload
-            why = "no reply within round-timeout" if reply is None else self._why_unusable(reply)
-            if why is not None:
-                sched.write_off(ev.client)
-                streak["n"] += 1
-                if streak["n"] > 3 * len(self.participants):
-                    raise RuntimeError(
-                        f"{self.config.mode}: {streak['n']} messages in a row got no usable reply "
-                        f"(last: node {ev.client}: {why}); no client is answering. Check the "
-                        "SuperNodes' logs, the dropout fraction and round-timeout")
-                pending.dropped.append(self.timing.name(ev.client))
-                if reply is not None and not reply.has_error():
-                    pending.rejected += 1
-                    pending.reasons.append(f"node {ev.client}: {why}")
-                # An error or a rejected reply is reported once by the caller (the grid's
-                # metering, round_report().reasons); only a missing reply is logged here.
-                if reply is None:
-                    log.warning("%s: node %d written off at sim %.1f s: %s", self.config.mode, ev.client,
-                                ev.time, why)
-                elif not is_dropout(reply):
-                    log.debug("%s: node %d written off at sim %.1f s: %s", self.config.mode, ev.client,
-                              ev.time, why)
-                return
-            sched.finish(ev.client)
-            streak["n"] = 0
-            pending.contributors.append(self.timing.name(ev.client))
-            pending.staleness.append(server.version - d.version)
-            new = server.receive(reply.content[self.arrayrecord_key].to_torch_state_dict(),
-                                 base_version=d.version, num_examples=self._weight(reply))
-            if not new:
-                return
-            v = server.version
-            pending.version, pending.sim_s = v, now
-            pending.ahead = sched.ahead() if self.config.mode == "ssp" else None
-            self._made(pending)
-            pending = AsyncRoundInfo(version=v + 1, sim_s=now, order=order)
-            self._result.arrays = ArrayRecord({k: t for k, t in server.model.items()})
-            arrays.clear()
-            arrays[v] = self._result.arrays
-            # A reply waiting in the queue still counts as running until it is used.
-            server.keep({x.version for x in sched.running.values()})
-            self._evaluate(v, self._result.arrays, evaluate_fn)
+    def _scheduler(self) -> AsyncScheduler:
+        return AsyncScheduler(self.participants, concurrency=self.config.concurrency,
+                              ssp_bound=self.config.ssp_bound if self.config.mode == "ssp" else None,
+                              seed=self.seed)
 
-        puller = Puller(grid)
-        dispatch()
-        while server.version < num_rounds:
-            pulled = puller.poll(list(inflight)) if inflight else []
-            for reply in pulled:
-                mid = reply.metadata.reply_to_message_id
-                if mid not in inflight:
-                    continue  # written off already: its late reply is not used
-                d, t0, size = inflight.pop(mid)
-                self.timing.learn(reply)
-                if reply.has_error():
-                    # A dropout: the server learns only when its timeout expires. An
-                    # error is retried no sooner either, or a client that always fails
-                    # would be asked again and again at the same simulated instant.
-                    t = d.at + timeout
-                else:
-                    t = self.timing.arrival(d.client, d.at, size, reply, time.monotonic() - t0)
-                queue.push(Event(t, d.seq, d.client, payload=reply))
-            clock_now = time.monotonic()
-            for mid, (d, t0, _) in list(inflight.items()):
-                if clock_now - t0 >= timeout:
-                    del inflight[mid]
-                    puller.forget(mid)
-                    queue.push(Event(d.at + timeout, d.seq, d.client, dropped=True))
-            # Clock order: an arrival at T is safe once no message still out left before T.
-            bound = min((d.at for d, _, _ in inflight.values()), default=math.inf) \
-                if order == "clock" else math.inf
-            used = False
-            while len(queue) and queue.peek().time <= bound and server.version < num_rounds:
-                ev = queue.pop()
-                use(ev)
-                used = True
-                nxt = queue.peek()
-                if nxt is None or nxt.time > now:
-                    break  # use every arrival at the same instant before sending again
-            if used:
-                dispatch()
+    def state_dict(self) -> dict[str, Any]:
+        """The run at a checkpoint, as plain values (:mod:`fededge.strategies.resume`): the
+        server (model versions kept, FedBuff's buffer), the scheduler (messages running,
+        its generator), the queue of replies not yet used, the version being assembled,
+        the simulated time, who is placed where, the tallies and reports not yet taken.
+        Read by ``hook.save`` while the loop stands at a checkpoint."""
+        if self._run is None:
+            raise RuntimeError(f"{self.config.mode}: state_dict() is read at a checkpoint (hook.save), "
+                               "while start() stands between two versions")
+        return {"mode": self.config.mode, **self._loop_state(), "run": self._run.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next :meth:`start` resumes after the
+        checkpoint's version (its ``initial_arrays`` unused) on the same participants
+        (:class:`~fededge.strategies.resume.ResumeError` at ``start`` if the grid lacks
+        one of them)."""
+        if state["mode"] != self.config.mode:
+            raise ResumeError(f"the checkpoint is of a {state['mode']} run, this strategy runs {self.config.mode}")
+        self._load_loop_state(state)
+        self._resume = state["run"]
+
+
+class _AsyncRun:
+    """One :class:`AsyncFL` run's event loop and everything it continues from.
+
+    The state between two events (:meth:`state_dict`) is the server, the scheduler, the
+    queue of replies not yet used, the messages in flight (none at a checkpoint), the
+    version being assembled (``pending``), the simulated time and the write-off streak;
+    the versions' arrays being sent are the server's current model. ``bound`` and
+    ``mid_instant`` place a checkpoint inside an instant: a version is made by one
+    event, and the other arrivals at the same simulated instant are still used before
+    the clients are sent the model again.
+    """
+
+    def __init__(self, fl: AsyncFL, server: AsyncServer, sched: AsyncScheduler, order: str) -> None:
+        self.fl = fl
+        self.server = server
+        self.sched = sched
+        self.order = order
+        self.arrays: dict[int, ArrayRecord] = {}  # versions being sent
+        self.queue = EventQueue()
+        self.inflight: dict[str, tuple[Dispatch, float, int]] = {}  # msg id -> (dispatch, real t0, bytes down)
+        self.pending = AsyncRoundInfo(version=server.version + 1, sim_s=0.0, order=order)
+        self.now = 0.0
+        self.streak = 0  # messages written off since an update was last used
+        # Clock order: an arrival at T is used once no message still out left before T.
+        self.bound = math.inf
+        self.mid_instant = False  # stopped (a checkpoint) after a version made inside an instant
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.inflight:
+            raise RuntimeError(f"{len(self.inflight)} message(s) still in flight at a checkpoint")
+        return {"server": self.server.state_dict(), "scheduler": self.sched.state_dict(),
+                "queue": self.queue.state_dict(message_to_state), "pending": asdict(self.pending),
+                "now": self.now, "streak": self.streak, "bound": self.bound, "mid_instant": self.mid_instant,
+                "result_arrays": self.fl._result.arrays is not None}
+
+    @classmethod
+    def resumed(cls, fl: AsyncFL, state: dict[str, Any], order: str) -> _AsyncRun:
+        saved = state["server"]
+        server = fl._server(saved["models"][saved["version"]])
+        server.load_state_dict(saved)
+        sched = fl._scheduler()
+        sched.load_state_dict(state["scheduler"])
+        run = cls(fl, server, sched, order)
+        run.queue.load_state_dict(state["queue"], message_from_state)
+        run.pending = AsyncRoundInfo(**state["pending"])
+        run.now, run.streak, run.bound = float(state["now"]), int(state["streak"]), float(state["bound"])
+        run.mid_instant = bool(state["mid_instant"])
+        # The version being sent is the server's current model, as the loop built it.
+        current = ArrayRecord({k: t for k, t in server.model.items()})
+        run.arrays = {server.version: current}
+        if state["result_arrays"]:
+            fl._result.arrays = current
+        return run
+
+    def _checkpoint(self, version: int) -> None:
+        """Take in every reply still out (queued, not used: under clock order they are
+        used in simulated-arrival order whenever they were pulled), then save."""
+        while self.inflight:
+            pulled = self._pull()
+            self._expire()
+            if self.inflight and not pulled:
+                time.sleep(self.fl.poll_s)
+        self.mid_instant = True
+        try:
+            self.fl._hook.save(version)
+        finally:
+            self.mid_instant = False
+
+    # -- the loop ------------------------------------------------------------------------
+    def loop(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
+             evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None) -> None:
+        self.grid, self.num_rounds, self.timeout = grid, num_rounds, timeout
+        self.train_config, self.evaluate_fn = train_config, evaluate_fn
+        self.puller = Puller(grid)
+        if self.mid_instant:  # resumed inside the instant whose event made the checkpoint's version
+            self.mid_instant = False
+            self._instant(resumed=True)
+        self.dispatch()
+        while self.server.version < num_rounds:
+            pulled = self._pull()
+            self._expire()
+            self.bound = min((d.at for d, _, _ in self.inflight.values()), default=math.inf) \
+                if self.order == "clock" else math.inf
+            if self._instant():
+                self.dispatch()
                 continue
-            if not inflight and not len(queue):
-                dispatch()
-                if not inflight:
-                    raise RuntimeError(f"{self.config.mode}: no client may start and none is running "
-                                       f"(scheduler state: done={sched.done}, lagging={sched.lagging})")
+            if not self.inflight and not len(self.queue):
+                self.dispatch()
+                if not self.inflight:
+                    raise RuntimeError(f"{self.fl.config.mode}: no client may start and none is running "
+                                       f"(scheduler state: done={self.sched.done}, lagging={self.sched.lagging})")
                 continue
             if not pulled:
-                time.sleep(self.poll_s)
-        return self._result
+                time.sleep(self.fl.poll_s)
+
+    def _instant(self, resumed: bool = False) -> bool:
+        """Use the next arrivals due (under ``bound``): every one at the same instant
+        before sending again. Whether any was used."""
+        if resumed and self._instant_over():
+            return True
+        used = resumed
+        while len(self.queue) and self.queue.peek().time <= self.bound and self.server.version < self.num_rounds:
+            self.use(self.queue.pop())
+            used = True
+            if self._instant_over():
+                break  # use every arrival at the same instant before sending again
+        return used
+
+    def _instant_over(self) -> bool:
+        nxt = self.queue.peek()
+        return nxt is None or nxt.time > self.now
+
+    def _pull(self) -> list[Message]:
+        """Pull the replies in; queue each at its arrival time on the clock."""
+        pulled = self.puller.poll(list(self.inflight)) if self.inflight else []
+        for reply in pulled:
+            mid = reply.metadata.reply_to_message_id
+            if mid not in self.inflight:
+                continue  # written off already: its late reply is not used
+            d, t0, size = self.inflight.pop(mid)
+            self.fl.timing.learn(reply)
+            if reply.has_error():
+                # A dropout: the server learns only when its timeout expires. An
+                # error is retried no sooner either, or a client that always fails
+                # would be asked again and again at the same simulated instant.
+                t = d.at + self.timeout
+            else:
+                t = self.fl.timing.arrival(d.client, d.at, size, reply, time.monotonic() - t0)
+            self.queue.push(Event(t, d.seq, d.client, payload=reply))
+        return pulled
+
+    def _expire(self) -> None:
+        """Write off the messages with no reply within ``timeout`` (real seconds)."""
+        clock_now = time.monotonic()
+        for mid, (d, t0, _) in list(self.inflight.items()):
+            if clock_now - t0 >= self.timeout:
+                del self.inflight[mid]
+                self.puller.forget(mid)
+                self.queue.push(Event(d.at + self.timeout, d.seq, d.client, dropped=True))
+
+    def dispatch(self) -> None:
+        fl, sched, server = self.fl, self.sched, self.server
+        starts = sched.startable()
+        if not starts:
+            return
+        v = server.version
+        if v not in self.arrays:
+            self.arrays[v] = ArrayRecord({k: t for k, t in server.model.items()})
+        msgs, ds = [], []
+        for node in starts:
+            d = sched.start(node, version=v, at=self.now)
+            config = ConfigRecord(dict(self.train_config))
+            config[keys.SERVER_ROUND] = v + 1
+            msgs.append(Message(RecordDict({fl.arrayrecord_key: self.arrays[v], fl.configrecord_key: config}),
+                                dst_node_id=node, message_type=MessageType.TRAIN, group_id=f"a{d.seq}"))
+            ds.append(d)
+        cache: dict[str, int] = {}
+        sizes = [wire_size(m, cache) for m in msgs]
+        t0 = time.monotonic()
+        for mid, d, size in zip(self.grid.push_messages(msgs), ds, sizes):
+            self.inflight[mid] = (d, t0, size)
+
+    def use(self, ev: Event) -> None:
+        fl, sched, server, pending = self.fl, self.sched, self.server, self.pending
+        mode = fl.config.mode
+        self.now = max(self.now, ev.time)
+        d = sched.running[ev.client]
+        pending.groups.append(f"a{d.seq}")
+        reply: Message | None = ev.payload
+        why = "no reply within round-timeout" if reply is None else fl._why_unusable(reply)
+        if why is not None:
+            sched.write_off(ev.client)
+            self.streak += 1
+            if self.streak > 3 * len(fl.participants):
+                raise RuntimeError(
+                    f"{mode}: {self.streak} messages in a row got no usable reply "
+                    f"(last: node {ev.client}: {why}); no client is answering. Check the "
+                    "SuperNodes' logs, the dropout fraction and round-timeout")
+            pending.dropped.append(fl.timing.name(ev.client))
+            if reply is not None and not reply.has_error():
+                pending.rejected += 1
+                pending.reasons.append(f"node {ev.client}: {why}")
+            # An error or a rejected reply is reported once by the caller (the grid's
+            # metering, round_report().reasons); only a missing reply is logged here.
+            if reply is None:
+                log.warning("%s: node %d written off at sim %.1f s: %s", mode, ev.client, ev.time, why)
+            elif not is_dropout(reply):
+                log.debug("%s: node %d written off at sim %.1f s: %s", mode, ev.client, ev.time, why)
+            return
+        sched.finish(ev.client)
+        self.streak = 0
+        pending.contributors.append(fl.timing.name(ev.client))
+        pending.staleness.append(server.version - d.version)
+        new = server.receive(reply.content[fl.arrayrecord_key].to_torch_state_dict(),
+                             base_version=d.version, num_examples=fl._weight(reply))
+        if not new:
+            return
+        v = server.version
+        pending.version, pending.sim_s = v, self.now
+        pending.ahead = sched.ahead() if mode == "ssp" else None
+        fl._made(pending)
+        self.pending = AsyncRoundInfo(version=v + 1, sim_s=self.now, order=self.order)
+        fl._result.arrays = ArrayRecord({k: t for k, t in server.model.items()})
+        self.arrays.clear()
+        self.arrays[v] = fl._result.arrays
+        # A reply waiting in the queue still counts as running until it is used.
+        server.keep({x.version for x in sched.running.values()})
+        fl._evaluate(v, fl._result.arrays, self.evaluate_fn)
+        if fl._due(v):
+            self._checkpoint(v)

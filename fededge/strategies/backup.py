@@ -13,6 +13,7 @@ from flwr.serverapp.strategy import Result
 from fededge._flwr_internals import wire_size
 from fededge.algorithms.asyncfl import LoopConfig, first_arrivals
 from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, Puller, resolve_order
+from fededge.strategies.resume import arrays_from_state, arrays_to_state
 
 __all__ = ["BackupWorkers"]
 
@@ -50,6 +51,7 @@ class BackupWorkers(AsyncLoop):
         super().__init__(**loop)
         self.loop_config = LoopConfig(order=self.order, backup=backup)
         self.backup = backup
+        self._saving: dict[str, Any] | None = None  # the round being checkpointed
 
     def backups_for(self, sampled: int) -> int:
         """e for a round of ``sampled`` clients (at least one is always aggregated)."""
@@ -68,10 +70,19 @@ class BackupWorkers(AsyncLoop):
         order = resolve_order(self.order, grid)
         train_config = ConfigRecord() if train_config is None else train_config
         self._result = Result()
-        self._keys = set(initial_arrays.keys())
-        self._evaluate(0, initial_arrays, evaluate_fn)
-        arrays, now = initial_arrays, 0.0
-        for rnd in range(1, num_rounds + 1):
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self._keys = set(initial_arrays.keys())
+            self._evaluate(0, initial_arrays, evaluate_fn)
+            arrays, now, first_round = initial_arrays, 0.0, 1
+        else:  # continue with the round after the checkpoint's (its own model, not initial_arrays)
+            self.timing.resume_clock()
+            arrays = arrays_from_state(resume["arrays"])
+            now, first_round = float(resume["now"]), int(resume["round"]) + 1
+            self._keys = set(arrays.keys())
+            if resume["result_arrays"]:
+                self._result.arrays = arrays
+        for rnd in range(first_round, num_rounds + 1):
             msgs = list(self.configure_train(rnd, arrays, train_config, grid))
             for m in msgs:
                 m.metadata.group_id = str(rnd)
@@ -120,9 +131,34 @@ class BackupWorkers(AsyncLoop):
                     self._result.train_metrics_clientapp[rnd] = metrics
             self._made(info)
             self._evaluate(rnd, arrays, evaluate_fn)
+            if self._due(rnd):
+                # A reply not waited for (arrival order, on a SuperLink) is of this round
+                # and is never used: nothing of a later round is out.
+                self._saving = {"round": rnd, "arrays": arrays, "now": now}
+                try:
+                    self._hook.save(rnd)
+                finally:
+                    self._saving = None
         if self._result.arrays is None:
             self._result.arrays = arrays
         return self._result
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run after a round, as plain values (:mod:`fededge.strategies.resume`): the
+        round, its model, the simulated time, who is placed where, the tallies and
+        reports not yet taken. Read by ``hook.save`` at a checkpoint."""
+        if self._saving is None:
+            raise RuntimeError("backup workers: state_dict() is read at a checkpoint (hook.save), "
+                               "after a round")
+        return {**self._loop_state(), "round": self._saving["round"],
+                "arrays": arrays_to_state(self._saving["arrays"]), "now": self._saving["now"],
+                "result_arrays": self._result.arrays is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next :meth:`start` runs the rounds after
+        the checkpoint's, from its model (``initial_arrays`` unused)."""
+        self._load_loop_state(state)
+        self._resume = state
 
     def _collect(self, grid: Grid, ids: list[str], m_needed: int, timeout: float,
                  order: str) -> tuple[dict[str, Message], dict[str, float]]:
