@@ -411,6 +411,7 @@ class _Rounds:
             "recorder": self.recorder.state_dict(),
             "summary": self.summary,
             "partition_of": dict(self.metered.partition_of),
+            "traffic": self.metered.state_dict(),
             "checkpoints": list(self.checkpoints),
             "grid": grid.state_dict() if hasattr(grid, "state_dict") else None,
         }
@@ -447,6 +448,7 @@ class _Rounds:
         # known when it was written: not counted in checkpoint_s_total).
         self.checkpoints = [*checkpoint["checkpoints"], {"round": self.resumed, "bytes": None, "seconds": 0.0}]
         self.metered.partition_of.update({int(k): int(v) for k, v in checkpoint["partition_of"].items()})
+        self.metered.load_state_dict(checkpoint.get("traffic", {}))
         self.final = arrays_from_state(checkpoint["arrays"])
         return self.final
 

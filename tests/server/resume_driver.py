@@ -3,7 +3,8 @@
     python -m tests.server.resume_driver RESULTS_DIR WHEN ROUND JSON_OVERRIDES
 
 WHEN is ``between`` (right after round ROUND's checkpoint, before the next round starts),
-``mid-round`` (while a client trains round ROUND), ``mid-checkpoint`` (round ROUND's
+``mid-round`` (while a client trains round ROUND: its first message of a round or
+version ROUND or later), ``mid-checkpoint`` (round ROUND's
 checkpoint fully written to its temporary file but not yet renamed) or ``never``. The
 kill is a real SIGKILL of this process: nothing is flushed or closed on the way out.
 """
@@ -33,7 +34,7 @@ def main() -> None:
     if when == "mid-round":
         def client_app(msg, ctx):  # noqa: ANN001,ANN202 - any callable (msg, ctx) is a ClientApp here
             conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else {}
-            if int(conf.get(keys.SERVER_ROUND, 0)) == at and int(ctx.node_config[keys.PARTITION_ID]) == 1:
+            if int(conf.get(keys.SERVER_ROUND, 0)) >= at and int(ctx.node_config[keys.PARTITION_ID]) == 1:
                 _die()
             return fededge_app(msg, ctx)
     elif when == "between":

@@ -30,7 +30,12 @@ RUNS = {
     "fedadam-powersgd": {"strategy": "fedadam", "compressor": "powersgd", "error-feedback": True,
                          "server-lr": 0.05},
     "diloco-ef": {"strategy": "diloco", "compressor": "onebit", "error-feedback": True},
+    # FedBuff takes no compressor (its replies are used one by one, against the version
+    # each client trained on; config.py refuses one): its state is its own buffer, versions
+    # and queue, and the clients' sampler positions.
+    "fedbuff": {"strategy": "fedbuff"},
 }
+ASYNC = {"fedbuff"}
 
 
 # -- the checkpoint file -----------------------------------------------------------------
@@ -130,7 +135,12 @@ def whole_runs(tmp_path_factory):
 def test_a_killed_run_resumes_to_the_uninterrupted_run(tmp_path, whole_runs, name, when, at):
     run_dir = _killed_run(tmp_path, when, at, {**BASE, **RUNS[name]})
     last = int(checkpoint_files(run_dir)[-1].name[6:12])
-    assert last == (at - 1 if when in ("mid-round", "mid-checkpoint") else at)
+    if when == "mid-round" and name in ASYNC:
+        # A message of version ``at`` is sent once version at-1 exists; the other
+        # clients' replies may make versions ``at``, at+1 .. before the killed one trains.
+        assert last >= at - 1
+    else:
+        assert last == (at - 1 if when in ("mid-round", "mid-checkpoint") else at)
     assert cli_main(["resume", str(run_dir)]) == 0
     _assert_same_run(run_dir, whole_runs(name))
 
