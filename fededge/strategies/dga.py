@@ -54,6 +54,9 @@ from fededge.netem.clock import ClientRound
 from fededge.netem.runclock import RunClock
 from fededge.strategies._replies import fixed_participants, reported_partition, usable_reply
 from fededge.strategies.report import RoundReport
+from fededge.strategies.resume import (
+    CheckpointHook, ResumeError, arrays_from_state, arrays_to_state, check_nodes,
+)
 from fededge.strategies.compressed import (
     CodecMismatchError, CompressionStats, check_uncompressed, decode_compressed,
 )
@@ -135,6 +138,9 @@ class DGA(FedAvg):
         self._wait_s: float | None = None
         self._local_steps: int | None = None
         self.update = update
+        self._hook: CheckpointHook | None = None
+        self._resume: dict[str, Any] | None = None  # a loaded state, for the next start()
+        self._done = 0  # rounds averaged so far (by start)
 
     def take_round_info(self, rnd: int) -> DGARoundInfo | None:
         """The round's :class:`DGARoundInfo` (once; the experiment records it). A caller
@@ -216,6 +222,75 @@ class DGA(FedAvg):
             work.append((pid, num, ClientRound(pid, down, compute, wire_size(r))))
         self._bytes_down.pop(t, None)
 
+    # ----------------------------------------------------------------- checkpoints
+    def attach_checkpoint(self, hook: CheckpointHook) -> None:
+        """Ask ``hook`` after every round whether to checkpoint
+        (:mod:`fededge.strategies.resume`). A pipelined run pushes no round past a due
+        one, so that when round ``t`` is saved nothing of a later round is out: the
+        rounds before it still overlap, the pipeline refills after it."""
+        self._hook = hook
+
+    def _due(self, t: int) -> bool:
+        return self._hook is not None and self._hook.due(t)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run after its last averaged round, as plain values: the global models still
+        needed (``DGAServer``), each as sent (``G(g)``), who must be sent the model again,
+        the participants, and DGA's timeline on the clock (when each client is free,
+        when each average was ready). Read by ``hook.save`` between two rounds."""
+        if self._work or self._bytes_down:
+            raise RuntimeError(f"DGA: state_dict() at round {self._done} with rounds "
+                               f"{sorted({*self._work, *self._bytes_down})} still out")
+        tl = self._timeline
+        return {
+            "round": self._done, "config": {"delay": self.config.delay, "warmup": self.config.warmup_rounds,
+                                            "correction": self.config.correction},
+            "globals": {int(s): {k: v.detach().clone() for k, v in w.items()} for s, w in self._server.globals.items()},
+            "arrays_of": {int(g): arrays_to_state(a) for g, a in self._arrays_of.items()},
+            "resync": sorted(self._resync), "participants": list(self.participants),
+            "timeline": None if tl is None else {
+                "clients": list(tl.clients), "free": {int(j): float(v) for j, v in tl._free.items()},
+                "ready": {int(r): float(v) for r, v in tl.ready.items()}},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next :meth:`start` goes on with the round
+        after it (its ``initial_arrays`` unused) on the same participants
+        (:class:`~fededge.strategies.resume.ResumeError` at ``start`` if the grid lacks one)."""
+        mine = {"delay": self.config.delay, "warmup": self.config.warmup_rounds, "correction": self.config.correction}
+        if dict(state["config"]) != mine:
+            raise ResumeError(f"DGA: the checkpoint ran with {dict(state['config'])}, this strategy with {mine}")
+        self._resume = state
+
+    def _resumed(self, grid: Grid) -> int:
+        """Put back a loaded state (before the loop); return the rounds done."""
+        state, self._resume = self._resume, None
+        assert state is not None
+        check_nodes(state["participants"], grid, "DGA")
+        done = int(state["round"])
+        self._server.globals = {int(s): dict(w) for s, w in state["globals"].items()}
+        self._server.round = done
+        self._arrays_of = {int(g): arrays_from_state(a) for g, a in state["arrays_of"].items()}
+        self._result.arrays = self._arrays_of[done]
+        self._keys = set(self._result.arrays.keys())
+        self._resync = {int(n) for n in state["resync"]}
+        self.participants = [int(n) for n in state["participants"]]
+        tl = state["timeline"]
+        if tl is not None:
+            if self._clock is None or self._clock.clock is None:
+                raise ResumeError("DGA: the checkpoint has DGA's timeline on the simulated clock, "
+                                  "but this run's clock was not restored first")
+            self._timeline = DGATimeline(self._clock.clock, self.config, clients=[int(j) for j in tl["clients"]])
+            self._timeline._free = {int(j): float(v) for j, v in tl["free"].items()}
+            self._timeline.ready = {int(r): float(v) for r, v in tl["ready"].items()}
+        return done
+
+    def _checkpoint(self, t: int) -> None:
+        self._done = t
+        if self._due(t):
+            assert self._hook is not None
+            self._hook.save(t)
+
     # ----------------------------------------------------------------- the run
     def start(
         self,
@@ -249,16 +324,21 @@ class DGA(FedAvg):
         log.info("DGA: delay %d rounds, correction %s, warm-up %d rounds, %s", self.config.delay,
                  self.config.correction, self.config.warmup_rounds,
                  "pipelined (rounds pushed ahead)" if self.pipelined else "lock-step (one message per node)")
-        if evaluate_fn:
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                self._result.evaluate_metrics_serverapp[0] = res
-        self.participants = fixed_participants(grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
-                                               min_available=self.min_available_nodes)
-        if self.pipelined:
-            self._run_pipelined(grid, num_rounds, timeout, train_config)
+        if self._resume is not None:
+            done = self._resumed(grid)
         else:
-            self._run_lockstep(grid, num_rounds, timeout, train_config, evaluate_config)
+            done = 0
+            if evaluate_fn:
+                res = evaluate_fn(0, initial_arrays)
+                if res is not None:
+                    self._result.evaluate_metrics_serverapp[0] = res
+            self.participants = fixed_participants(grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
+                                                   min_available=self.min_available_nodes)
+        self._done = done
+        if self.pipelined:
+            self._run_pipelined(grid, num_rounds, timeout, train_config, done)
+        else:
+            self._run_lockstep(grid, num_rounds, timeout, train_config, evaluate_config, done)
         return self._result
 
     def _messages(self, t: int, train_config: ConfigRecord) -> list[Message]:
@@ -289,8 +369,8 @@ class DGA(FedAvg):
         return out
 
     def _run_lockstep(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
-                      evaluate_config: ConfigRecord) -> None:
-        for t in range(1, num_rounds + 1):
+                      evaluate_config: ConfigRecord, done: int = 0) -> None:
+        for t in range(done + 1, num_rounds + 1):
             replies = list(grid.send_and_receive(self._messages(t, train_config), timeout=timeout))
             self._finish_round(t, replies)
             if self.fraction_evaluate > 0:
@@ -300,15 +380,21 @@ class DGA(FedAvg):
                 if agg is not None:
                     self._result.evaluate_metrics_clientapp[t] = agg
             self._evaluate(t)
+            self._checkpoint(t)
 
-    def _run_pipelined(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord) -> None:
+    def _run_pipelined(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
+                       done: int = 0) -> None:
         pushed: dict[int, list[str]] = {}  # round -> message ids, in push order
         got: dict[str, Message] = {}
         current_since = time.monotonic()
-        next_push, done = 1, 0
+        next_push = done + 1
+        # Rounds after which a checkpoint is written: nothing is pushed past one of them
+        # before it is saved (resume.py's contract).
+        stops = [t for t in range(done + 1, num_rounds + 1) if self._due(t)]
         while done < num_rounds:
             # Push every round whose global model exists: up to D + 1 rounds ahead.
-            while next_push <= num_rounds and last_arrived(self.config, next_push) <= done:
+            stop = next((s for s in stops if s > done), num_rounds)
+            while next_push <= stop and last_arrived(self.config, next_push) <= done:
                 pushed[next_push] = list(grid.push_messages(self._messages(next_push, train_config)))
                 next_push += 1
             t = done + 1
@@ -326,6 +412,7 @@ class DGA(FedAvg):
                             "left out", t, len(replies), len(self.participants), timeout)
             self._finish_round(t, replies)
             self._evaluate(t)
+            self._checkpoint(t)
             done, current_since = t, time.monotonic()
 
     # ----------------------------------------------------------------- aggregation

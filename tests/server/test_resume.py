@@ -34,6 +34,11 @@ RUNS = {
     # each client trained on; config.py refuses one): its state is its own buffer, versions
     # and queue, and the clients' sampler positions.
     "fedbuff": {"strategy": "fedbuff"},
+    # DGA pipelined (the in-process grid runs each node's messages in order), averages
+    # two rounds in flight, and top-k with error feedback in the clients' state.
+    "dga-ef": {"strategy": "dga", "dga-delay": 2, "compressor": "topk", "error-feedback": True},
+    "dga-powersgd-lockstep": {"strategy": "dga", "dga-delay": 1, "dga-pipeline": "off",
+                              "compressor": "powersgd", "error-feedback": True},
 }
 ASYNC = {"fedbuff"}
 
@@ -161,3 +166,18 @@ def test_a_config_that_matters_is_refused_by_name_and_num_rounds_may_grow(tmp_pa
     assert [r["round"] for r in _lines(run_dir)] == [0, 1, 2, 3, 4]
     assert cli_main(["resume", str(run_dir)]) == 0  # the run's own num-rounds: on to 6
     _assert_same_run(run_dir, whole_runs("fedavg-ef"))
+
+
+def test_pipelined_dga_resumes_with_rounds_in_flight_between_checkpoints(tmp_path):
+    """Checkpoints every 3 rounds: DGA (delay 2) pushes rounds ahead between them, stops
+    pushing at a due round, saves, and refills. The run equals one without checkpoints
+    (the stops change when messages leave, not what they carry), and a run killed in
+    round 5, with rounds 4-5 out, resumes from round 3 to the same end."""
+    conf = {**BASE, **RUNS["dga-ef"], "checkpoint-every": 3}
+    plain = run_inprocess({**conf, "checkpoint-every": 0, "results-dir": str(tmp_path / "plain")}, num_clients=4)
+    assert all(r.get("pipelined") for r in _lines(plain)[1:])
+    assert not (plain / "checkpoints").exists()
+    run_dir = _killed_run(tmp_path, "mid-round", 5, conf)
+    assert [p.name for p in checkpoint_files(run_dir)] == ["round-000003.ckpt"]
+    assert cli_main(["resume", str(run_dir)]) == 0
+    _assert_same_run(run_dir, plain)
