@@ -77,6 +77,9 @@ from fededge.protocol import decode_update_record
 from fededge.netem.runclock import RunClock
 from fededge.strategies._replies import reported_partition
 from fededge.strategies.report import RoundReport
+from fededge.strategies.resume import (
+    CheckpointHook, ResumeError, arrays_from_state, arrays_to_state, check_nodes,
+)
 from fededge.topology import Topology, build_topology
 
 __all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
@@ -160,6 +163,9 @@ class Gossip(FedAvg):
         self._clock: RunClock | None = None  # attach_clock: rounds timed edge by edge
         self._timeline: GossipTimeline | None = None
         self._wait_s: float | None = None
+        self._hook: CheckpointHook | None = None
+        self._resume: dict[str, Any] | None = None  # a loaded state, for the next start()
+        self._done = 0
 
     def summary(self) -> None:
         log.info("Gossip: %s on %s (%s mixing)", self.algorithm, self.topology_name, self.mixing_rule)
@@ -230,6 +236,63 @@ class Gossip(FedAvg):
                 "spectral_gap": round(self.spectral_gap(), 6),
                 "topology_summary": self.topology.summary(rule=self.mixing_rule)}
 
+    # ----------------------------------------------------------------- checkpoints
+    def attach_checkpoint(self, hook: CheckpointHook) -> None:
+        """Ask ``hook`` after every round whether to checkpoint
+        (:mod:`fededge.strategies.resume`); rounds run in lock-step, so nothing is out
+        between two of them."""
+        self._hook = hook
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run after its last round, as plain values: the nodes (index -> node id),
+        the initial model (sent to a node that never completed a round), the messages
+        to relay in the next round, who holds a model and who must be resynchronised,
+        CHOCO's public estimates, the nodes' places on the clock and the gossip
+        timeline."""
+        tl = self._timeline
+        return {
+            "round": self._done, "algorithm": self.algorithm, "topology": self.topology_name,
+            "nodes": list(self.nodes), "initial": arrays_to_state(self._initial),
+            "result": arrays_to_state(self._result.arrays),
+            "last": {int(i): arrays_to_state(a) for i, a in self._last.items()},
+            "synced": sorted(self._synced), "resync": sorted(self._resync),
+            "hats": [{k: v.detach().clone() for k, v in h.items()} for h in self._hats],
+            "partition": {int(i): int(p) for i, p in self._partition.items()},
+            "timeline": None if tl is None else {
+                "free": {int(c): float(v) for c, v in tl.free.items()},
+                "ready": {int(c): float(v) for c, v in tl.ready.items()},
+                "end": {int(r): float(v) for r, v in tl.end.items()}},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next :meth:`start` goes on with the round
+        after it on the same nodes (:class:`~fededge.strategies.resume.ResumeError` at
+        ``start`` if the grid lacks one)."""
+        if (state["algorithm"], state["topology"]) != (self.algorithm, self.topology_name):
+            raise ResumeError(f"gossip: the checkpoint ran {state['algorithm']} on {state['topology']}, "
+                              f"this strategy {self.algorithm} on {self.topology_name}")
+        self._resume = state
+
+    def _resumed(self, grid: Grid, state: dict[str, Any]) -> int:
+        check_nodes(state["nodes"], grid, "gossip")
+        self._initial = arrays_from_state(state["initial"])
+        self._result.arrays = arrays_from_state(state["result"])
+        self._last = {int(i): arrays_from_state(a) for i, a in state["last"].items()}
+        self._synced = {int(i) for i in state["synced"]}
+        self._resync = {int(i) for i in state["resync"]}
+        self._hats = [dict(h) for h in state["hats"]]
+        self._partition = {int(i): int(p) for i, p in state["partition"].items()}
+        tl = state["timeline"]
+        if tl is not None:
+            if self._clock is None or self._clock.clock is None:
+                raise ResumeError("gossip: the checkpoint has the gossip timeline on the simulated clock, "
+                                  "but this run's clock was not restored first")
+            self._timeline = GossipTimeline(self._clock.clock)
+            self._timeline.free = {int(c): float(v) for c, v in tl["free"].items()}
+            self._timeline.ready = {int(c): float(v) for c, v in tl["ready"].items()}
+            self._timeline.end = {int(r): float(v) for r, v in tl["end"].items()}
+        return int(state["round"])
+
     # ----------------------------------------------------------------- the run
     def start(
         self,
@@ -241,8 +304,12 @@ class Gossip(FedAvg):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
-        self.nodes = sorted(int(n) for n in nodes)
+        resume, self._resume = self._resume, None
+        if resume is None:
+            _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
+            self.nodes = sorted(int(n) for n in nodes)
+        else:  # node i is the saved i-th node id
+            self.nodes = [int(n) for n in resume["nodes"]]
         n = len(self.nodes)
         # Before any training: a graph these nodes cannot form stops the run here.
         self.topology = build_topology(self.topology_name, n, seed=self.seed, **self.topology_params)
@@ -262,12 +329,15 @@ class Gossip(FedAvg):
         self._result = Result(arrays=initial_arrays)
         self._evaluate_fn = evaluate_fn
         self._partition: dict[int, int] = {}
-        if evaluate_fn:
+        done = 0
+        if resume is not None:
+            done = self._resumed(grid, resume)
+        elif evaluate_fn:
             self._info[0] = GossipRoundInfo(algorithm=self.algorithm, models={})
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 self._result.evaluate_metrics_serverapp[0] = res
-        for t in range(1, num_rounds + 1):
+        for t in range(done + 1, num_rounds + 1):
             messages = [self._message(t, i) for i in range(n)]
             down = {i: m[1] for i, m in enumerate(messages)}
             replies = list(grid.send_and_receive([m[0] for m in messages], timeout=timeout))
@@ -276,6 +346,9 @@ class Gossip(FedAvg):
                 res = self._evaluate_fn(t, self._result.arrays)
                 if res is not None:
                     self._result.evaluate_metrics_serverapp[t] = res
+            self._done = t
+            if self._hook is not None and self._hook.due(t):
+                self._hook.save(t)
         return self._result
 
     # ----------------------------------------------------------------- messages

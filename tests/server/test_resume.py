@@ -39,6 +39,10 @@ RUNS = {
     "dga-ef": {"strategy": "dga", "dga-delay": 2, "compressor": "topk", "error-feedback": True},
     "dga-powersgd-lockstep": {"strategy": "dga", "dga-delay": 1, "dga-pipeline": "off",
                               "compressor": "powersgd", "error-feedback": True},
+    # CHOCO-SGD on a ring, its messages top-k compressed: public estimates at the relay
+    # and in every node's state.
+    "gossip-choco": {"strategy": "gossip", "gossip-algorithm": "choco", "topology": "ring",
+                     "compressor": "topk", "gossip-gamma": 0.5},
 }
 ASYNC = {"fedbuff"}
 
