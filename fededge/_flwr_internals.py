@@ -46,6 +46,8 @@ __all__ = [
     "check",
     "message_objects",
     "message_from_objects",
+    "recorddict_from_objects",
+    "recorddict_to_objects",
     "set_message_id",
     "set_run_id",
     "task_identity",
@@ -88,7 +90,7 @@ try:
 except ImportError as e:  # exercised by a test that hides one module
     raise _fail(e.name or "a flwr module", e) from e
 
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 
 
 def message_objects(msg: Message) -> dict[str, bytes]:
@@ -128,6 +130,24 @@ def message_from_objects(root_id: str, objects: dict[str, bytes]) -> Message:
             f"inflate_object_from_contents returned {type(msg).__name__}, expected Message"
         )
     return msg
+
+
+def recorddict_to_objects(content: Any) -> dict[str, Any]:
+    """A RecordDict (a node's ``context.state``) as its serialised Flower objects: the
+    root object id and object id -> bytes (:func:`recorddict_from_objects` reverses it).
+    No Message around it: building one needs Flower's task identity, which a ClientApp
+    under Ray does not have."""
+    return {"root": content.object_id,
+            "objects": {oid: obj.deflate() for oid, obj in get_all_nested_objects(content).items()}}
+
+
+def recorddict_from_objects(state: dict[str, Any]) -> Any:
+    """The RecordDict :func:`recorddict_to_objects` saved, bit for bit."""
+    rd = inflate_object_from_contents(state["root"], dict(state["objects"]), keep_object_contents=False)
+    if not isinstance(rd, RecordDict):
+        raise FlowerInternalsChanged(
+            f"inflate_object_from_contents returned {type(rd).__name__}, expected RecordDict")
+    return rd
 
 
 def set_message_id(msg: Message, message_id: str) -> None:

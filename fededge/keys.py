@@ -54,14 +54,23 @@ NUM_PARTITIONS = "num-partitions"
 DATA_DIR = "data-dir"
 WORKER_SOCKET = "worker-socket"  # the node's warm worker (fededge.clients.shim); else $FEDEDGE_WORKER_SOCKET
 CACHE_DIR = "cache-dir"  # the node cache's directory (fededge.nodecache), ``off`` disables it
+STATE_DIR = "state-dir"  # where the node keeps its state for a resume (fededge.clients.statestore)
 
 # Names of the records fededge keeps in a node's ``context.state``.
 STATE_SAMPLER = "fededge.sampler"
 STATE_DGA = "fededge.dga"  # DGA: the client's local model and its updates in flight
 STATE_COMPRESS = "fededge.compress"  # the update encoder's state (residuals, PowerSGD's Q, DGC)
+STATE_STORE = "fededge.state-store"  # the run and attempt whose state this context holds
 # ... and in the server's: where fededge's ServerApp leaves the run directory (``run-dir``)
 # for a caller holding the Context (fededge.server.inprocess.run_inprocess).
 SERVER_RESULT_KEY = "fededge.result"
+
+# A node's state kept on its disk for a resumed run (fededge.clients.statestore): train
+# config the server sends when its runtime does not keep the clients' states.
+STATE_KEY = "state-key"  # the run's id (the same after a resume)
+STATE_RESUMED_FROM = "state-resumed-from"  # the checkpoint round the run continues after (0: fresh)
+STATE_ATTEMPT = "state-attempt"  # a new id each time the server starts
+STATE_EVERY = "state-every"  # checkpoint-every: which rounds the server may resume from
 
 # Delayed Gradient Averaging (fededge.strategies.dga): train config the server sends ...
 DGA_GLOBAL_ROUND = "dga-global-round"  # g: the round of the global model the client holds

@@ -40,6 +40,7 @@ PURE = {
     "fededge.errors": "ConfigError, which config_error_mod catches without the run config",
     "fededge.workload": "run config -> data set, partition, initial model",
     "fededge.nodecache": "a node's data split on local disk",
+    "fededge.safefile": "the checksummed, atomically written file of checkpoints and client states",
     "fededge.runconfig_text": "the --run-config text format",
     "fededge.clients.train": "local SGD and evaluation, shared by the server's evaluation",
     "fededge.clients.device": "the device choice, shared by the server's evaluation",

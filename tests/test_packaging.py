@@ -21,4 +21,5 @@ def test_fab_holds_only_the_package_source(tmp_path):
     assert "fededge/netem/profiles.toml" in names  # the built-in link profiles travel too
     others = [n for n in names if not (n.startswith("fededge/") and n.endswith((".py", ".toml")))]
     assert sorted(others) == [".info/CONTENT", "README.md", "pyproject.toml"], others
-    assert fab.stat().st_size < 1_000_000  # Flower caps a FAB at 10 MB
+    # Flower stores a FAB's files uncompressed; the package source is about 1.0 MB (Nov 2026).
+    assert fab.stat().st_size < 2_000_000  # Flower caps a FAB at 10 MB

@@ -30,6 +30,7 @@ from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.clients.device import resolve_device
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
+from fededge.clients.statestore import StateStoreMod
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
 from fededge.netem.assign import dropped_partitions
@@ -56,9 +57,11 @@ def client_mods(cfg: RunConfig) -> tuple[Mod, ...]:
     Examples
     --------
     >>> [type(m).__name__ for m in client_mods(RunConfig(strategy="dga", compressor="topk"))]
-    ['CompressionMod', 'DGAMod']
+    ['StateStoreMod', 'CompressionMod', 'DGAMod']
     """
     mods: list[Mod] = []
+    if cfg.checkpoint_every > 0:  # acts only when the server asks (its runtime keeps no client state)
+        mods.append(StateStoreMod())
     if cfg.strategy != "gossip" and (cfg.compressor != "none" or cfg.downlink_compressor != "none"):
         mods.append(CompressionMod(cfg.update_config()))
     if cfg.strategy == "dga":

@@ -49,6 +49,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -61,8 +62,8 @@ from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from fededge import keys
 from fededge.deploy.procs import (
-    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, flwr_cli, list_nodes, list_runs, stop_popen,
-    stop_processes_of, submit_run, superlink_command, supernode_command, wait_listening, write_connection,
+    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, flwr_cli, list_nodes, list_runs, processes_of,
+    stop_popen, stop_processes_of, submit_run, superlink_command, supernode_command, wait_listening, write_connection,
 )
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
@@ -405,6 +406,34 @@ class LocalDeployment:
                        dead=self._dead, on_start=track)
         return DeploymentRun(r.returncode, r.output, r.status, r.run_id, r.wall_s, [], r.info,
                              log_tails=self.log_tails(), proxy_stats=self.proxy_stats())
+
+    # ----------------------------------------------------------------- a crash
+    def kill_superlink(self) -> list[int]:
+        """SIGKILL the SuperLink and every process it started (the ServerApp), as a crash
+        or an out-of-memory kill would: nothing is flushed or closed. The SuperNodes
+        keep running and retry. Returns the pids killed."""
+        pids = processes_of(str(self.home), root=lambda c: "flower-superlink" in c)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        link = self._procs.get("superlink")
+        if link is not None:
+            link.wait(timeout=30)
+        return pids
+
+    def restart_superlink(self) -> None:
+        """Start the SuperLink again after :meth:`kill_superlink`, on the same port and
+        database (the SuperNodes reconnect to it)."""
+        link = self._procs.get("superlink")
+        if link is not None and link.poll() is None:
+            raise RuntimeError("the SuperLink is still running: kill_superlink() first")
+        assert self.superlink_port is not None
+        link = self._spawn("superlink", superlink_command(host=HOST, port=self.superlink_port, home=self.home,
+                                                          certs=self.certs, supernode_auth=self.secure))
+        wait_listening(HOST, self.superlink_port, link, timeout_s=self.start_timeout_s, what="the SuperLink",
+                       log=lambda: self.log_tail("superlink"))
 
     # ----------------------------------------------------------------- stop
     def stop(self) -> list[int]:

@@ -82,6 +82,7 @@ class InProcessGrid(Grid):
         run_id: int = 1,
         node_configs: Sequence[Mapping[str, Any]] | None = None,
         seed: int = 0,
+        keep_client_states: bool = True,
     ) -> None:
         global _checked
         if not _checked:
@@ -93,6 +94,10 @@ class InProcessGrid(Grid):
             raise ValueError(f"node_configs has {len(node_configs)} entries for {num_nodes} nodes")
         self.client_app = client_app
         self.run_config = dict(run_config)
+        # Whether a checkpoint holds the nodes' context.state (state_dict). False stands for
+        # a runtime that cannot (Ray, a SuperLink): the nodes then keep their own state
+        # (fededge.clients.statestore), and a resumed run's grid starts with empty contexts.
+        self.keeps_client_states = keep_client_states
         rng = random.Random(seed)
         ids: dict[int, None] = {}  # ordered, with O(1) membership: 10,000 nodes in ms, not seconds
         while len(ids) < num_nodes:
@@ -134,8 +139,7 @@ class InProcessGrid(Grid):
                                f"{len(self._pending)} pending, {len(self._replies)} replies not pulled")
         states = {}
         for nid, ctx in self.contexts.items():
-            holder = Message(ctx.state, nid, "train")
-            states[nid] = {"root": holder.object_id, "objects": dict(fi.message_objects(holder))}
+            states[nid] = fi.recorddict_to_objects(ctx.state)
         return {"nodes": list(self.contexts), "states": states, "messages_run": self.messages_run}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -145,7 +149,7 @@ class InProcessGrid(Grid):
             raise ValueError("the checkpoint's in-process nodes are not this grid's: build the grid with the "
                              "same num_nodes and seed as the run that wrote it")
         for nid, saved in state["states"].items():
-            self.contexts[int(nid)].state = fi.message_from_objects(saved["root"], dict(saved["objects"])).content
+            self.contexts[int(nid)].state = fi.recorddict_from_objects(saved)
         self.messages_run = int(state["messages_run"])
 
     # -- Grid API ----------------------------------------------------------------

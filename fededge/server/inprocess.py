@@ -31,12 +31,15 @@ def run_inprocess(
     client_app: ClientApp | None = None,
     node_configs: Sequence[Mapping[str, Any]] | None = None,
     run_id: int = 1,
+    keep_client_states: bool = True,
 ) -> Path | None:
     """Run fededge's ServerApp and ClientApp (or the given ones) in this process.
 
     ``overrides`` are run-config keys, as ``flwr run --run-config`` takes them; the rest
     are the defaults (the same as pyproject.toml's). Returns the run directory when the
-    ServerApp is fededge's.
+    ServerApp is fededge's. ``keep_client_states=False`` leaves the nodes' states out of
+    the checkpoints, as under Ray or on a SuperLink: the nodes then keep them on disk
+    (:mod:`fededge.clients.statestore`).
 
     Examples
     --------
@@ -57,7 +60,7 @@ def run_inprocess(
     run_config = cfg.to_mapping()
     grid = InProcessGrid(
         client_app or default_client, num_nodes=num_clients, run_config=run_config,
-        run_id=run_id, node_configs=node_configs, seed=cfg.seed,
+        run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
     )
     # A data split the clients cannot make stops the run here, before anything starts,
     # with one ConfigError. The split is cached: the clients reuse it.

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from fededge import keys
 from fededge.netem.clock import ClientRound, synchronous_round
 from fededge.netem.runclock import ClockConfig, RunClock
 from fededge.server.metering import MeteredGrid, RoundTraffic
@@ -324,6 +326,7 @@ class Experiment:
                     initial_arrays = rounds.restore(checkpoint)
                     if not own_loop:
                         runner = FromRound(strategy, done)
+                train_config = rounds.client_state_config(train_config)
                 result = runner.start(
                     grid=rounds.metered, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
                     train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=rounds.close)
@@ -413,7 +416,7 @@ class _Rounds:
             "partition_of": dict(self.metered.partition_of),
             "traffic": self.metered.state_dict(),
             "checkpoints": list(self.checkpoints),
-            "grid": grid.state_dict() if hasattr(grid, "state_dict") else None,
+            "grid": grid.state_dict() if getattr(grid, "keeps_client_states", False) else None,
         }
         path, size, seconds = write_checkpoint(self.recorder.run_dir, server_round, payload)
         self.checkpoints.append({"round": server_round, "bytes": size, "seconds": round(seconds, 6)})
@@ -421,6 +424,18 @@ class _Rounds:
         self.summary["checkpoint_bytes_last"] = size
         self.summary["checkpoint_s_total"] = round(sum(c["seconds"] for c in self.checkpoints), 6)
         log.debug("checkpoint of round %d: %s, %d bytes in %.3f s", server_round, path, size, seconds)
+
+    def client_state_config(self, train_config: ConfigRecord | None) -> ConfigRecord | None:
+        """``train_config``, and where this runtime does not keep the clients' states (Ray
+        simulation, a SuperLink) while checkpoints are written, what the nodes' state
+        stores need (:mod:`fededge.clients.statestore`): the run, the round resumed
+        from, this attempt and the checkpoint period."""
+        if self.exp.checkpoint_every <= 0 or self.uncheckpointable is not None \
+                or getattr(self._inner_grid(), "keeps_client_states", False):
+            return train_config
+        return ConfigRecord({**(train_config or {}), keys.STATE_KEY: self.recorder.run_id,
+                             keys.STATE_RESUMED_FROM: self.resumed, keys.STATE_ATTEMPT: uuid.uuid4().hex[:12],
+                             keys.STATE_EVERY: self.exp.checkpoint_every})
 
     def restore(self, checkpoint: dict[str, Any]) -> ArrayRecord:
         """Put back what :meth:`save` wrote (inside the run's seeded sampling); return

@@ -10,7 +10,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.api import CompressionMod, ConfigError, DGAMod, GossipMod, ModOrderError, UpdateConfig, config_error_mod
+from fededge.api import (
+    CompressionMod, ConfigError, DGAMod, GossipMod, ModOrderError, StateStoreMod, UpdateConfig, config_error_mod,
+)
 from fededge.protocol import cast_downlink, config_error_detail
 from tests.clients.userapp import client_app, initial_arrays, run
 
@@ -138,12 +140,12 @@ def test_constructors_validate_their_arguments():
 
 HAND = {  # the run config's knobs, and the same pieces assembled by hand
     "fedavg-topk": ({"compressor": "topk", "topk-ratio": 0.1, "error-feedback": True},
-                    lambda: [CompressionMod(compressor="topk", topk_ratio=0.1, error_feedback=True)]),
+                    lambda: [StateStoreMod(), CompressionMod(compressor="topk", topk_ratio=0.1, error_feedback=True)]),
     "dga-signsgd": ({"strategy": "dga", "dga-delay": 1, "compressor": "signsgd", "error-feedback": True},
-                    lambda: [CompressionMod(compressor="signsgd", error_feedback=True), DGAMod()]),
+                    lambda: [StateStoreMod(), CompressionMod(compressor="signsgd", error_feedback=True), DGAMod()]),
     "choco-signsgd": ({"strategy": "gossip", "gossip-algorithm": "choco", "gossip-gamma": 0.8,
                        "compressor": "signsgd"},
-                      lambda: [GossipMod(UpdateConfig(compressor="signsgd"))]),
+                      lambda: [StateStoreMod(), GossipMod(UpdateConfig(compressor="signsgd"))]),
 }
 
 

@@ -5,6 +5,8 @@ The slow tests start Flower's deployment runtime (each message runs in a fresh
 """
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +263,44 @@ def test_killing_the_worker_mid_run_is_survived_and_leaves_nothing(tmp_path):
     assert [m["round"] for m in rounds][-1] == 3
     for sock in killed["socket"]:  # fededge supernode made these directories; it removed them
         assert Path(sock).parent.name.startswith("fededge-worker-") and not Path(sock).parent.exists()
+
+
+@pytest.mark.slow
+def test_a_killed_superlink_and_serverapp_resume_and_the_clients_resync(tmp_path):
+    """Issue 18 on a real deployment: the SuperLink and its ServerApp are SIGKILLed after
+    round 2's checkpoint; a SuperLink started again on the same port and database takes
+    the SuperNodes back, ``resume-from`` finishes the run in the same run directory, and
+    each node takes up the state it kept on its disk at the checkpoint (a new Flower run
+    gives it an empty context.state), then goes on writing its own."""
+    results, state = tmp_path / "results", tmp_path / "state"
+    conf = {"num-rounds": 4, "local-steps": 2, "model": "mlp", "results-dir": str(results), "checkpoint-every": 2,
+            "compressor": "topk", "error-feedback": True, "progress": "lines"}
+    env = {"FEDEDGE_CACHE_DIR": str(tmp_path / "cache"), "FEDEDGE_STATE_DIR": str(state)}
+    with LocalDeployment(ROOT, num_supernodes=2, workdir=tmp_path / "dep", warm=True, env=env) as dep:
+        box: dict = {}
+        first = threading.Thread(target=lambda: box.update(run=dep.run(conf, timeout_s=400)))
+        first.start()
+        deadline = time.monotonic() + 300
+        while not list(results.glob("*/checkpoints/round-000002.ckpt")):
+            assert first.is_alive() and time.monotonic() < deadline, box.get("run") and box["run"].describe()
+            time.sleep(0.1)
+        assert dep.kill_superlink()
+        first.join(120)
+        assert not first.is_alive() and not box["run"].ok
+        (run_dir,) = list(results.iterdir())
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"  # it never finished
+        dep.restart_superlink()
+        again = dep.run({**conf, "resume-from": str(run_dir)}, timeout_s=400)
+    assert processes_of(str(dep.home)) == []
+    assert again.ok, again.describe()
+    assert "resumed after round 2" in again.output
+    lines = _metrics(results)
+    assert [r["round"] for r in lines] == [0, 1, 2, 3, 4] and all(r["num_clients"] == 2 for r in lines[1:])
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    for part in ("partition-0", "partition-1"):
+        files = sorted((state / run_dir.name / part).glob("*.state"))
+        rounds = [int(p.name[6:12]) for p in files]
+        attempts = [p.name.split(".")[1] for p in files]
+        # The state of the checkpoint's round, kept from the killed attempt and taken up;
+        # rounds 3 and 4 written by the resumed one (a killed attempt's round 3 is dropped).
+        assert rounds == [2, 3, 4] and attempts[0] != attempts[1] == attempts[2], files

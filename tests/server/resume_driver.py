@@ -26,8 +26,10 @@ def _die() -> None:
 def main() -> None:
     results, when, at, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     num_clients = int(overrides.pop("__num_clients", 4))
+    keep = bool(overrides.pop("__keep_client_states", True))
     from fededge.clients.app import app as fededge_app
-    from fededge.server import checkpoint, measure
+    from fededge import safefile
+    from fededge.server import measure
     from fededge.server.inprocess import run_inprocess
 
     client_app = fededge_app
@@ -47,9 +49,9 @@ def main() -> None:
             return out
         measure.write_checkpoint = write
     elif when == "mid-checkpoint":
-        real_replace = checkpoint.os.replace
+        real_replace = safefile.os.replace
 
-        class _Os:  # checkpoint's ``os``, but its rename of round ``at`` never happens
+        class _Os:  # safefile's ``os``, but its rename of round ``at`` never happens
             def __getattr__(self, name):  # noqa: ANN001,ANN204
                 return getattr(os, name)
 
@@ -58,10 +60,11 @@ def main() -> None:
                 if str(dst).endswith(f"round-{at:06d}.ckpt"):
                     _die()
                 return real_replace(src, dst)
-        checkpoint.os = _Os()
+        safefile.os = _Os()
     elif when != "never":
         raise SystemExit(f"unknown WHEN {when!r}")
-    run_inprocess({**overrides, "results-dir": results}, num_clients=num_clients, client_app=client_app)
+    run_inprocess({**overrides, "results-dir": results}, num_clients=num_clients, client_app=client_app,
+                  keep_client_states=keep)
 
 
 if __name__ == "__main__":

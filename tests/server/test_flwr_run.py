@@ -190,10 +190,14 @@ def test_flwr_run_gossip_ring_on_ray(tmp_path):
     assert lines[2]["bytes_down"] == pytest.approx(lines[2]["bytes_p2p"], rel=0.05)
 
 
-def test_flwr_run_resumes_a_run_on_ray(tmp_path):
+def test_flwr_run_resumes_a_run_on_ray(tmp_path, monkeypatch):
     """resume-from under Flower's simulation (issue 18): a new Flower run continues the run
     directory from its checkpoint: its rounds appended, the earlier lines kept as they were.
-    The clients' context.state is Ray's, not in the checkpoint: they start afresh."""
+    The clients' context.state is Ray's, not in the checkpoint: each node takes up the
+    state it kept on disk (fededge.clients.statestore), so the resumed run equals an
+    uninterrupted one within float tolerance (Ray's node ids, new in each run, change the
+    order in which the updates are summed)."""
+    monkeypatch.setenv("FEDEDGE_STATE_DIR", str(tmp_path / "state"))
     results = tmp_path / "results"
     conf = {"num-rounds": 2, "local-steps": 3, "model": "mlp", "results-dir": str(results), "checkpoint-every": 1,
             "compressor": "topk", "error-feedback": True}
@@ -211,3 +215,15 @@ def test_flwr_run_resumes_a_run_on_ray(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds"] == 3
     assert list(results.iterdir()) == [run_dir]  # no second run directory
+    assert len(list((tmp_path / "state").glob("*/partition-*/*.state"))) >= 3  # each node kept its state
+    whole_res = tmp_path / "whole"
+    whole = flwr_run_local(ROOT, flwr_home=tmp_path / "flwr-home-3", num_supernodes=3, timeout_s=420,
+                           run_config={**conf, "num-rounds": 3, "results-dir": str(whole_res)})
+    assert whole.ok, f"status={whole.status} rc={whole.returncode}\n{whole.output[-4000:]}"
+    (whole_dir,) = list(whole_res.iterdir())
+    a = [json.loads(x) for x in after]
+    b = [json.loads(x) for x in (whole_dir / "metrics.jsonl").read_text().splitlines()]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra["round"], ra["loss"], rb["loss"])
+        assert ra["accuracy"] == pytest.approx(rb["accuracy"], abs=1e-9)
+        assert ra["bytes_up"] == pytest.approx(rb["bytes_up"], rel=1e-3)

@@ -185,3 +185,40 @@ def test_pipelined_dga_resumes_with_rounds_in_flight_between_checkpoints(tmp_pat
     assert [p.name for p in checkpoint_files(run_dir)] == ["round-000003.ckpt"]
     assert cli_main(["resume", str(run_dir)]) == 0
     _assert_same_run(run_dir, plain)
+
+
+# -- a runtime that keeps no client state (Ray, a SuperLink): the nodes keep their own ----
+@pytest.mark.parametrize("name, when, at, every", [
+    ("fedavg-ef", "between", 3, 1), ("fedavg-ef", "mid-round", 5, 2), ("dga-ef", "mid-round", 4, 1),
+    ("gossip-choco", "between", 4, 2), ("fedadam-powersgd", "mid-round", 5, 2)])
+def test_nodes_keep_their_state_on_disk_when_the_checkpoint_cannot(tmp_path, whole_runs, monkeypatch,
+                                                                    name, when, at, every):
+    """The checkpoint holds no client state (keep_client_states=False, as under Ray); a
+    resumed run's grid starts with empty contexts; each node takes up the state it saved
+    at the checkpoint (fededge.clients.statestore), and the run ends as the uninterrupted one."""
+    store = tmp_path / "state"
+    monkeypatch.setenv("FEDEDGE_STATE_DIR", str(store))
+    conf = {**BASE, **RUNS[name], "checkpoint-every": every}
+    run_dir = _killed_run(tmp_path, when, at, {**conf, "__keep_client_states": False})
+    assert read_checkpoint(checkpoint_files(run_dir)[-1])["grid"] is None
+    kept = sorted(p.name for p in store.glob("*/partition-1/*.state"))
+    assert kept and len(kept) <= every + 2, kept  # pruned to what either checkpoint needs
+    run_inprocess({**conf, "resume-from": str(run_dir)}, num_clients=4, keep_client_states=False)
+    # The uninterrupted run of the same runtime (its messages carry the state-* keys too).
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4,
+                          keep_client_states=False)
+    _assert_same_run(run_dir, whole)
+    assert _lines(whole)[1:] != _lines(whole_runs(name))[1:]  # bytes_down: the state-* keys
+
+
+def test_without_the_nodes_state_a_resumed_run_restarts_its_residuals(tmp_path, monkeypatch):
+    """The control: the same kill and resume with the state store off differs (the
+    error-feedback residuals start again), so the test above depends on the store."""
+    monkeypatch.setenv("FEDEDGE_STATE_DIR", "off")
+    conf = {**BASE, **RUNS["fedavg-ef"]}
+    run_dir = _killed_run(tmp_path, "between", 3, {**conf, "__keep_client_states": False})
+    run_inprocess({**conf, "resume-from": str(run_dir)}, num_clients=4, keep_client_states=False)
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4,
+                          keep_client_states=False)
+    a, b = _lines(run_dir), _lines(whole)
+    assert a[:4] == b[:4] and a[4:] != b[4:]

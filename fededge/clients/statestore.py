@@ -1,0 +1,179 @@
+"""A node keeps its ``context.state`` on its own disk, so that a resumed run continues it.
+
+Error-feedback residuals, PowerSGD's Q, DGC's buffers, DGA's and gossip's client state
+and the batch sampler's position live in the node's ``context.state``. Under fededge's
+in-process runtime the server's checkpoint holds every node's state
+(:class:`fededge.server.grid.InProcessGrid`). Under Flower's Ray simulation and on a
+SuperLink it cannot: a resumed run is a new Flower run, and its nodes start with an
+empty ``context.state`` (a restarted SuperNode too). :class:`StateStoreMod` closes that
+gap on the node's side.
+
+**What the server sends.** When a run writes checkpoints and its runtime does not keep
+the clients' states, :class:`fededge.server.measure.Experiment` adds to every train
+message's config: ``state-key`` (the run's id, the same after a resume),
+``state-resumed-from`` (the checkpoint round the run continues after; 0 for a fresh
+run), ``state-attempt`` (a new id each time the server starts) and ``state-every``
+(``checkpoint-every``). Without ``state-key`` the mod does nothing.
+
+**What the node does.** After each train reply that is not an error, it writes its
+``context.state`` as ``<root>/<state-key>/<node>/round-<t>.<attempt>.state``
+(:mod:`fededge.safefile`: atomic, checksummed). ``<node>`` is the node config's
+``partition-id`` (stable across runs, unlike Ray's node ids), else the node id. On the
+first message of a run whose ``context.state`` does not carry this run and attempt (a
+new Flower run, a restarted process), it first drops what a killed attempt wrote after
+the checkpoint now resumed (rounds after ``state-resumed-from`` of another attempt), then
+loads the newest state left from before this message's round: the state the node held
+at the checkpoint. So a resumed run's clients continue with the residuals they had.
+
+**What is kept.** The server keeps its two newest checkpoints (rounds that are multiples
+of ``state-every``, or the round it resumed from). The node keeps every state newer than
+the older of the two that may exist by now, and the newest one at or before it, so
+either checkpoint can be resumed; older ones are deleted. That is at most
+``state-every + 1`` states (each about one model's size with error feedback) per node.
+
+**Failures.** A state file that is truncated or corrupt is refused by name (a warning),
+and the node starts again from an empty state, as a node without this mod would: the
+protocol resynchronises it (the residual starts again; DGA and gossip resend the model).
+It never uses an older state in its place. ``root="off"`` (or ``$FEDEDGE_STATE_DIR=off``)
+switches the mod off, logged once.
+
+The root: the ``state-dir`` node config key, else ``$FEDEDGE_STATE_DIR``, else
+``$XDG_CACHE_HOME/fededge/client-state`` (``~/.cache/fededge/client-state``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message
+
+from fededge import keys
+from fededge._flwr_internals import ClientAppCallable, recorddict_from_objects, recorddict_to_objects
+from fededge.safefile import SafeFileError, read_file, write_file
+
+__all__ = ["ENV_STATE_DIR", "StateStoreMod", "default_state_dir"]
+
+log = logging.getLogger("fededge")
+
+ENV_STATE_DIR = "FEDEDGE_STATE_DIR"
+_NAME = re.compile(r"round-(\d{6,})\.([0-9A-Za-z_-]+)\.state")
+_SAFE = re.compile(r"[^0-9A-Za-z._-]")
+
+
+def default_state_dir() -> Path | None:
+    """The root from the environment (None: switched off)."""
+    env = os.environ.get(ENV_STATE_DIR)
+    if env is not None:
+        return None if env.strip().lower() in ("", "off") else Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "fededge" / "client-state"
+
+
+def _files(d: Path) -> list[tuple[int, str, Path]]:
+    """(round, attempt, path) of the states in ``d``, oldest round first."""
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), m.group(2), p) for p in d.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return sorted(found, key=lambda f: (f[0], f[1]))
+
+
+def keep_from(resumed: int, every: int, t: int) -> int:
+    """The older of the (at most) two checkpoint rounds the server may hold once round
+    ``t`` is done: the node must keep its newest state at or before it, and all after."""
+    candidates = [resumed, *range((resumed // every + 1) * every, t + 1, every)] if every > 0 else [resumed]
+    return candidates[-2] if len(candidates) > 1 else candidates[-1]
+
+
+class StateStoreMod:
+    """Keep this node's ``context.state`` on its disk, per run, for a resumed run (module
+    docstring). Outermost of the mods that keep state, so that they find it restored.
+
+    Parameters
+    ----------
+    root : str or Path, optional
+        Where the states go; default: the ``state-dir`` node config key, else
+        :func:`default_state_dir`. ``"off"`` switches the mod off.
+
+    Examples
+    --------
+    >>> from flwr.clientapp import ClientApp
+    >>> app = ClientApp(mods=[StateStoreMod()])  # doctest: +SKIP
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = root
+        self._said_off = False
+
+    def _root(self, context: Context) -> Path | None:
+        root: Any = self.root if self.root is not None else context.node_config.get(keys.STATE_DIR)
+        if root is None or str(root) == "":
+            return default_state_dir()
+        return None if str(root).strip().lower() == "off" else Path(str(root))
+
+    def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content.config_records else None
+        if conf is None or keys.STATE_KEY not in conf or not msg.metadata.message_type.startswith("train"):
+            return call_next(msg, context)
+        root = self._root(context)
+        if root is None:
+            if not self._said_off:
+                log.warning("the server asks this node to keep its state for a resume, but the state store "
+                            "is off (state-dir / %s = off): a resumed run's clients start afresh", ENV_STATE_DIR)
+                self._said_off = True
+            return call_next(msg, context)
+        key, attempt = str(conf[keys.STATE_KEY]), str(conf[keys.STATE_ATTEMPT])
+        resumed, every = int(conf[keys.STATE_RESUMED_FROM]), int(conf[keys.STATE_EVERY])
+        t = int(conf[keys.SERVER_ROUND])
+        who = context.node_config.get(keys.PARTITION_ID)
+        d = root / _SAFE.sub("_", key) / (f"partition-{int(who)}" if who is not None else f"node-{context.node_id}")
+        mark = context.state.config_records.get(keys.STATE_STORE)
+        if mark is None or mark.get("key") != key or mark.get("attempt") != attempt:
+            self._take_up(d, t, resumed, attempt, context)
+            context.state[keys.STATE_STORE] = ConfigRecord({"key": key, "attempt": attempt})
+        reply = call_next(msg, context)
+        if not reply.has_error():
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_file(d / f"round-{t:06d}.{_SAFE.sub('_', attempt)}.state",
+                       {"round": t, "key": key, "state": recorddict_to_objects(context.state)})
+            self._prune(d, keep_from(resumed, every, t))
+        return reply
+
+    @staticmethod
+    def _take_up(d: Path, t: int, resumed: int, attempt: str, context: Context) -> None:
+        """Drop a killed attempt's states after the checkpoint resumed; load the newest
+        one from before round ``t`` into ``context.state`` (in place)."""
+        files = []
+        for rnd, att, path in _files(d):
+            if rnd > resumed and att != _SAFE.sub("_", attempt):
+                path.unlink(missing_ok=True)  # written after the checkpoint by a run that died
+            else:
+                files.append((rnd, path))
+        before = [(rnd, path) for rnd, path in files if rnd < t]
+        if not before:
+            return
+        rnd, path = before[-1]
+        try:
+            saved = read_file(path, what="client state")
+            state = recorddict_from_objects(saved["state"])
+        except (SafeFileError, KeyError) as err:
+            log.warning("%s; this node starts again from an empty state (the protocol resynchronises it)", err)
+            return
+        for name in list(context.state.keys()):
+            del context.state[name]
+        for name, record in state.items():
+            context.state[name] = record
+        log.info("client state of round %d taken up from %s", rnd, path)
+
+    @staticmethod
+    def _prune(d: Path, older: int) -> None:
+        files = _files(d)
+        base = [rnd for rnd, _, _ in files if rnd <= older]
+        if not base:
+            return
+        for rnd, _, path in files:
+            if rnd < base[-1]:
+                path.unlink(missing_ok=True)

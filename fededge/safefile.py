@@ -1,0 +1,92 @@
+"""One file of plain values and tensors, written atomically and verified when read.
+
+The format of fededge's checkpoints (:mod:`fededge.server.checkpoint`) and of the
+clients' saved state (:mod:`fededge.clients.statestore`)::
+
+    b"FEDEDGE-CKPT\\x01"            13 bytes: magic and format version
+    sha256(body)                    32 bytes
+    len(body)                       8 bytes, big-endian
+    body                            torch.save() of a dict of plain values and tensors
+
+:func:`write_file` writes a temporary file in the same directory, flushes and fsyncs it,
+renames it over its final name and fsyncs the directory: a crash at any moment leaves
+the old file or the new one complete, never a half-written file under the final name.
+:func:`read_file` refuses, by name, a file that is truncated, corrupt or of another
+format, and reads the body with ``torch.load(weights_only=True)`` (plain values and
+tensors only, no arbitrary objects).
+
+Pure: torch only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MAGIC", "SafeFileError", "fsync_dir", "read_file", "write_file"]
+
+MAGIC = b"FEDEDGE-CKPT\x01"
+_HEAD = len(MAGIC) + 40
+
+
+class SafeFileError(RuntimeError):
+    """A file that cannot be used: unreadable, truncated, corrupt or not fededge's."""
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or unlink in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str | os.PathLike[str], payload: dict[str, Any]) -> tuple[int, float]:
+    """Write ``payload`` to ``path`` atomically; return its size in bytes and the seconds
+    it took (serialising, hashing, the write and both fsyncs)."""
+    t0 = time.perf_counter()
+    path = Path(path)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    body = buf.getvalue()
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + hashlib.sha256(body).digest() + len(body).to_bytes(8, "big"))
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return _HEAD + len(body), time.perf_counter() - t0
+
+
+def read_file(path: str | os.PathLike[str], what: str = "file",
+              error: type[SafeFileError] = SafeFileError) -> dict[str, Any]:
+    """The payload of a file :func:`write_file` wrote; ``error`` (a :class:`SafeFileError`)
+    naming ``what``, the file and what is wrong when it cannot be used."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise error(f"{what} {path}: cannot be read: {err}") from err
+    if not data.startswith(MAGIC):
+        raise error(f"{what} {path}: not a fededge {what} (format {MAGIC!r} expected)")
+    if len(data) < _HEAD:
+        raise error(f"{what} {path}: truncated ({len(data)} bytes, header is {_HEAD})")
+    digest, size = data[len(MAGIC):len(MAGIC) + 32], int.from_bytes(data[len(MAGIC) + 32:_HEAD], "big")
+    body = data[_HEAD:]
+    if len(body) != size:
+        raise error(f"{what} {path}: truncated ({len(body)} of {size} bytes of its body)")
+    if hashlib.sha256(body).digest() != digest:
+        raise error(f"{what} {path}: corrupt (its sha256 does not match its contents)")
+    try:
+        return torch.load(io.BytesIO(body), weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a body that hashes right but does not load
+        raise error(f"{what} {path}: unreadable body: {type(err).__name__}: {err}") from err
