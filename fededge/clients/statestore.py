@@ -31,6 +31,10 @@ the older of the two that may exist by now, and the newest one at or before it, 
 either checkpoint can be resumed; older ones are deleted. That is at most
 ``state-every + 1`` states (each about one model's size with error feedback) per node.
 
+**Old runs.** A finished run's states stay (the node cannot know that no resume will
+come). When a node starts on a run, it deletes the directories of other runs it has not
+written to for ``max_age_days`` (default 7).
+
 **Failures.** A state file that is truncated or corrupt is refused by name (a warning),
 and the node starts again from an empty state, as a node without this mod would: the
 protocol resynchronises it (the residual starts again; DGA and gossip resend the model).
@@ -46,6 +50,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +103,8 @@ class StateStoreMod:
     root : str or Path, optional
         Where the states go; default: the ``state-dir`` node config key, else
         :func:`default_state_dir`. ``"off"`` switches the mod off.
+    max_age_days : float
+        Other runs' states not written for this long are deleted when a run starts here.
 
     Examples
     --------
@@ -104,8 +112,11 @@ class StateStoreMod:
     >>> app = ClientApp(mods=[StateStoreMod()])  # doctest: +SKIP
     """
 
-    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, max_age_days: float = 7.0) -> None:
+        if not max_age_days > 0:
+            raise ValueError(f"max_age_days must be > 0, got {max_age_days!r}")
         self.root = root
+        self.max_age_days = max_age_days
         self._said_off = False
 
     def _root(self, context: Context) -> Path | None:
@@ -132,6 +143,7 @@ class StateStoreMod:
         d = root / _SAFE.sub("_", key) / (f"partition-{int(who)}" if who is not None else f"node-{context.node_id}")
         mark = context.state.config_records.get(keys.STATE_STORE)
         if mark is None or mark.get("key") != key or mark.get("attempt") != attempt:
+            self._collect(root, d.parent)
             self._take_up(d, t, resumed, attempt, context)
             context.state[keys.STATE_STORE] = ConfigRecord({"key": key, "attempt": attempt})
         reply = call_next(msg, context)
@@ -141,6 +153,22 @@ class StateStoreMod:
                        {"round": t, "key": key, "state": recorddict_to_objects(context.state)})
             self._prune(d, keep_from(resumed, every, t))
         return reply
+
+    def _collect(self, root: Path, mine: Path) -> None:
+        """Delete other runs' states not written for ``max_age_days``."""
+        if not root.is_dir():
+            return
+        cutoff = time.time() - self.max_age_days * 86400
+        for run in root.iterdir():
+            if run == mine or not run.is_dir():
+                continue
+            try:
+                newest = max((f.stat().st_mtime for f in run.rglob("*.state")), default=run.stat().st_mtime)
+            except OSError:
+                continue  # another node of this machine is pruning it right now
+            if newest < cutoff:
+                shutil.rmtree(run, ignore_errors=True)
+                log.info("client states of run %s deleted: not written for %g days", run.name, self.max_age_days)
 
     @staticmethod
     def _take_up(d: Path, t: int, resumed: int, attempt: str, context: Context) -> None:

@@ -102,3 +102,22 @@ def test_the_node_config_can_switch_it_off(tmp_path, root):
     ctx.node_config[keys.STATE_DIR] = root
     StateStoreMod()(_msg(1), ctx, _count)
     assert keys.STATE_STORE not in ctx.state
+
+
+def test_other_runs_not_written_for_max_age_days_are_deleted_when_a_run_starts(tmp_path):
+    import os
+    import time
+
+    StateStoreMod(tmp_path)(_msg(1), _ctx(), _count)
+    old, recent = tmp_path / "old-run" / "partition-2", tmp_path / "recent-run" / "partition-2"
+    for d, age_days in ((old, 8), (recent, 6)):
+        d.mkdir(parents=True)
+        f = d / "round-000003.x.state"
+        f.write_bytes(b"x")
+        t = time.time() - age_days * 86400
+        os.utime(f, (t, t))
+    mod = StateStoreMod(tmp_path, max_age_days=7)
+    mod(_msg(2), _ctx(), _count)  # a fresh context: the run starts here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recent-run", "run_1"]
+    with pytest.raises(ValueError, match="max_age_days"):
+        StateStoreMod(tmp_path, max_age_days=0)
