@@ -34,7 +34,9 @@ Per row: the steady-state wall seconds per round, ``(wall at R - wall at 1) / (R
 same per message (a round's wall / its ``N`` train messages: the SuperNodes run
 concurrently on the machine's cores, so this is an amortised figure, not one message's
 latency), and the CPU seconds per message of each kind of process, sampled from
-``/proc`` (``flwr-clientapp``: one fresh process per message).
+``/proc`` (``flwr-clientapp``: one fresh process per message): over the whole run, and
+steady (rounds 2..R only, from the moment round 1 is recorded: no warm worker's or
+ServerApp's start-up in it, which a device pays once, not per message).
 
 For the simulated clock (fededge rows): ``message-overhead-s``, the steady wall seconds
 per round minus the clock's own seconds per round (``round_sim_s``: the measured
@@ -69,6 +71,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -252,10 +255,30 @@ def run_app(label: str, app_dir: Path, cfg: dict[str, Any], *, supernodes: int, 
         print(f"[bench] {label}: deployment up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         meter = CpuMeter(str(dep.home))
         cpu0 = meter.snapshot()
+        # The CPU when round 1 is recorded: rounds 2..R are the steady state (no process
+        # or worker start-up, no first poll in them).
+        after1: dict[str, Any] = {}
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.1):
+                try:
+                    if len(times_of()) >= 2:
+                        after1["cpu"] = meter.snapshot()
+                        return
+                except (OSError, ValueError, KeyError):
+                    pass
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         run = dep.run(cfg, timeout_s=timeout_s, echo=sys.stderr)
-        cpu = CpuMeter.delta(cpu0, meter.snapshot())
+        done.set()
+        watcher.join(5)
+        end = meter.snapshot()
+        cpu = CpuMeter.delta(cpu0, end)
+        steady_cpu = CpuMeter.delta(after1["cpu"], end) if "cpu" in after1 else None
         meter.stop()
-    row: dict[str, Any] = {"ok": run.ok, "status": run.status, "run_wall_s": run.wall_s, "cpu_s": cpu}
+    row: dict[str, Any] = {"ok": run.ok, "status": run.status, "run_wall_s": run.wall_s, "cpu_s": cpu,
+                           "steady_cpu_s": steady_cpu}
     if not run.ok:
         print(f"[bench] {label} FAILED\n{run.describe()}", file=sys.stderr, flush=True)
     try:
@@ -356,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         r["cpu_per_msg"] = {k: r["cpu_s"].get(k, 0.0) / r["messages"] for k in kinds}
         r["cpu_per_msg"]["other"] = r["cpu_s"].get("other", 0.0) / r["messages"]
         r["cpu_per_msg"]["all"] = sum(r["cpu_s"].values()) / r["messages"]
+        steady_msgs = n * (r.get("rounds", args.rounds) - 1)
+        r["steady_cpu_per_msg"] = (sum(r["steady_cpu_s"].values()) / steady_msgs
+                                   if r.get("steady_cpu_s") is not None and steady_msgs > 0 else None)
         if r.get("steady_sim_s") is not None and r.get("steady_s") is not None:
             r["message_overhead_s"] = r["steady_s"] - r["steady_sim_s"]
     ok = all(r.get("ok") and "error" not in r for r in rows.values())
@@ -369,30 +395,36 @@ def main(argv: list[str] | None = None) -> int:
     print()
     cols = ["clientapp", "worker", "serverapp", "superlink", "supernode", "superexec", "other"]
     print("| row | total wall s | wall s/round, steady | wall s/message, steady | "
-          + " | ".join(f"{c} CPU s/msg" if c == "clientapp" else c for c in cols) + " | all CPU s/msg |")
-    print("|---|---:|---:|---:|" + "---:|" * (len(cols) + 1))
+          + " | ".join(f"{c} CPU s/msg" if c == "clientapp" else c for c in cols)
+          + " | all CPU s/msg | all CPU s/msg, steady |")
+    print("|---|---:|---:|---:|" + "---:|" * (len(cols) + 2))
     for label, r in rows.items():
         note = "" if r.get("ok") and "error" not in r else f" (FAILED: {r.get('status')} {r.get('error', '')})"
         c = r["cpu_per_msg"]
         print(f"| {label}{note} | {fmt(r.get('run_wall_s'), '.1f')} | {fmt(r.get('steady_s'), '.2f')} "
               f"| {fmt(r.get('per_msg_s'), '.2f')} | " + " | ".join(f"{c[k]:.2f}" for k in cols)
-              + f" | {c['all']:.2f} |")
+              + f" | {c['all']:.2f} | {fmt(r.get('steady_cpu_per_msg'), '.2f')} |")
     if ok:
         print()
         print("Ratios of CPU s per message (all processes) and of steady wall s per round:")
         print()
-        print("| row | CPU / flower | CPU / flower-torch | wall / flower | wall / flower-torch |")
-        print("|---|---:|---:|---:|---:|")
+        print("| row | CPU / flower | CPU / flower-torch | steady CPU / flower | steady CPU / flower-torch "
+              "| wall / flower | wall / flower-torch |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for label, r in rows.items():
             cells = []
-            for kind in ("cpu", "wall"):
+            for kind in ("cpu", "steady", "wall"):
                 for base in ("flower", "flower-torch"):
                     b = rows.get(base)
                     if b is None:
                         cells.append("–")
                         continue
-                    num, den = ((r["cpu_per_msg"]["all"], b["cpu_per_msg"]["all"]) if kind == "cpu"
-                                else (r["steady_s"], b["steady_s"]))
+                    num, den = {"cpu": (r["cpu_per_msg"]["all"], b["cpu_per_msg"]["all"]),
+                                "steady": (r["steady_cpu_per_msg"], b["steady_cpu_per_msg"]),
+                                "wall": (r["steady_s"], b["steady_s"])}[kind]
+                    if num is None or den is None:
+                        cells.append("–")
+                        continue
                     cells.append(f"{num / den:.2f}×" if den else "–")
             print(f"| {label} | " + " | ".join(cells) + " |")
     over = {k: r for k, r in rows.items() if "message_overhead_s" in r}
@@ -411,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     print("wall s/round, steady: (wall at R - wall at 1)/(R - 1), from metrics.jsonl (fededge) or the "
           "plain app's evaluate_fn timestamps; wall s/message: that / N messages per round. CPU s/msg: "
           "CPU seconds (user + system) of each kind of process over the whole run (start-up included) "
-          "/ (N x R) messages, sampled from /proc every 0.5 s; worker: fededge's warm workers; other: "
+          "/ (N x R) messages, sampled from /proc every 0.5 s; steady: the same over rounds 2..R only "
+          "(from when round 1 is recorded; no process or worker start-up); worker: fededge's warm workers; other: "
           "the `fededge supernode` launchers.")
     if imports:
         print()

@@ -248,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir or tmp).resolve()
         results = workdir / "results"
         t0 = time.perf_counter()
+        # Cold SuperNodes, as the figures in BENCHMARKS.md were measured.
         with LocalDeployment(ROOT, num_supernodes=args.supernodes, profile=args.profile,
-                             workdir=workdir / "deployment") as dep:
+                             workdir=workdir / "deployment", warm=False) as dep:
             print(f"[bench] deployment up in {time.perf_counter() - t0:.1f} s: SuperLink "
                   f"{dep.superlink_address}, {args.supernodes} SuperNodes behind {args.profile} proxies",
                   file=sys.stderr, flush=True)

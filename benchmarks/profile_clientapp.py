@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"strategy": "fedavg", "num-rounds": args.rounds, "local-steps": args.local_steps,
                "fraction-evaluate": 0.0, "results-dir": str(work / "results"), "progress": "off",
                "save-model": False}
-        kw = {"warm": True} if args.warm else {}
-        with LocalDeployment(args.app, num_supernodes=args.supernodes, workdir=work / "dep", env=env, **kw) as dep:
+        with LocalDeployment(args.app, num_supernodes=args.supernodes, workdir=work / "dep", env=env,
+                             warm=bool(args.warm)) as dep:
             run = dep.run(cfg, timeout_s=900)
         if not run.ok:
             print(run.describe(), file=sys.stderr)

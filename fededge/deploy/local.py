@@ -174,10 +174,12 @@ class LocalDeployment:
         its private key. Through a ``profile`` the proxies forward the encrypted bytes.
         Costs about 1.5 s per SuperNode at start (one ``flwr`` call each).
     warm : bool
-        False (default): each SuperNode is ``flower-supernode``. True: ``fededge
-        supernode`` (docs/deployment.md), a warm worker per node beside its SuperNode;
-        an app whose ClientApp is fededge's shim (``fededge.clients.shim:app``) then runs
-        its messages there instead of paying torch and the node's data in every process.
+        True (default): each SuperNode is ``fededge supernode`` (docs/deployment.md), the
+        documented way to run one: a warm worker per node beside its SuperNode; an app
+        whose ClientApp is fededge's shim (``fededge.clients.shim:app``, fededge's own
+        app) runs its messages there instead of paying torch and the node's data in every
+        process, and any other app runs as on a plain SuperNode. False: each SuperNode is
+        plain ``flower-supernode`` (every message cold).
 
     The processes run with ``WORKDIR`` as working directory: give ``results-dir`` as an
     absolute path. :meth:`run` adds ``min-available-nodes=N`` to the run config unless it
@@ -202,7 +204,7 @@ class LocalDeployment:
         proxy_seed: int = 0,
         start_timeout_s: float = 60.0,
         secure: bool = False,
-        warm: bool = False,
+        warm: bool = True,
     ) -> None:
         if not isinstance(warm, bool):
             raise TypeError(f"warm must be True or False, got {warm!r}")

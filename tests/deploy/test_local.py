@@ -126,7 +126,7 @@ def test_dga_pipelines_rounds_on_a_real_superlink(tmp_path):
 def test_teardown_leaves_nothing_behind_after_a_failed_run_and_an_interrupt(tmp_path):
     """A run that fails (bad run config) leaves the deployment up; an interrupt in the
     with block then stops the SuperLink, the SuperNode and all their children."""
-    dep = LocalDeployment(ROOT, num_supernodes=1, workdir=tmp_path / "dep")
+    dep = LocalDeployment(ROOT, num_supernodes=1, workdir=tmp_path / "dep", warm=False)
     home = str(dep.home)
     with pytest.raises(KeyboardInterrupt), dep:
         alive = processes_of(home)

@@ -63,7 +63,7 @@ def test_tls_deployment_with_supernode_auth_rejects_an_unregistered_node(tmp_pat
     # asks to be activated; refused, it exits and leaves that child to notice on its own
     # (it did, some 30 s later): stop it here.
     intruder_exec = f"{HOST}:{intruder_port} "
-    dep = LocalDeployment(APP_DIR, num_supernodes=1, secure=True, workdir=tmp_path / "dep")
+    dep = LocalDeployment(APP_DIR, num_supernodes=1, secure=True, workdir=tmp_path / "dep", warm=False)
     home = str(dep.home)
     try:
         _run_checks(dep, intruder_key, intruder_port, intruder_log_path, results)

@@ -390,7 +390,7 @@ def test_flower_deployment_round_trip_through_the_proxy(tmp_path: Path):
     results = tmp_path / "results"
     prof = profile(Direction(delay_s=0.020))
     root = Path(__file__).resolve().parents[2]
-    with LocalDeployment(root, num_supernodes=2, profile=prof, workdir=tmp_path / "dep") as dep:
+    with LocalDeployment(root, num_supernodes=2, profile=prof, workdir=tmp_path / "dep", warm=False) as dep:
         run = dep.run({"num-rounds": 1, "local-steps": 2, "results-dir": str(results),
                        "progress": "lines"}, timeout_s=240)
     assert processes_of(str(dep.home)) == []
