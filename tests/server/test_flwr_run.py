@@ -40,11 +40,13 @@ def test_flwr_run_completes_and_writes_every_metric(tmp_path):
         assert r["round_sim_s"] >= network
 
     # The same config in the in-process runtime sends messages of the same size: only
-    # metadata (random node ids, run id) differs, by a few bytes in ~1 MB.
+    # metadata (random node ids, run id) differs, by a few bytes in ~1 MB. Ray keeps no
+    # client state, so the server adds the nodes' state-store keys to every train config;
+    # the in-process runtime sends them too when it keeps no client states either.
     from fededge.server.inprocess import run_inprocess
 
     local_dir = run_inprocess({**over, "results-dir": str(tmp_path / "local"), "progress": "off"},
-                              num_clients=3)
+                              num_clients=3, keep_client_states=False)
     local = [json.loads(x) for x in (local_dir / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(lines[1:], local[1:]):
         for key in ("bytes_up", "bytes_down"):
