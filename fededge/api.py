@@ -16,6 +16,7 @@ client mod                server side                            what
 (none)                    ``BackupWorkers``                      first m of m + e replies
 ``config_error_mod``      (fededge's runner stops the run)       a named configuration error
 ``StateStoreMod``         ``Experiment(checkpoint_every=...)``   node state kept for a resume
+``StateSpillMod``         (none)                                 idle nodes' state on disk
 (none)                    ``Experiment`` (wraps any strategy)    bytes, simulated clock, results
 ========================  =====================================  ================================
 
@@ -36,7 +37,7 @@ from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunctio
 from fededge.algorithms.dga import DGAConfig
 from fededge.algorithms.gossip import ChocoConfig, GossipConfig
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, ModOrderError, config_error_mod
-from fededge.clients.statestore import StateStoreMod
+from fededge.clients.statestore import StateSpillMod, StateStoreMod
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.errors import ConfigError
 from fededge.netem.runclock import ClockConfig
@@ -54,7 +55,7 @@ from fededge.strategies.ssp import SSP
 
 __all__ = [
     # client mods
-    "CompressionMod", "DGAMod", "GossipMod", "StateStoreMod", "config_error_mod",
+    "CompressionMod", "DGAMod", "GossipMod", "StateSpillMod", "StateStoreMod", "config_error_mod",
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
     "Experiment",

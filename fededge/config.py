@@ -38,7 +38,7 @@ from fededge.models.zoo import MODELS
 from fededge.netem.runclock import ClockConfig
 from fededge.server.results import ResultsConfig
 
-__all__ = ["ConfigError", "OWNED", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
+__all__ = ["CLIENT_STATES", "ConfigError", "OWNED", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
 
 #: Strategies selectable with ``strategy=...``; fededge.strategies.registry builds them.
 #: ``dga`` and ``diloco`` are fededge's (fededge.strategies); the others are Flower's own
@@ -62,6 +62,8 @@ STRATEGIES: tuple[str, ...] = (
     "backup",
 )
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+#: Where nodes keep their ``context.state`` between messages (``client-states``).
+CLIENT_STATES: tuple[str, ...] = ("memory", "disk")
 
 T = TypeVar("T")
 
@@ -206,6 +208,15 @@ class RunConfig:
         set runs every round regardless.
     round_timeout : float
         Seconds the server waits for the replies of one round.
+    client_states : str
+        Where a node's ``context.state`` (error-feedback residuals, PowerSGD's Q, DGA's
+        and gossip's client state, the batch sampler's position) lives between its
+        messages: ``memory`` (Flower's way: every node that has trained keeps its state
+        in memory for the rest of the run) or ``disk`` (on the node's disk while it is
+        idle, so that memory follows the clients per round, not the clients; one file
+        write and read per message: :class:`fededge.clients.statestore.StateSpillMod`
+        under Ray and on a SuperLink, the runtime's own store in-process). Results are
+        the same either way.
     dropout : float
         Fraction of the clients (partition ids, seeded) that never answer, in [0, 1):
         they reply at once that they dropped out and the simulated clock charges the
@@ -270,6 +281,7 @@ class RunConfig:
     save_model: bool = ResultsConfig.save_model
     checkpoint_every: int = ResultsConfig.checkpoint_every
     resume_from: str = ResultsConfig.resume_from
+    client_states: str = "memory"
     server_lr: float = 0.0
     server_momentum: float = 0.9
     proximal_mu: float = 0.01
@@ -328,6 +340,7 @@ class RunConfig:
         _choice("dataset", self.dataset, DATASETS)
         _choice("partition", self.partition, PARTITIONS)
         _choice("model", self.model, MODELS)
+        _choice("client-states", self.client_states, CLIENT_STATES)
         for key, value in (("device", self.device), ("server-device", self.server_device)):
             if not _DEVICE_RE.match(value):
                 raise ConfigError(

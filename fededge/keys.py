@@ -55,6 +55,14 @@ DATA_DIR = "data-dir"
 WORKER_SOCKET = "worker-socket"  # the node's warm worker (fededge.clients.shim); else $FEDEDGE_WORKER_SOCKET
 CACHE_DIR = "cache-dir"  # the node cache's directory (fededge.nodecache), ``off`` disables it
 STATE_DIR = "state-dir"  # where the node keeps its state for a resume (fededge.clients.statestore)
+# Set (True) by fededge's in-process runtime (fededge.server.grid) in every node's config:
+# it keeps idle nodes' states on disk itself (client_states="disk"), and holds them in its
+# checkpoints, so fededge's app adds no StateSpillMod there.
+INPROCESS_NODE = "fededge-inprocess"
+
+# Run-config key: "disk" keeps idle nodes' context.state on disk (fededge.clients.app adds
+# fededge.clients.statestore.StateSpillMod; the in-process runtime spills itself).
+CLIENT_STATES = "client-states"
 
 # Names of the records fededge keeps in a node's ``context.state``.
 STATE_SAMPLER = "fededge.sampler"

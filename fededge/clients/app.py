@@ -30,7 +30,7 @@ from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.clients.device import resolve_device
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
-from fededge.clients.statestore import StateStoreMod
+from fededge.clients.statestore import StateSpillMod, StateStoreMod
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
 from fededge.netem.assign import dropped_partitions
@@ -45,10 +45,14 @@ app = ClientApp(mods=[config_error_mod])
 
 
 @lru_cache(maxsize=8)
-def client_mods(cfg: RunConfig) -> tuple[Mod, ...]:
+def client_mods(cfg: RunConfig, *, inprocess: bool = False) -> tuple[Mod, ...]:
     """The library mods a run config asks for, outermost first (their order is
     explained in :mod:`fededge.clients.mods`).
 
+    ``client-states="disk"`` gives a :class:`StateSpillMod`, outermost, so that the mods
+    that keep state find it loaded and it is saved after them (the state store's write
+    included), except on a node of fededge's in-process runtime (``inprocess``: its node
+    config has ``fededge-inprocess``), which keeps idle nodes' states on disk itself.
     ``compressor`` / ``downlink-compressor`` give a :class:`CompressionMod` (except with
     gossip, whose CHOCO messages :class:`GossipMod` encodes itself); ``strategy="dga"`` a
     :class:`DGAMod`; ``strategy="gossip"`` a :class:`GossipMod` with the compressor and
@@ -58,8 +62,12 @@ def client_mods(cfg: RunConfig) -> tuple[Mod, ...]:
     --------
     >>> [type(m).__name__ for m in client_mods(RunConfig(strategy="dga", compressor="topk"))]
     ['StateStoreMod', 'CompressionMod', 'DGAMod']
+    >>> [type(m).__name__ for m in client_mods(RunConfig(compressor="topk", client_states="disk"))]
+    ['StateSpillMod', 'StateStoreMod', 'CompressionMod']
     """
     mods: list[Mod] = []
+    if cfg.client_states == "disk" and not inprocess:
+        mods.append(StateSpillMod())
     if cfg.checkpoint_every > 0:  # acts only when the server asks (its runtime keeps no client state)
         mods.append(StateStoreMod())
     if cfg.strategy != "gossip" and (cfg.compressor != "none" or cfg.downlink_compressor != "none"):
@@ -73,7 +81,8 @@ def client_mods(cfg: RunConfig) -> tuple[Mod, ...]:
 
 def run_config_mods(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """A mod that runs :func:`client_mods` of this run's config around ``call_next``."""
-    for mod in reversed(client_mods(RunConfig.from_mapping(context.run_config))):
+    inprocess = bool(context.node_config.get(keys.INPROCESS_NODE, False))
+    for mod in reversed(client_mods(RunConfig.from_mapping(context.run_config), inprocess=inprocess)):
         call_next = _wrap(mod, call_next)
     return call_next(msg, context)
 
