@@ -1,6 +1,6 @@
 """The ``fededge`` command.
 
-- ``fededge run [--num-clients N] [--run-config "k=v k2=v2"]``: the default Flower app in
+- ``fededge run [--num-clients N] [--workers W] [--run-config "k=v k2=v2"]``: the default Flower app in
   the in-process runtime (no SuperLink, no Ray): for quick experiments and sweeps.
   ``flwr run .`` runs the same ServerApp and ClientApp in Flower's simulation.
 - ``fededge simulate [--num-supernodes N] [--run-config ...]``: ``flwr run .`` in Flower's
@@ -51,7 +51,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         overrides = parse_run_config(args.run_config)
-        run_dir = run_inprocess(overrides, num_clients=args.num_clients)
+        run_dir = run_inprocess(overrides, num_clients=args.num_clients, workers=args.workers)
     except ConfigError as err:
         print(f"fededge: configuration error: {err}", file=sys.stderr)
         return 2
@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-config", default=None,
         help='overrides, as for flwr run: "num-rounds=5 alpha=0.1" or a .toml file',
     )
+    run.add_argument("--workers", type=int, default=1,
+                     help="processes running the clients (this one included; results do not depend on it)")
     run.set_defaults(func=_cmd_run)
 
     sim = sub.add_parser("simulate", help="flwr run the app in Flower's simulation, then clean up")

@@ -17,6 +17,15 @@ the first time that error (type and message) occurs in the grid; repeats, one pe
 failing client and round, are logged at DEBUG, since the server reports every failure
 in one line anyway.
 
+**Scale.** ``client_states="disk"`` keeps the state of every node that is not running
+on disk (:mod:`fededge.server.nodestates`), so that memory follows the clients per round,
+not the clients; a node's Context is built for each message (its config and run config
+are the grid's), so 100,000 nodes cost little more than their ids. ``workers=N`` runs
+the clients' messages on N processes (this one and N-1 spawned workers,
+:mod:`fededge.server.workers`): a node's messages still run one at a time and in order,
+and results are the same whatever N (each message gets its node's state as bytes and
+returns it; clients run with ``worker_threads`` torch threads in every process).
+
 :func:`run_server` runs a ServerApp on it. Nothing here is fededge's own app (that is
 :func:`fededge.server.inprocess.run_inprocess`), so a user's tests import this with
 their own apps. Private Flower internals used here live in :mod:`fededge._flwr_internals`.
@@ -26,37 +35,38 @@ from __future__ import annotations
 
 import logging
 import random
-import traceback
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.protocol import CLIENT_APP_RAISED_EXCEPTION
+from fededge.server.nodestates import NodeStates, make_states
+from fededge.server.workers import SUPERLINK_NODE_ID, Job, WorkerPool, load_client_app, run_message
 
 __all__ = ["InProcessGrid", "run_server", "SUPERLINK_NODE_ID"]
 
 #: The runtime's logger, named as when it shared fededge.server.inprocess with run_inprocess.
 log = logging.getLogger("fededge.server.inprocess")
 
-SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID
 
 _checked = False
 
 
 class InProcessGrid(Grid):
-    """A Grid whose nodes are ClientApp calls in this process.
+    """A Grid whose nodes are ClientApp calls in this process (or in its workers).
 
     Parameters
     ----------
-    client_app : ClientApp
-        The ClientApp each node runs (fededge's, or any other).
+    client_app : ClientApp or str
+        The ClientApp each node runs (fededge's, or any other), or its reference
+        ``"module:attribute"``. With ``workers > 1`` the workers import it, so it must
+        be a reference (or ``client_app_ref`` must give one).
     num_nodes : int
         Number of nodes. Node ``i`` gets node config ``partition-id=i,
         num-partitions=num_nodes`` (as in Flower's simulation) merged with
@@ -67,6 +77,18 @@ class InProcessGrid(Grid):
         The run id messages and Contexts carry.
     seed : int
         Seeds the (random, 63-bit) node ids.
+    keep_client_states : bool
+        Whether checkpoints hold the nodes' states (:meth:`state_dict`).
+    client_states : {"memory", "disk"}
+        Where idle nodes' ``context.state`` is kept (:mod:`fededge.server.nodestates`).
+    states_dir : path, optional
+        Where ``"disk"`` states go (a private temporary directory in it; default ``$TMPDIR``).
+    workers : int
+        Processes that run the clients' messages: this one and ``workers - 1`` spawned ones.
+    worker_threads : int
+        torch threads for the clients in every process when ``workers > 1``.
+    client_app_ref : str, optional
+        ``"module:attribute"`` of ``client_app`` for the workers.
     """
 
     #: Each node's messages run one at a time, in push order (checked by strategies
@@ -75,7 +97,7 @@ class InProcessGrid(Grid):
 
     def __init__(
         self,
-        client_app: ClientApp,
+        client_app: ClientApp | str,
         *,
         num_nodes: int,
         run_config: Mapping[str, Any],
@@ -83,6 +105,11 @@ class InProcessGrid(Grid):
         node_configs: Sequence[Mapping[str, Any]] | None = None,
         seed: int = 0,
         keep_client_states: bool = True,
+        client_states: str = "memory",
+        states_dir: str | None = None,
+        workers: int = 1,
+        worker_threads: int = 1,
+        client_app_ref: str | None = None,
     ) -> None:
         global _checked
         if not _checked:
@@ -92,7 +119,17 @@ class InProcessGrid(Grid):
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         if node_configs is not None and len(node_configs) != num_nodes:
             raise ValueError(f"node_configs has {len(node_configs)} entries for {num_nodes} nodes")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1 (this process counts as one), got {workers}")
+        if worker_threads < 1:
+            raise ValueError(f"worker_threads must be >= 1, got {worker_threads}")
+        if isinstance(client_app, str):
+            client_app_ref, client_app = client_app, load_client_app(client_app)
+        if workers > 1 and client_app_ref is None:
+            raise ValueError("workers > 1 start processes that import the ClientApp: pass it as "
+                             "'module:attribute' (client_app='mypkg.client:app' or client_app_ref=...)")
         self.client_app = client_app
+        self.client_app_ref = client_app_ref
         self.run_config = dict(run_config)
         # Whether a checkpoint holds the nodes' context.state (state_dict). False stands for
         # a runtime that cannot (Ray, a SuperLink): the nodes then keep their own state
@@ -104,15 +141,14 @@ class InProcessGrid(Grid):
             nid = rng.getrandbits(63)
             if nid > SUPERLINK_NODE_ID and nid not in ids:
                 ids[nid] = None
-        self.contexts: dict[int, Context] = {}
-        for i, nid in enumerate(ids):
-            node_config = {keys.PARTITION_ID: i, keys.NUM_PARTITIONS: num_nodes}
-            if node_configs is not None:
-                node_config.update(node_configs[i])
-            self.contexts[nid] = Context(
-                run_id=run_id, node_id=nid, node_config=node_config,
-                state=RecordDict(), run_config=dict(run_config),
-            )
+        # A node is its id, its index (partition) and its state; its Context is built for
+        # each message, so idle nodes hold no copy of the run config.
+        self._index = {nid: i for i, nid in enumerate(ids)}
+        self._node_configs = None if node_configs is None else [dict(c) for c in node_configs]
+        self.states: NodeStates = make_states(client_states, states_dir)
+        self.workers = workers
+        self.worker_threads = worker_threads
+        self._pool: WorkerPool | None = None
         self._run = fi.empty_run(run_id)
         # message id -> (destination node, root object id, serialised objects), in push order
         self._pending: OrderedDict[str, tuple[int, str, dict[str, bytes]]] = OrderedDict()
@@ -120,13 +156,40 @@ class InProcessGrid(Grid):
         self.messages_run = 0
         self._errors_seen: set[str] = set()  # errors whose traceback was logged already
 
+    def node_config(self, node_id: int) -> dict[str, Any]:
+        """The node config node ``node_id``'s Context carries."""
+        i = self._index[node_id]
+        # The in-process mark tells fededge's ClientApp that the grid keeps the states
+        # (it adds no StateSpillMod of its own for client-states="disk").
+        config: dict[str, Any] = {keys.PARTITION_ID: i, keys.NUM_PARTITIONS: len(self._index),
+                                  keys.INPROCESS_NODE: True}
+        if self._node_configs is not None:
+            config.update(self._node_configs[i])
+        return config
+
+    @property
+    def contexts(self) -> Mapping[int, Context]:
+        """Every node's Context as its next message would see it (a view, built on access;
+        with ``client_states="disk"`` the states are copies)."""
+        return _Contexts(self)
+
     def data_splits(self) -> list[tuple[int, str | None]]:
         """Every distinct ``(num-partitions, data-dir)`` of the nodes' configs (data-dir
         None when a node has none of its own): the splits its clients will make."""
+        if self._node_configs is None:
+            return [(len(self._index), None)]
+        configs = (self.node_config(nid) for nid in self._index)
         return sorted({
-            (int(c.node_config[keys.NUM_PARTITIONS]), str(c.node_config.get(keys.DATA_DIR, "")) or None)
-            for c in self.contexts.values() if keys.NUM_PARTITIONS in c.node_config
+            (int(c[keys.NUM_PARTITIONS]), str(c.get(keys.DATA_DIR, "")) or None)
+            for c in configs if keys.NUM_PARTITIONS in c
         }, key=lambda s: (s[0], s[1] or ""))
+
+    def close(self) -> None:
+        """Stop the workers and remove the on-disk states (the grid is done)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self.states.close()
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -137,19 +200,19 @@ class InProcessGrid(Grid):
         if self._pending or self._replies:
             raise RuntimeError(f"a checkpoint of the in-process grid needs no message in flight; "
                                f"{len(self._pending)} pending, {len(self._replies)} replies not pulled")
-        states = {}
-        for nid, ctx in self.contexts.items():
-            states[nid] = fi.recorddict_to_objects(ctx.state)
-        return {"nodes": list(self.contexts), "states": states, "messages_run": self.messages_run}
+        states = {nid: self.states.take_objects(nid) for nid in self.states.nodes()}
+        return {"nodes": list(self._index), "states": states, "messages_run": self.messages_run}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Give every node the ``context.state`` of :meth:`state_dict` (same node ids:
         the grid's are seeded, so the same ``seed`` and ``num_nodes`` give them)."""
-        if list(state["nodes"]) != list(self.contexts):
+        if list(state["nodes"]) != list(self._index):
             raise ValueError("the checkpoint's in-process nodes are not this grid's: build the grid with the "
                              "same num_nodes and seed as the run that wrote it")
+        for nid in list(self.states.nodes()):
+            self.states.put_objects(nid, None)
         for nid, saved in state["states"].items():
-            self.contexts[int(nid)].state = fi.recorddict_from_objects(saved)
+            self.states.put_objects(int(nid), saved)
         self.messages_run = int(state["messages_run"])
 
     # -- Grid API ----------------------------------------------------------------
@@ -164,14 +227,14 @@ class InProcessGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
+        return list(self._index)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
             dst = msg.metadata.dst_node_id
-            if dst not in self.contexts:
-                raise ValueError(f"message for unknown node {dst}; nodes: {list(self.contexts)}")
+            if dst not in self._index:
+                raise ValueError(f"message for unknown node {dst}; the grid has {len(self._index)} nodes")
             if msg.metadata.reply_to_message_id:
                 raise ValueError("push_messages takes instruction messages, not replies")
             fi.set_run_id(msg, self._run.run_id)
@@ -189,10 +252,13 @@ class InProcessGrid(Grid):
         wanted = set(ids)
         # Run, in push order, every pending message up to the last one wanted: a node
         # handles its messages strictly in order, as a SuperNode does.
+        batch = []
         for mid in list(self._pending):
             if wanted.isdisjoint(self._pending):
                 break
-            self._replies[mid] = self._execute(mid, *self._pending.pop(mid))
+            batch.append((mid, *self._pending.pop(mid)))
+        if batch:
+            self._replies.update(self._run_batch(batch))
         return [self._replies.pop(mid) for mid in ids if mid in self._replies]
 
     def send_and_receive(
@@ -203,24 +269,111 @@ class InProcessGrid(Grid):
         return [replies[i] for i in ids if i in replies]
 
     # -- delivery ------------------------------------------------------------------
-    def _execute(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Message:
-        msg = fi.message_from_objects(root, objects)
-        fi.set_message_id(msg, mid)
-        ctx = self.contexts[node_id]
-        self.messages_run += 1
-        try:
-            reply = self.client_app(msg, ctx)
-        except Exception as err:  # noqa: BLE001 - becomes an error reply, as in Flower
-            reason = f"{type(err).__name__}: {err}"
-            first = reason not in self._errors_seen
-            self._errors_seen.add(reason)
-            log.log(logging.ERROR if first else logging.DEBUG, "ClientApp on node %d raised%s:\n%s", node_id,
-                    "" if first else " (again)", traceback.format_exc())
+    def _run_batch(self, batch: list[tuple[str, int, str, dict[str, bytes]]]) -> dict[str, Message]:
+        """Run ``batch`` (in push order); one node's messages in order, one at a time."""
+        if self.workers == 1 or len(batch) == 1:
+            return {mid: self._execute(mid, nid, root, objects) for mid, nid, root, objects in batch}
+        if self._pool is None:
+            assert self.client_app_ref is not None
+            self._pool = WorkerPool(self.client_app_ref, run_id=self._run.run_id, run_config=self.run_config,
+                                    size=self.workers - 1, threads=self.worker_threads)
+        pool = self._pool
+        waiting = deque(batch)
+        running: set[int] = set()  # nodes with a message in a worker
+        replies: dict[str, Message] = {}
+
+        def next_job() -> tuple[str, int, str, dict[str, bytes]] | None:
+            blocked: set[int] = set()
+            for item in waiting:
+                nid = item[1]
+                if nid not in running and nid not in blocked:
+                    waiting.remove(item)
+                    return item
+                blocked.add(nid)  # a later message of this node waits for this one
+            return None
+
+        while waiting or pool.busy():
+            for worker in pool.idle():
+                item = next_job()
+                if item is None:
+                    break
+                mid, nid, root, objects = item
+                running.add(nid)
+                self.messages_run += 1
+                pool.submit(worker, (mid, nid, root, objects, self.node_config(nid), self.states.take_objects(nid)))
+            item = next_job()
+            if item is not None:
+                # This process is a worker too, with the workers' threads.
+                threads = torch.get_num_threads()
+                torch.set_num_threads(self.worker_threads)
+                try:
+                    replies[item[0]] = self._execute(*item)
+                finally:
+                    torch.set_num_threads(threads)
+                for job, result in pool.collect(timeout=0):
+                    replies[job[0]] = self._finish(job, result, running)
+                continue
+            for job, result in pool.collect(timeout=None):
+                replies[job[0]] = self._finish(job, result, running)
+        return replies
+
+    def _finish(self, job: Job, result: Any, running: set[int]) -> Message:
+        mid, nid, root, objects = job[0], job[1], job[2], job[3]
+        running.discard(nid)
+        if result is None:  # the worker died: an error reply, the node keeps its last state
+            from flwr.app import Error
+
+            from fededge.protocol import CLIENT_APP_RAISED_EXCEPTION
+
+            msg = fi.message_from_objects(root, dict(objects))
+            fi.set_message_id(msg, mid)
+            reason = "the in-process worker running this message died (see the log)"
             reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
-        # The reply crosses the wire too.
-        back = fi.message_from_objects(reply.object_id, fi.message_objects(reply))
-        fi.set_message_id(back, reply.object_id)
+            back = fi.message_from_objects(reply.object_id, fi.message_objects(reply))
+            fi.set_message_id(back, reply.object_id)
+            return back
+        _, reply_root, reply_objects, state_objects, failure = result
+        self.states.put_objects(nid, state_objects)
+        if failure is not None:
+            self._log_failure(nid, *failure)
+        back = fi.message_from_objects(reply_root, reply_objects)
+        fi.set_message_id(back, reply_root)
         return back
+
+    def _execute(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Message:
+        self.messages_run += 1
+        back, state, failure = run_message(self.client_app, self._run.run_id, self.run_config, node_id, mid, root,
+                                           objects, self.node_config(node_id), self.states.take(node_id))
+        self.states.put(node_id, state)
+        if failure is not None:
+            self._log_failure(node_id, *failure)
+        return back
+
+    def _log_failure(self, node_id: int, reason: str, tb: str) -> None:
+        first = reason not in self._errors_seen
+        self._errors_seen.add(reason)
+        log.log(logging.ERROR if first else logging.DEBUG, "ClientApp on node %d raised%s:\n%s", node_id,
+                "" if first else " (again)", tb)
+
+
+class _Contexts(Mapping[int, Context]):
+    """:attr:`InProcessGrid.contexts`: each node's Context, built on access."""
+
+    def __init__(self, grid: InProcessGrid) -> None:
+        self._grid = grid
+
+    def __getitem__(self, node_id: int) -> Context:
+        g = self._grid
+        if node_id not in g._index:
+            raise KeyError(node_id)
+        return Context(run_id=g.run.run_id, node_id=node_id, node_config=g.node_config(node_id),
+                       state=g.states.view(node_id), run_config=dict(g.run_config))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._grid._index)
+
+    def __len__(self) -> int:
+        return len(self._grid._index)
 
 
 def run_server(server_app: ServerApp, grid: InProcessGrid) -> Context:

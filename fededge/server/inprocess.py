@@ -20,7 +20,10 @@ from fededge.server.app import app as default_server
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.workload import check_partition
 
-__all__ = ["run_inprocess"]
+__all__ = ["DEFAULT_CLIENT_APP", "run_inprocess"]
+
+#: fededge's ClientApp, as workers import it.
+DEFAULT_CLIENT_APP = "fededge.clients.app:app"
 
 
 def run_inprocess(
@@ -28,10 +31,13 @@ def run_inprocess(
     *,
     num_clients: int = 10,
     server_app: ServerApp | None = None,
-    client_app: ClientApp | None = None,
+    client_app: ClientApp | str | None = None,
     node_configs: Sequence[Mapping[str, Any]] | None = None,
     run_id: int = 1,
     keep_client_states: bool = True,
+    workers: int = 1,
+    client_states: str | None = None,
+    states_dir: str | None = None,
 ) -> Path | None:
     """Run fededge's ServerApp and ClientApp (or the given ones) in this process.
 
@@ -40,6 +46,13 @@ def run_inprocess(
     ServerApp is fededge's. ``keep_client_states=False`` leaves the nodes' states out of
     the checkpoints, as under Ray or on a SuperLink: the nodes then keep them on disk
     (:mod:`fededge.clients.statestore`).
+
+    ``workers`` runs the clients on that many processes (this one included; results do
+    not change with it), and ``client_states`` (default: the run config's
+    ``client-states``, ``"memory"``) set to ``"disk"`` keeps idle clients' states on disk
+    (in ``states_dir``, default ``$TMPDIR``), so that memory follows the clients per
+    round: :class:`~fededge.server.grid.InProcessGrid` says how. With ``workers > 1`` a
+    ``client_app`` other than fededge's is given as ``"module:attribute"``.
 
     Examples
     --------
@@ -61,12 +74,17 @@ def run_inprocess(
     grid = InProcessGrid(
         client_app or default_client, num_nodes=num_clients, run_config=run_config,
         run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
+        client_states=client_states or cfg.client_states, states_dir=states_dir, workers=workers,
+        client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
     )
-    # A data split the clients cannot make stops the run here, before anything starts,
-    # with one ConfigError. The split is cached: the clients reuse it.
-    for num_partitions, data_dir in grid.data_splits():
-        check_partition(cfg, num_partitions, data_dir)
-    server_ctx = run_server(server_app or default_server, grid)
+    try:
+        # A data split the clients cannot make stops the run here, before anything starts,
+        # with one ConfigError. The split is cached: the clients reuse it.
+        for num_partitions, data_dir in grid.data_splits():
+            check_partition(cfg, num_partitions, data_dir)
+        server_ctx = run_server(server_app or default_server, grid)
+    finally:
+        grid.close()
     if SERVER_RESULT_KEY in server_ctx.state:
         return Path(str(server_ctx.state[SERVER_RESULT_KEY]["run-dir"]))
     return None

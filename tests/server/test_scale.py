@@ -1,0 +1,136 @@
+"""Many clients in-process (issue 21): idle clients' states on disk, clients on worker
+processes, and the same results whatever the number of workers or where states live."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import random
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+from fededge import _flwr_internals as fi
+from fededge.server.grid import InProcessGrid, run_server
+from fededge.server.inprocess import run_inprocess
+from fededge.server.nodestates import DiskStates, MemoryStates, make_states
+from tests.clients import userapp
+
+BASE = {"num-rounds": 3, "local-steps": 3, "model": "mlp", "progress": "off", "netem": "4g:0.5,3g:0.5",
+        "sim-step-s": 0.01, "clients-per-round": 4, "client-threads": 1}
+RUNS = {
+    "fedavg-signsgd-ef": {"strategy": "fedavg", "compressor": "signsgd", "error-feedback": True},
+    # Pipelined DGA pushes the next round before it pulls this one: a node's two
+    # messages are in the batch at once, and must run in order.
+    "dga-pipelined-ef": {"strategy": "dga", "dga-delay": 2, "compressor": "topk", "error-feedback": True,
+                         "clients-per-round": 12},
+    "gossip-choco": {"strategy": "gossip", "gossip-algorithm": "choco", "topology": "ring",
+                     "compressor": "topk", "gossip-gamma": 0.5, "clients-per-round": 1.0},
+}
+#: Deterministic fields of a round's record (wall_s and measured compute are not).
+FIELDS = ("round", "accuracy", "loss", "bytes_up", "bytes_down", "sim_s", "round_sim_s", "num_clients", "failures",
+          "rejected")
+
+
+def _state(seed: int) -> RecordDict:
+    g = torch.Generator().manual_seed(seed)
+    return RecordDict({"ef": ArrayRecord({"w": torch.randn(7, 3, generator=g), "b": torch.randn(3, generator=g)}),
+                       "sampler": ConfigRecord({"pos": seed, "perm": [3, 1, 2]}),
+                       "m": MetricRecord({"loss": 0.1 * seed})})
+
+
+def _same(a: RecordDict, b: RecordDict) -> bool:
+    return fi.recorddict_to_objects(a) == fi.recorddict_to_objects(b)
+
+
+def test_a_state_spilled_to_disk_and_read_back_equals_the_state_kept_in_memory(tmp_path):
+    memory, disk = MemoryStates(), DiskStates(tmp_path)
+    nodes = [5, 2**63 + 11, 2**64 - 1, 2**62]  # Flower's node ids are unsigned 64-bit
+    for i, node in enumerate(nodes):
+        memory.put(node, _state(i))
+        disk.put(node, _state(i))
+    for i, node in enumerate(nodes):
+        assert _same(disk.take(node), memory.take(node)) and _same(disk.take(node), _state(i))
+        assert disk.take_objects(node) == memory.take_objects(node)
+    assert sorted(disk.nodes()) == sorted(memory.nodes()) == sorted(nodes) and len(disk) == 4
+    # An empty state is no state; a node without one gets an empty RecordDict.
+    disk.put(nodes[0], RecordDict())
+    memory.put(nodes[0], RecordDict())
+    assert len(disk) == len(memory) == 3 and len(disk.take(nodes[0])) == 0 == len(memory.take(nodes[0]))
+    assert disk.take_objects(123) is None and memory.take_objects(123) is None
+    assert disk.dir.parent == tmp_path and (disk.dir.stat().st_mode & 0o777) == 0o700
+    disk.close()
+    assert not disk.dir.exists()
+    with pytest.raises(RuntimeError, match="closed"):
+        disk.take(5)
+    with pytest.raises(ValueError, match="'memory' or on 'disk'"):
+        make_states("ram")
+
+
+def _rounds(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in FIELDS} | {"clients": [(c["partition"], c["bytes_up"], c["bytes_down"], c["steps"]) for c in r.get("clients", [])]}
+            for r in lines]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_same_run_on_one_two_or_four_workers_with_states_in_memory_or_on_disk_is_the_same(tmp_path, name):
+    config = {**BASE, **RUNS[name]}
+    ref = run_inprocess({**config, "results-dir": str(tmp_path / "w1")}, num_clients=12)
+    expected = _rounds(ref)
+    assert len(expected) == 4 and expected[-1]["accuracy"] > 0.1
+    variants = [(2, "disk"), (4, "memory")] if name == "fedavg-signsgd-ef" else [(2, "disk")]
+    for workers, states in variants:
+        out = run_inprocess({**config, "results-dir": str(tmp_path / f"w{workers}{states}")}, num_clients=12,
+                            workers=workers, client_states=states, states_dir=str(tmp_path / "states"))
+        assert _rounds(out) == expected, (workers, states)
+    # The grid removed its states and stopped its workers.
+    assert list((tmp_path / "states").iterdir()) == []
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_that_dies_mid_message_gives_an_error_reply_and_the_run_goes_on(caplog):
+    history: dict[int, tuple[float, float]] = {}
+    grid = InProcessGrid("tests.server.dying_app:app", num_nodes=4, workers=5,
+                         run_config={**userapp.RUN_CONFIG, "num-server-rounds": 3})
+    random.seed(0)
+    try:
+        with caplog.at_level(logging.ERROR, logger="fededge.server.inprocess"):
+            run_server(userapp.server_app(lambda _: FedAvg(fraction_evaluate=0.0, min_available_nodes=4), history),
+                       grid)
+        assert grid._pool is not None and grid._pool.restarts == 2  # node 1's second and third messages
+        calls = {int(ctx.node_config["partition-id"]): int(ctx.state["calls"]["n"])
+                 for ctx in grid.contexts.values()}
+        # Node 1's state is the one before the message that killed its worker.
+        assert calls == {0: 3, 1: 1, 2: 3, 3: 3}
+        assert history[3][1] > 0.5  # trained on the other nodes' replies
+        assert "died with exit code 7" in caplog.text
+    finally:
+        grid.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_workers_need_the_client_app_by_reference():
+    with pytest.raises(ValueError, match="module:attribute"):
+        InProcessGrid(userapp.client_app(), num_nodes=2, run_config=userapp.RUN_CONFIG, workers=2)
+    with pytest.raises(ValueError, match="module:attribute"):
+        InProcessGrid("tests.server.dying_app", num_nodes=2, run_config=userapp.RUN_CONFIG)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        InProcessGrid("tests.server.dying_app:app", num_nodes=2, run_config=userapp.RUN_CONFIG, workers=0)
+
+
+def test_a_hundred_thousand_nodes_cost_their_ids_not_their_contexts():
+    grid = InProcessGrid(userapp.client_app(), num_nodes=100_000, run_config=userapp.RUN_CONFIG,
+                         client_states="disk")
+    try:
+        ids = list(grid.get_node_ids())
+        assert len(ids) == len(set(ids)) == 100_000 and len(grid.contexts) == 100_000
+        ctx = grid.contexts[ids[99_999]]
+        assert ctx.node_config == {"partition-id": 99_999, "num-partitions": 100_000, "fededge-inprocess": True}
+        assert len(ctx.state) == 0
+        assert grid.data_splits() == [(100_000, None)]
+    finally:
+        grid.close()
