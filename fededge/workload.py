@@ -189,15 +189,16 @@ def _partition_config_error(err: PartitionError, k: DataKey) -> ConfigError:
 
 def client_data(
     cfg: RunConfig, partition_id: int, num_partitions: int, device: torch.device,
-    data_dir: str | None = None,
+    data_dir: str | None = None, *, on_disk: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client ``partition_id``'s training examples, on ``device`` (cached)."""
+    """Client ``partition_id``'s training examples, on ``device`` (cached in the process;
+    ``on_disk`` also in the node cache, for the next process of a SuperNode)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition-id must be in [0, {num_partitions}), got {partition_id}; check the "
             "SuperNode's --node-config 'partition-id=... num-partitions=...'"
         )
-    return _client_tensors(data_key(cfg, data_dir), partition_id, num_partitions, str(device))
+    return _client_tensors(data_key(cfg, data_dir), partition_id, num_partitions, str(device), on_disk)
 
 
 def client_cache_fields(k: DataKey, partition_id: int, num_partitions: int) -> dict[str, Any]:
@@ -208,7 +209,7 @@ def client_cache_fields(k: DataKey, partition_id: int, num_partitions: int) -> d
 
 
 @lru_cache(maxsize=64)
-def _client_tensors(k: DataKey, pid: int, n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _client_tensors(k: DataKey, pid: int, n: int, device: str, on_disk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)
         idx = _partition(k, n)[pid]
@@ -216,7 +217,7 @@ def _client_tensors(k: DataKey, pid: int, n: int, device: str) -> tuple[torch.Te
         return {"index": idx, "x": ds.x_train.index_select(0, t).numpy(),
                 "y": ds.y_train.index_select(0, t).numpy()}, {}
 
-    cache = node_cache()
+    cache = node_cache() if on_disk else None
     if cache is None:
         arrays, _ = build()
     else:

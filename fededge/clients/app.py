@@ -117,7 +117,9 @@ def client_workload(context: Context) -> ClientWorkload:
     data_dir = str(nc.get(keys.DATA_DIR, "")) or cfg.data_dir or None
     pid, n = int(nc[keys.PARTITION_ID]), int(nc[keys.NUM_PARTITIONS])
     device = resolve_device(cfg.device)
-    x, y = client_data(cfg, pid, n, device, data_dir)  # cached on the data's own key
+    # Cached on the data's own key. A node of the in-process runtime shares its process with
+    # thousands of others: its arrays are a slice of the data set in memory, not a file each.
+    x, y = client_data(cfg, pid, n, device, data_dir, on_disk=not nc.get(keys.INPROCESS_NODE, False))
     ds = dataset_for(cfg, data_dir)
     model = _model(cfg.model, ds.input_shape, ds.num_classes, str(device))
     return ClientWorkload(cfg, pid, n, device, x, y, model)

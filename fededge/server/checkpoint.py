@@ -26,7 +26,7 @@ from typing import Any
 from fededge.safefile import MAGIC, SafeFileError, read_file, write_file
 
 __all__ = ["CHECKPOINT_DIR", "MAGIC", "CheckpointError", "KEEP", "checkpoint_files", "latest_checkpoint",
-           "read_checkpoint", "write_checkpoint"]
+           "read_checkpoint", "states_file_for", "write_checkpoint"]
 
 log = logging.getLogger("fededge")
 
@@ -61,12 +61,27 @@ def write_checkpoint(run_dir: str | os.PathLike[str], server_round: int, payload
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"round-{server_round:06d}.ckpt"
     size, _ = write_file(path, payload)
-    for old in checkpoint_files(run_dir)[:-KEEP]:
+    kept = checkpoint_files(run_dir)
+    for old in kept[:-KEEP]:
         old.unlink(missing_ok=True)
+    # Side files (a checkpoint's client states, written before it: states_file_for) go with
+    # their checkpoint; one whose checkpoint was never written (a killed writer) goes too.
+    rounds = {p.name.split(".")[0] for p in kept[-KEEP:]}
+    for side in d.glob("round-*.states"):
+        if side.name.split(".")[0] not in rounds:
+            side.unlink(missing_ok=True)
     for stale in d.glob(".round-*.tmp"):  # left by a writer that was killed
         if not stale.name.endswith(f".{os.getpid()}.tmp"):
             stale.unlink(missing_ok=True)
     return path, size, time.perf_counter() - t0
+
+
+def states_file_for(run_dir: str | os.PathLike[str], server_round: int) -> Path:
+    """Where the checkpoint of ``server_round`` keeps a side file of client states (the
+    in-process grid's ``client_states="disk"``); pruned with the checkpoint."""
+    d = Path(run_dir) / CHECKPOINT_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"round-{server_round:06d}.states"
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -34,9 +34,11 @@ their own apps. Private Flower internals used here live in :mod:`fededge._flwr_i
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +48,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.server.nodestates import NodeStates, make_states
+from fededge.server.nodestates import DiskStates, NodeStates, make_states
 from fededge.server.workers import SUPERLINK_NODE_ID, Job, WorkerPool, load_client_app, run_message
 
 __all__ = ["InProcessGrid", "run_server", "SUPERLINK_NODE_ID"]
@@ -184,6 +186,17 @@ class InProcessGrid(Grid):
             for c in configs if keys.NUM_PARTITIONS in c
         }, key=lambda s: (s[0], s[1] or ""))
 
+    def start_workers(self) -> WorkerPool:
+        """Start the worker processes now (else the first message starts them): a worker
+        that cannot start raises :class:`~fededge.server.workers.WorkerStartError` here."""
+        if self._pool is None:
+            if self.workers == 1:
+                raise RuntimeError("this grid runs every message in this process (workers=1)")
+            assert self.client_app_ref is not None
+            self._pool = WorkerPool(self.client_app_ref, run_id=self._run.run_id, run_config=self.run_config,
+                                    size=self.workers - 1, threads=self.worker_threads)
+        return self._pool
+
     def close(self) -> None:
         """Stop the workers and remove the on-disk states (the grid is done)."""
         if self._pool is not None:
@@ -192,27 +205,55 @@ class InProcessGrid(Grid):
         self.states.close()
 
     # -- checkpoints -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, states_file: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Every node's ``context.state`` (error-feedback residuals, PowerSGD's Q, DGA's
         and gossip's client state, batch-sampler positions), serialised as Flower would
         store it, for a checkpoint. Taken between rounds: a message still pending (pushed,
-        not yet run) would be lost, so it raises instead."""
+        not yet run) would be lost, so it raises instead.
+
+        With ``client_states="disk"`` and a ``states_file``, the states go to that file
+        instead (a copy of the grid's SQLite file, :meth:`DiskStates.save_file`) and the
+        dict names it and its SHA-256: a checkpoint of 10,000 clients' states then costs
+        no memory. :meth:`load_state_dict` reads it back from ``states_dir``."""
         if self._pending or self._replies:
             raise RuntimeError(f"a checkpoint of the in-process grid needs no message in flight; "
                                f"{len(self._pending)} pending, {len(self._replies)} replies not pulled")
-        states = {nid: self.states.take_objects(nid) for nid in self.states.nodes()}
-        return {"nodes": list(self._index), "states": states, "messages_run": self.messages_run}
+        out: dict[str, Any] = {"nodes": list(self._index), "messages_run": self.messages_run}
+        if states_file is not None and isinstance(self.states, DiskStates):
+            out["states_file"] = Path(states_file).name
+            out["states_sha256"] = self.states.save_file(states_file)
+        else:
+            out["states"] = {nid: self.states.take_objects(nid) for nid in self.states.nodes()}
+        return out
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], states_dir: str | os.PathLike[str] | None = None) -> None:
         """Give every node the ``context.state`` of :meth:`state_dict` (same node ids:
-        the grid's are seeded, so the same ``seed`` and ``num_nodes`` give them)."""
+        the grid's are seeded, so the same ``seed`` and ``num_nodes`` give them); a states
+        file is looked for in ``states_dir``."""
         if list(state["nodes"]) != list(self._index):
             raise ValueError("the checkpoint's in-process nodes are not this grid's: build the grid with the "
                              "same num_nodes and seed as the run that wrote it")
         for nid in list(self.states.nodes()):
             self.states.put_objects(nid, None)
-        for nid, saved in state["states"].items():
-            self.states.put_objects(int(nid), saved)
+        if "states_file" in state:
+            if states_dir is None:
+                raise ValueError(f"the checkpoint keeps its client states in {state['states_file']}: "
+                                 "give the directory it is in (states_dir)")
+            path = Path(states_dir) / str(state["states_file"])
+            if not path.is_file():
+                raise ValueError(f"{path}: the checkpoint's client states file is missing")
+            disk = DiskStates(path.parent) if not isinstance(self.states, DiskStates) else self.states
+            try:
+                disk.load_file(path, str(state["states_sha256"]))
+                if disk is not self.states:  # a grid that keeps its states in memory
+                    for nid in disk.nodes():
+                        self.states.put_objects(nid, disk.take_objects(nid))
+            finally:
+                if disk is not self.states:
+                    disk.close()
+        else:
+            for nid, saved in state["states"].items():
+                self.states.put_objects(int(nid), saved)
         self.messages_run = int(state["messages_run"])
 
     # -- Grid API ----------------------------------------------------------------
@@ -273,11 +314,7 @@ class InProcessGrid(Grid):
         """Run ``batch`` (in push order); one node's messages in order, one at a time."""
         if self.workers == 1 or len(batch) == 1:
             return {mid: self._execute(mid, nid, root, objects) for mid, nid, root, objects in batch}
-        if self._pool is None:
-            assert self.client_app_ref is not None
-            self._pool = WorkerPool(self.client_app_ref, run_id=self._run.run_id, run_config=self.run_config,
-                                    size=self.workers - 1, threads=self.worker_threads)
-        pool = self._pool
+        pool = self.start_workers()
         waiting = deque(batch)
         running: set[int] = set()  # nodes with a message in a worker
         replies: dict[str, Message] = {}

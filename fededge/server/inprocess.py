@@ -82,6 +82,8 @@ def run_inprocess(
         # with one ConfigError. The split is cached: the clients reuse it.
         for num_partitions, data_dir in grid.data_splits():
             check_partition(cfg, num_partitions, data_dir)
+        if workers > 1:
+            grid.start_workers()  # a worker that cannot start stops the run here, with its error
         server_ctx = run_server(server_app or default_server, grid)
     finally:
         grid.close()

@@ -21,6 +21,7 @@ Nothing here knows Flower's message flow or the grid: pure storage.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -148,6 +149,45 @@ class DiskStates:
     def __len__(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM states").fetchone()[0])
 
+    def save_file(self, path: str | os.PathLike[str]) -> str:
+        """Copy every state into the SQLite file ``path`` (SQLite's online backup, page by
+        page, so memory stays flat whatever the states weigh), fsync'ed and renamed into
+        place; return its SHA-256 (hex). For a checkpoint that would otherwise hold every
+        state in memory at once."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            dest = sqlite3.connect(tmp)
+            try:
+                self.db.backup(dest)
+            finally:
+                dest.close()
+            digest = _sha256(tmp, fsync=True)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return digest
+
+    def load_file(self, path: str | os.PathLike[str], sha256: str) -> None:
+        """Replace every state with those of :meth:`save_file`'s ``path``, after checking
+        its SHA-256 (``ValueError`` naming the file when it differs)."""
+        got = _sha256(Path(path))
+        if got != sha256:
+            raise ValueError(f"{path}: the states file is corrupt or not this checkpoint's (sha256 {got[:12]}..., "
+                             f"the checkpoint says {sha256[:12]}...)")
+        src = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+        try:
+            src.backup(self.db)
+        finally:
+            src.close()
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
@@ -162,6 +202,16 @@ class DiskStates:
 
 
 NodeStates = MemoryStates | DiskStates
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
 
 
 def make_states(kind: str, directory: str | os.PathLike[str] | None = None) -> NodeStates:

@@ -9,12 +9,15 @@ ClientApp and the caches the ClientApp keeps itself (data, model), so any worker
 any node's message and the results do not depend on which one did, nor on how many
 there are.
 
-Workers are started with ``spawn`` (never ``fork``: the parent holds torch's thread
-pools and Flower's state) and import the ClientApp by reference (``"module:attribute"``,
-as Flower's ``clientapp`` setting names it). Like any ``spawn`` process they import the
-parent's ``__main__`` module, which therefore needs the usual
-``if __name__ == "__main__":`` guard. Each worker runs its clients with ``threads`` torch
-threads (1 by default: the workers, not torch, use the cores).
+A worker is a fresh interpreter (``python -m fededge.server.workers``, never a ``fork``:
+the parent holds torch's thread pools and Flower's state), talking over a socket pair
+with :mod:`multiprocessing.connection`'s framing. It imports the ClientApp by reference
+(``"module:attribute"``, as Flower's ``clientapp`` setting names it) with the parent's
+``sys.path``, and nothing of the parent's ``__main__``: a script without an
+``if __name__ == "__main__":`` guard, ``python -`` or a notebook all work. Each worker
+runs its clients with ``threads`` torch threads (1 by default: the workers, not torch,
+use the cores). A worker says it is ready once it has imported the ClientApp; one that
+cannot start stops the run with the worker's own error, before any message.
 
 A worker that dies mid-message (killed, out of memory) gives that message an error
 reply, and a fresh worker takes its place; the run goes on, as when a real node fails.
@@ -24,7 +27,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import multiprocessing
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
 import traceback
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
@@ -32,9 +40,12 @@ from typing import Any
 
 from fededge import _flwr_internals as fi
 
-__all__ = ["Job", "JobResult", "SUPERLINK_NODE_ID", "WorkerPool", "load_client_app", "run_message"]
+__all__ = ["ENV_WORKER", "Job", "JobResult", "SUPERLINK_NODE_ID", "WorkerPool", "WorkerStartError", "load_client_app",
+           "run_message"]
 
 SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID
+#: Set to "1" in a worker process's environment.
+ENV_WORKER = "FEDEDGE_INPROCESS_WORKER"
 
 log = logging.getLogger("fededge.server.inprocess")
 
@@ -82,12 +93,18 @@ def run_message(client_app: Any, run_id: int, run_config: Mapping[str, Any], nod
     return back, ctx.state, failure
 
 
-def _worker_main(conn: Connection, app_ref: str, run_id: int, run_config: dict[str, Any], threads: int) -> None:
-    """A worker's loop: jobs in, results out, until ``None`` or the pipe closes."""
-    import torch
+def _worker_main(conn: Connection) -> None:
+    """A worker's life: its setup, then jobs in and results out until ``None`` or EOF."""
+    try:
+        app_ref, run_id, run_config, threads = conn.recv()
+        import torch
 
-    torch.set_num_threads(threads)
-    app = load_client_app(app_ref)
+        torch.set_num_threads(threads)
+        app = load_client_app(app_ref)
+    except BaseException:  # noqa: BLE001 - told to the parent, which stops the run
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             job = conn.recv()
@@ -110,24 +127,80 @@ def _empty() -> Any:
     return RecordDict()
 
 
+class WorkerStartError(RuntimeError):
+    """A worker process could not start (its ClientApp did not import, ...)."""
+
+
 class _Worker:
-    def __init__(self, ctx: Any, args: tuple[Any, ...]) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, *args), daemon=True,
-                                name="fededge-inprocess-worker")
-        self.proc.start()
-        child.close()
+    """One worker process and the thread that feeds it: the thread sends a job and reads
+    its result while this process's main thread goes on (runs a job itself, aggregates),
+    so neither side waits on a full pipe for the other."""
+
+    def __init__(self, setup: tuple[Any, ...], results: queue.SimpleQueue, start_timeout: float) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), ENV_WORKER: "1"}
+        try:
+            self.proc = subprocess.Popen(  # noqa: S603 - this interpreter, this module
+                [sys.executable, "-m", "fededge.server.workers", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
         self.job: Job | None = None
+        try:
+            self.conn.send(setup)
+            if not self.conn.poll(start_timeout):
+                raise WorkerStartError(f"an in-process worker did not start within {start_timeout:.0f} s")
+            status, detail = self.conn.recv()
+        except (EOFError, OSError) as err:
+            self._kill()
+            raise WorkerStartError(f"an in-process worker exited while starting (exit code {self.proc.poll()})"
+                                   ) from err
+        except BaseException:
+            self._kill()
+            raise
+        if status != "ready":
+            self._kill()
+            raise WorkerStartError(f"an in-process worker could not start the ClientApp {setup[0]!r}:\n{detail}")
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pump = threading.Thread(target=self._run, args=(results,), daemon=True,
+                                      name=f"fededge-worker-pipe-{self.proc.pid}")
+        self._pump.start()
+
+    def _run(self, results: queue.SimpleQueue) -> None:
+        while True:
+            job = self._inbox.get()
+            if job is None:
+                return
+            try:
+                self.conn.send(job)
+                result = self.conn.recv()
+            except (EOFError, OSError, ValueError):
+                results.put((self, job, None))  # the worker died: this thread ends with it
+                return
+            results.put((self, job, result))
+
+    def submit(self, job: Job) -> None:
+        self.job = job
+        self._inbox.put(job)
+
+    def _kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
 
     def stop(self, timeout: float = 5.0) -> None:
+        self._inbox.put(None)
+        self._pump.join(timeout)
         try:
             self.conn.send(None)
         except (OSError, ValueError):
             pass
-        self.proc.join(timeout)
-        if self.proc.is_alive():
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join(timeout)
+            self.proc.wait()
         self.conn.close()
 
 
@@ -144,16 +217,36 @@ class WorkerPool:
         Number of worker processes.
     threads : int
         torch threads in each worker.
+    start_timeout : float
+        Seconds a worker may take to start (import torch, Flower and the ClientApp).
+
+    Raises
+    ------
+    WorkerStartError
+        A worker could not start; the message names why (the worker's traceback).
     """
 
     def __init__(self, app_ref: str, *, run_id: int, run_config: Mapping[str, Any], size: int,
-                 threads: int = 1) -> None:
+                 threads: int = 1, start_timeout: float = 120.0) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {size}")
-        self._ctx = multiprocessing.get_context("spawn")
-        self._args = (app_ref, run_id, dict(run_config), threads)
-        self._workers = [_Worker(self._ctx, self._args) for _ in range(size)]
+        self._setup = (app_ref, run_id, dict(run_config), threads)
+        self._start_timeout = start_timeout
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers: list[_Worker] = []
         self.restarts = 0
+        try:
+            for _ in range(size):
+                self._workers.append(self._new())
+        except BaseException:
+            self.close()
+            raise
+
+    def _new(self) -> _Worker:
+        return _Worker(self._setup, self._results, self._start_timeout)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
 
     @property
     def size(self) -> int:
@@ -166,41 +259,40 @@ class WorkerPool:
         return sum(1 for w in self._workers if w.job is not None)
 
     def submit(self, worker: _Worker, job: Job) -> None:
-        worker.job = job
-        try:
-            worker.conn.send(job)
-        except (OSError, ValueError):
-            pass  # a dead worker: collect() reports it
+        worker.submit(job)
 
     def collect(self, timeout: float | None = None) -> list[tuple[Job, JobResult | None]]:
-        """Wait for at least one busy worker to finish (or ``timeout``); return
-        ``(job, result)`` pairs, ``result`` None where the worker died (it is replaced)."""
-        busy = {w.conn: w for w in self._workers if w.job is not None}
-        if not busy:
+        """Wait for at least one busy worker to finish (``timeout=0``: do not wait);
+        return ``(job, result)`` pairs, ``result`` None where the worker died (it is
+        replaced)."""
+        if not self.busy():
             return []
         done = []
-        for conn in multiprocessing.connection.wait(list(busy), timeout):
-            worker = busy[conn]  # type: ignore[index]
-            job, worker.job = worker.job, None
-            assert job is not None
-            try:
-                result = worker.conn.recv()
-            except (EOFError, OSError):
-                done.append((job, None))
-                self._replace(worker)
-                continue
-            done.append((job, result))
+        try:
+            item = self._results.get(block=timeout != 0, timeout=timeout or None)
+            while True:
+                worker, job, result = item
+                worker.job = None
+                done.append((job, result))
+                if result is None:
+                    self._replace(worker)
+                item = self._results.get_nowait()
+        except queue.Empty:
+            pass
         return done
 
     def _replace(self, worker: _Worker) -> None:
         worker.stop(timeout=1.0)
-        code = worker.proc.exitcode
         log.error("an in-process worker (pid %s) died with exit code %s; a new one takes its place",
-                  worker.proc.pid, code)
+                  worker.proc.pid, worker.proc.returncode)
         self.restarts += 1
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self._args)
+        self._workers[self._workers.index(worker)] = self._new()
 
     def close(self) -> None:
         for w in self._workers:
             w.stop()
         self._workers = []
+
+
+if __name__ == "__main__":
+    _worker_main(Connection(int(sys.argv[1])))

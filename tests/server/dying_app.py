@@ -3,7 +3,6 @@ second message when it runs in a worker process: a worker that dies mid-message.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -18,7 +17,7 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     calls = int(context.state["calls"]["n"]) + 1 if "calls" in context.state else 1
     context.state["calls"] = ConfigRecord({"n": calls})
-    if int(context.node_config["partition-id"]) == 1 and calls == 2 and multiprocessing.parent_process() is not None:
+    if int(context.node_config["partition-id"]) == 1 and calls == 2 and os.environ.get("FEDEDGE_INPROCESS_WORKER"):
         os._exit(7)
     reply = userapp.train_fn(msg, context)
     content = RecordDict({**reply.content})

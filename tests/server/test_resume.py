@@ -27,6 +27,8 @@ BASE = {"num-rounds": 6, "local-steps": 3, "model": "mlp", "progress": "off", "n
 #: Each strategy with a stateful compressor, as the issue asks.
 RUNS = {
     "fedavg-ef": {"strategy": "fedavg", "compressor": "topk", "error-feedback": True},
+    # The clients' states on disk (issue 21): the checkpoint keeps them in a side file.
+    "fedavg-ef-disk": {"strategy": "fedavg", "compressor": "topk", "error-feedback": True, "client-states": "disk"},
     "fedadam-powersgd": {"strategy": "fedadam", "compressor": "powersgd", "error-feedback": True,
                          "server-lr": 0.05},
     "diloco-ef": {"strategy": "diloco", "compressor": "onebit", "error-feedback": True},

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,20 @@ def test_a_state_spilled_to_disk_and_read_back_equals_the_state_kept_in_memory(t
         make_states("ram")
 
 
+def _workers() -> list[int]:
+    """This process's in-process worker children still alive."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"fededge.server.workers" in cmd:
+            out.append(int(proc.name))
+    return out
+
+
 def _rounds(run_dir):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: r[k] for k in FIELDS} | {"clients": [(c["partition"], c["bytes_up"], c["bytes_down"], c["steps"]) for c in r.get("clients", [])]}
@@ -89,7 +104,7 @@ def test_the_same_run_on_one_two_or_four_workers_with_states_in_memory_or_on_dis
         assert _rounds(out) == expected, (workers, states)
     # The grid removed its states and stopped its workers.
     assert list((tmp_path / "states").iterdir()) == []
-    assert multiprocessing.active_children() == []
+    assert _workers() == []
 
 
 def test_a_worker_that_dies_mid_message_gives_an_error_reply_and_the_run_goes_on(caplog):
@@ -110,7 +125,16 @@ def test_a_worker_that_dies_mid_message_gives_an_error_reply_and_the_run_goes_on
         assert "died with exit code 7" in caplog.text
     finally:
         grid.close()
-    assert multiprocessing.active_children() == []
+    assert _workers() == []
+
+
+def test_a_worker_that_cannot_start_stops_the_run_before_round_one_with_its_error(tmp_path):
+    from fededge.server.workers import WorkerStartError
+
+    with pytest.raises(WorkerStartError, match="(?s)could not start the ClientApp.*cannot start in a worker"):
+        run_inprocess({**BASE, "results-dir": str(tmp_path)}, num_clients=4, workers=3,
+                      client_app="tests.server.broken_in_workers:app")
+    assert _workers() == [] and not any(tmp_path.iterdir())
 
 
 def test_workers_need_the_client_app_by_reference():
@@ -132,5 +156,39 @@ def test_a_hundred_thousand_nodes_cost_their_ids_not_their_contexts():
         assert ctx.node_config == {"partition-id": 99_999, "num-partitions": 100_000, "fededge-inprocess": True}
         assert len(ctx.state) == 0
         assert grid.data_splits() == [(100_000, None)]
+    finally:
+        grid.close()
+
+
+def test_a_checkpoint_keeps_the_disk_states_in_a_side_file_pruned_with_it(tmp_path):
+    from fededge.server.checkpoint import checkpoint_files, read_checkpoint
+
+    run_dir = run_inprocess({**BASE, **RUNS["fedavg-signsgd-ef"], "num-rounds": 4, "checkpoint-every": 1,
+                             "client-states": "disk", "results-dir": str(tmp_path)}, num_clients=12)
+    ckpts = checkpoint_files(run_dir)
+    assert [p.name for p in ckpts] == ["round-000003.ckpt", "round-000004.ckpt"]
+    sides = sorted(p.name for p in (run_dir / "checkpoints").glob("*.states"))
+    assert sides == ["round-000003.states", "round-000004.states"]  # rounds 1-2's went with their checkpoints
+    grid_state = read_checkpoint(ckpts[-1])["grid"]
+    assert "states" not in grid_state and grid_state["states_file"] == "round-000004.states"
+
+    # The side file reads back into a grid of the same nodes, in memory or on disk, and
+    # holds the states of every client that trained (its error-feedback residual).
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = {c["partition"] for r in lines for c in r.get("clients", [])}
+    assert len(trained) > 4
+    for kind in ("memory", "disk"):
+        grid = InProcessGrid("fededge.clients.app:app", num_nodes=12, run_config={}, client_states=kind)
+        try:
+            grid.load_state_dict(grid_state, states_dir=run_dir / "checkpoints")
+            assert len(grid.states) == len(trained)
+        finally:
+            grid.close()
+    side = run_dir / "checkpoints" / "round-000004.states"
+    side.write_bytes(side.read_bytes()[:-10] + b"x" * 10)
+    grid = InProcessGrid("fededge.clients.app:app", num_nodes=12, run_config={}, client_states="disk")
+    try:
+        with pytest.raises(ValueError, match="round-000004.states: the states file is corrupt"):
+            grid.load_state_dict(grid_state, states_dir=run_dir / "checkpoints")
     finally:
         grid.close()

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Many clients on one machine (issue 21): seconds per round, peak memory, the floor.
+
+Each configuration runs ``fededge run``'s in-process runtime in a fresh process (so that
+its peak RSS is its own), ``clients-per-round`` clients a round, on synthetic data split
+IID. Columns:
+
+- ``s/round``: wall seconds per round after round 1 (round 1 also starts the workers
+  and builds the first clients' data).
+- ``floor``: the clients' own compute (their local SGD steps, ``compute_s`` summed over
+  the round's clients) divided by the cores used (``--workers``): what a round cannot
+  beat. ``ratio`` = s/round / floor.
+- ``RSS``: peak resident memory of the run's process, and ``RSS all`` that plus each
+  worker's peak (an upper bound of the run's total: peaks need not coincide).
+- ``held``: clients holding a state at the end (a stateful compressor's residual).
+
+A row's ``workers`` may be ``ray``: the same configuration under Flower's simulation
+(``flwr run`` on a private local SuperLink, ``fededge.deploy.launch.flwr_run_local``), one
+CPU per virtual client, ``client-states`` passed on (``disk``: fededge's ClientApp keeps
+idle nodes' states in files). Its ``RSS`` is the peak of the summed RSS of every Flower
+and Ray process, sampled every 0.5 s; ``floor`` divides by the machine's cores.
+
+A row may end in ``:dataset:samples[:local-steps]`` (default ``synthetic``, ``--samples``
+and 20 local steps); the CNN needs images (``synthetic-images``). Each data set is built
+into the node cache (a temporary one) before the rows run, so no row's memory includes
+building it.
+
+Example
+-------
+::
+
+    python benchmarks/bench_scale.py                    # the table in BENCHMARKS.md
+    python benchmarks/bench_scale.py --rows 10000:mlp:signsgd:60:1:memory,10000:mlp:signsgd:60:2:disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+#: clients:model:compressor:rounds:workers:states[:dataset:samples]
+DEFAULT_ROWS = (
+    "100:mlp:none:20:2:memory", "100:mlp:signsgd:20:2:memory",
+    "1000:mlp:signsgd:30:2:disk", "1000:mlp:signsgd:10:ray:memory", "1000:mlp:signsgd:10:ray:disk",
+    "10000:mlp:none:20:2:disk",
+    "10000:mlp:signsgd:60:1:memory", "10000:mlp:signsgd:60:1:disk", "10000:mlp:signsgd:60:2:disk",
+    "1000:cnn:signsgd:4:2:disk:synthetic-images:20000:5", "10000:cnn:signsgd:4:2:disk:synthetic-images:20000:5",
+    "100000:mlp:signsgd:20:2:disk",
+)
+
+
+def _flower_rss_kb() -> int:
+    """Summed RSS of every Flower and Ray process on the machine (kB)."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            if not any(k in cmd for k in (b"flwr", b"flower", b"ray", b"raylet", b"gcs_server")):
+                continue
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def _ray_run(overrides: dict, clients: int, out: Path) -> tuple[Path, int]:
+    import threading
+
+    from fededge.deploy.launch import flwr_run_local
+
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            peak[0] = max(peak[0], _flower_rss_kb())
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        run = flwr_run_local(Path(__file__).resolve().parents[1], flwr_home=out / "flwr-home", num_supernodes=clients,
+                             run_config=overrides, timeout_s=3000)
+    finally:
+        done.set()
+        t.join()
+    if not run.ok:
+        raise RuntimeError(f"the Flower run failed: {run.status}\n{run.output[-3000:]}")
+    (run_dir,) = list(Path(overrides["results-dir"]).iterdir())
+    return run_dir, peak[0]
+
+
+def one(clients: int, model: str, compressor: str, rounds: int, workers: str, states: str, per_round: int,
+        dataset: str, samples: int, local_steps: int, out: Path) -> dict:
+    from fededge.server.inprocess import run_inprocess
+
+    overrides = {"dataset": dataset, "synthetic-samples": samples, "partition": "iid", "local-steps": local_steps,
+                 "clients-per-round": per_round, "num-rounds": rounds, "model": model, "progress": "off",
+                 "results-dir": str(out / "results"), "save-model": False, "checkpoint-every": 0,
+                 "min-partition-size": 1, "client-threads": 1, "client-states": states}
+    if compressor != "none":
+        overrides |= {"compressor": compressor, "error-feedback": True}
+    if workers == "ray":
+        run_dir, rss_kb = _ray_run(overrides, clients, out)
+        cores, self_kb, all_kb = os.cpu_count() or 1, rss_kb, rss_kb
+    else:
+        run_dir = run_inprocess(overrides, num_clients=clients, workers=int(workers))
+        cores = int(workers)
+        self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        all_kb = self_kb + (cores - 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = lines[2:]
+    round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
+    compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
+    held = sorted({c["partition"] for r in lines[1:] for c in r["clients"]})
+    return {"clients": clients, "model": model, "compressor": compressor, "rounds": rounds, "workers": workers,
+            "states": states, "dataset": dataset, "samples": samples, "round_s": round_s, "floor_s": compute / cores,
+            "rss_gb": self_kb / 2**20, "rss_all_gb": all_kb / 2**20,
+            "held": len(held) if compressor != "none" else 0, "accuracy": lines[-1]["accuracy"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="clients:model:compressor:rounds:workers:states,...")
+    p.add_argument("--per-round", type=int, default=100)
+    p.add_argument("--samples", type=int, default=500_000, help="synthetic-samples")
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        if args.one.startswith("prebuild:"):
+            from fededge.config import RunConfig
+            from fededge.workload import dataset_for
+
+            _, dataset, samples = args.one.split(":")
+            dataset_for(RunConfig.from_mapping({"dataset": dataset, "synthetic-samples": int(samples)}))
+            return 0
+        c, m, comp, r, w, s, *data = args.one.split(":")
+        dataset, samples = (data[0], int(data[1])) if data else ("synthetic", args.samples)
+        steps = int(data[2]) if len(data) > 2 else 20
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(one(int(c), m, comp, int(r), w, s, args.per_round, dataset, samples, steps, Path(tmp))))
+        return 0
+    rows = []
+    print(f"{'clients':>8} {'model':>5} {'compressor':>10} {'rounds':>6} {'workers':>7} {'states':>6} "
+          f"{'s/round':>8} {'floor':>7} {'ratio':>6} {'RSS GB':>7} {'RSS all':>8} {'held':>6} {'acc':>6}", flush=True)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}  # the data set, built once, mapped by every process
+        datasets = {tuple(r.split(":")[6:8]) or ("synthetic", str(args.samples)) for r in args.rows.split(",")}
+        for dataset, samples in sorted(datasets):
+            subprocess.run([sys.executable, __file__, "--one", f"prebuild:{dataset}:{samples}"], env=env, check=True)
+        for row in args.rows.split(","):
+            proc = subprocess.run([sys.executable, __file__, "--one", row, "--per-round", str(args.per_round),
+                                   "--samples", str(args.samples)], capture_output=True, text=True, env=env,
+                                  check=False)
+            if proc.returncode != 0:
+                print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append(r)
+            print(f"{r['clients']:>8} {r['model']:>5} {r['compressor']:>10} {r['rounds']:>6} {r['workers']:>7} "
+                  f"{r['states']:>6} {r['round_s']:>8.3f} {r['floor_s']:>7.3f} {r['round_s'] / r['floor_s']:>6.2f} "
+                  f"{r['rss_gb']:>7.2f} {r['rss_all_gb']:>8.2f} {r['held']:>6} {r['accuracy']:>6.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
