@@ -79,6 +79,7 @@ OWNED: dict[str, tuple[type, str]] = {
     "compute-speed": (ClockConfig, "compute_speed"),
     "sim-step-s": (ClockConfig, "sim_step_s"),
     "message-overhead-s": (ClockConfig, "message_overhead_s"),
+    "nodes-pull": (ClockConfig, "nodes_pull"),
     **{key: (UpdateConfig, param) for key, param in (
         ("compressor", "compressor"), ("error-feedback", "error_feedback"), ("lossless", "lossless"),
         ("qsgd-levels", "qsgd_levels"), ("qsgd-bucket", "qsgd_bucket"), ("topk-ratio", "topk_ratio"),
@@ -244,7 +245,7 @@ class RunConfig:
       ``staleness-b``: :class:`fededge.algorithms.asyncfl.StalenessFunction`;
       ``async-order``, ``backup-workers``: :class:`fededge.algorithms.asyncfl.LoopConfig`;
     - ``netem``, ``netem-file``, ``compute-speed``, ``sim-step-s``,
-      ``message-overhead-s``: the simulated clock,
+      ``message-overhead-s``, ``nodes-pull``: the simulated clock,
       :class:`fededge.netem.runclock.ClockConfig`;
     - ``results-dir``, ``run-name``, ``target-accuracy``, ``progress``, ``save-model``:
       :class:`fededge.server.results.ResultsConfig`.
@@ -333,6 +334,7 @@ class RunConfig:
     dropout: float = 0.0
     sim_step_s: float = ClockConfig.sim_step_s
     message_overhead_s: float = ClockConfig.message_overhead_s
+    nodes_pull: bool = ClockConfig.nodes_pull
     progress: str = ResultsConfig.progress
 
     def __post_init__(self) -> None:

@@ -77,10 +77,10 @@ LIBRARY = [
     ("BackupWorkers", lambda **kw: BackupWorkers(**kw), "backup", "backup-workers"),
     *[("RunClock", lambda **kw: RunClock(**kw), p, k) for k, p in (
         ("netem", "netem"), ("netem-file", "netem_file"), ("compute-speed", "compute_speed"),
-        ("sim-step-s", "sim_step_s"), ("message-overhead-s", "message_overhead_s"))],
+        ("sim-step-s", "sim_step_s"), ("message-overhead-s", "message_overhead_s"), ("nodes-pull", "nodes_pull"))],
     *[("Experiment", lambda **kw: Experiment(evaluate_fn=_evaluate, **kw), p, k) for k, p in (
         ("netem", "netem"), ("netem-file", "netem_file"), ("compute-speed", "compute_speed"),
-        ("sim-step-s", "sim_step_s"), ("message-overhead-s", "message_overhead_s"),
+        ("sim-step-s", "sim_step_s"), ("message-overhead-s", "message_overhead_s"), ("nodes-pull", "nodes_pull"),
         ("results-dir", "results_dir"), ("run-name", "run_name"), ("target-accuracy", "target_accuracy"),
         ("progress", "progress"), ("save-model", "save_model"))],
 ]

@@ -334,6 +334,12 @@ class DGATimeline:
     - its previous reply has left it (its uplink is free);
     - round ``t``'s message has arrived.
 
+    A device that pulls its messages (``ClientLink.pulls``, run-config ``nodes-pull``: a
+    Flower SuperNode asks for its next message only once it has sent its reply) gets
+    round ``t``'s message no earlier than its previous reply's arrival at the server, so
+    the download cannot overlap its compute and upload. (Flower's wait between two polls
+    of a node that found no message is not modelled.)
+
     The average of round ``t`` is ready at the server when the last upload of round
     ``t`` has arrived. So a slow client delays the others only through the averages
     they wait for. With ``D = 0`` this is synchronous FedAvg: download, compute,
@@ -349,6 +355,7 @@ class DGATimeline:
         self.config = config
         self.clients = list(clients)
         self._free = {j: 0.0 for j in self.clients}  # end of the client's last compute
+        self._replied = {j: 0.0 for j in self.clients}  # arrival of the client's last reply
         self.ready: dict[int, float] = {0: 0.0}  # round -> its average ready at the server
         self.started: dict[tuple[int, int], float] = {}
         self.arrived: dict[tuple[int, int], float] = {}  # (round, client) -> message arrival
@@ -361,13 +368,15 @@ class DGATimeline:
         arrivals = []
         for c in work:
             j = c.client
-            self.arrived[(t, j)] = self.clock.send_down(j, c.bytes_down, sent)
+            depart = max(sent, self._replied[j]) if self.clock.clients[j].pulls else sent
+            self.arrived[(t, j)] = self.clock.send_down(j, c.bytes_down, depart)
             could = max(self._free[j], self.clock.up_departed(j))
             start = max(could, self.arrived[(t, j)])
             self.started[(t, j)] = start
             self.blocked[(t, j)] = start - could
             self._free[j] = self.clock.compute(j, c.compute_s, start)
-            arrivals.append(self.clock.send_up(j, c.bytes_up, self._free[j]))
+            self._replied[j] = self.clock.send_up(j, c.bytes_up, self._free[j])
+            arrivals.append(self._replied[j])
         self.ready[t] = max(arrivals, default=self.ready[t - 1])
         self.clock.now = max(self.clock.now, self.ready[t])
         return self.ready[t]

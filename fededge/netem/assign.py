@@ -111,13 +111,14 @@ def _mix(spec: str, num_clients: int, rng: np.random.Generator) -> list[str]:
 
 def assign_links(
     spec: str, num_clients: int, *, seed: int = 0, netem_file: str = "", speed: str = "1.0",
-    message_overhead_s: float = 0.0,
+    message_overhead_s: float = 0.0, pulls: bool = False,
 ) -> list[ClientLink]:
     """The :class:`ClientLink` of every partition id ``0 .. num_clients-1``.
 
     ``message_overhead_s``: every device's fixed seconds per message beyond its measured
     compute (:class:`~fededge.netem.clock.ClientLink`; measured by
-    ``benchmarks/bench_deploy_overhead.py``, cold or warm).
+    ``benchmarks/bench_deploy_overhead.py``, cold or warm). ``pulls``: every device pulls
+    its next message only after it has sent its reply, as a Flower SuperNode does.
     """
     check_netem_spec(spec)
     check_speed_spec(speed)
@@ -147,7 +148,7 @@ def assign_links(
     else:
         speeds = [float(speed)] * num_clients
     return [ClientLink(profile=p, speed=s * (p.compute_speed if p is not None else 1.0),
-                       message_overhead_s=message_overhead_s)
+                       message_overhead_s=message_overhead_s, pulls=pulls)
             for p, s in zip(links, speeds)]
 
 

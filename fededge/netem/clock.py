@@ -137,6 +137,9 @@ class ClientLink:
     profile: LinkProfile | None  # None: an ideal network (transfers take no time)
     speed: float = 1.0
     message_overhead_s: float = 0.0  # the device's fixed seconds per message (process start, ...)
+    # The device pulls its next message only once it has sent its reply (a Flower
+    # SuperNode does): a message waits at the server until then (DGATimeline).
+    pulls: bool = False
 
     def __post_init__(self) -> None:
         if not self.speed > 0:

@@ -68,6 +68,12 @@ class ClockConfig:
         (a real SuperNode starts a process per message; ``benchmarks/
         bench_deploy_overhead.py`` measures it, cold or warm). 0 simulates the algorithm
         alone.
+    nodes_pull : bool
+        [nodes-pull] The devices pull their messages, as Flower's SuperNodes do: a node
+        asks for its next message only once it has sent its reply, so a pipelined
+        protocol's next download cannot overlap the node's compute and upload (DGA's
+        timeline). False: the server pushes each message as soon as it exists (the
+        protocol's own overlap).
     """
 
     netem: str = ""
@@ -76,6 +82,7 @@ class ClockConfig:
     sim_step_s: float = 0.0
     compute_s: float | None = None
     message_overhead_s: float = 0.0
+    nodes_pull: bool = False
 
     def __post_init__(self) -> None:
         check_netem_spec(self.netem)
@@ -90,6 +97,8 @@ class ClockConfig:
             raise ValueError(f"compute_s must be None or a number of seconds >= 0, got {self.compute_s!r}")
         if not (self.message_overhead_s >= 0 and math.isfinite(self.message_overhead_s)):
             raise ValueError(f"message_overhead_s must be a number of seconds >= 0, got {self.message_overhead_s!r}")
+        if not isinstance(self.nodes_pull, bool):
+            raise ValueError(f"nodes_pull must be true or false, got {self.nodes_pull!r}")
 
 
 class RunClock:
@@ -97,7 +106,7 @@ class RunClock:
 
     Parameters
     ----------
-    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s
+    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s, nodes_pull
         :class:`ClockConfig`'s knobs (their defaults, checks and meaning are declared
         there, once).
     seed : int
@@ -117,9 +126,12 @@ class RunClock:
                  compute_speed: str = ClockConfig.compute_speed, seed: int = 0,
                  sim_step_s: float = ClockConfig.sim_step_s, compute_s: float | None = ClockConfig.compute_s,
                  message_overhead_s: float = ClockConfig.message_overhead_s,
+                 nodes_pull: bool = ClockConfig.nodes_pull,
                  run_dir: str | Path | None = None) -> None:
         self.config = ClockConfig(netem=netem, netem_file=netem_file, compute_speed=compute_speed,
-                                  sim_step_s=sim_step_s, compute_s=compute_s, message_overhead_s=message_overhead_s)
+                                  sim_step_s=sim_step_s, compute_s=compute_s, message_overhead_s=message_overhead_s,
+                                  nodes_pull=nodes_pull)
+        self.nodes_pull = nodes_pull
         self.netem = netem
         self.netem_file = netem_file
         self.compute_speed = compute_speed
@@ -167,7 +179,8 @@ class RunClock:
 
     def _links(self, num_clients: int) -> list[ClientLink]:
         return assign_links(self.netem, num_clients, seed=self.seed, netem_file=self.netem_file,
-                            speed=self.compute_speed, message_overhead_s=self.message_overhead_s)
+                            speed=self.compute_speed, message_overhead_s=self.message_overhead_s,
+                            pulls=self.nodes_pull)
 
     def know_nodes(self, node_ids: Iterable[int]) -> None:
         """The run's node ids: a node whose replies report no partition id is placed by

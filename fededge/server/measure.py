@@ -160,7 +160,7 @@ class Experiment:
     run_id : str, optional
         The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
         existing one is never overwritten (``-2``, ``-3``, ... are appended).
-    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s
+    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s, nodes_pull
         The simulated clock: :class:`fededge.netem.runclock.ClockConfig`'s knobs
         (``netem="4g"`` or ``"wifi:0.5,4g:0.5"``; ``compute_speed="lognormal:0.5"``;
         ``""``: an ideal network, so ``sim_s`` is compute only).
@@ -202,6 +202,7 @@ class Experiment:
         sim_step_s: float = ClockConfig.sim_step_s,
         compute_s: float | None = ClockConfig.compute_s,
         message_overhead_s: float = ClockConfig.message_overhead_s,
+        nodes_pull: bool = ClockConfig.nodes_pull,
         seed: int = 0,
         target_accuracy: float = ResultsConfig.target_accuracy,
         progress: str = ResultsConfig.progress,
@@ -221,7 +222,7 @@ class Experiment:
             raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
         self.clock_settings = {"netem": netem, "netem_file": netem_file, "compute_speed": compute_speed,
                                "seed": seed, "sim_step_s": sim_step_s, "compute_s": compute_s,
-                               "message_overhead_s": message_overhead_s}
+                               "message_overhead_s": message_overhead_s, "nodes_pull": nodes_pull}
         RunClock(**self.clock_settings)  # validates them now, not after the run started
         self.evaluate_fn = evaluate_fn
         self.results_dir = Path(results_dir)

@@ -250,6 +250,7 @@ class DGA(FedAvg):
             "resync": sorted(self._resync), "participants": list(self.participants),
             "timeline": None if tl is None else {
                 "clients": list(tl.clients), "free": {int(j): float(v) for j, v in tl._free.items()},
+                "replied": {int(j): float(v) for j, v in tl._replied.items()},
                 "ready": {int(r): float(v) for r, v in tl.ready.items()}},
         }
 
@@ -282,6 +283,7 @@ class DGA(FedAvg):
                                   "but this run's clock was not restored first")
             self._timeline = DGATimeline(self._clock.clock, self.config, clients=[int(j) for j in tl["clients"]])
             self._timeline._free = {int(j): float(v) for j, v in tl["free"].items()}
+            self._timeline._replied.update({int(j): float(v) for j, v in tl.get("replied", {}).items()})
             self._timeline.ready = {int(r): float(v) for r, v in tl["ready"].items()}
         return done
 

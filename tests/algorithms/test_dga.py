@@ -185,6 +185,31 @@ def test_homogeneous_round_times_by_hand():
     assert [tl.started[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 0.8, 1.4, 2.0])
 
 
+def test_a_node_that_pulls_gets_its_next_message_only_after_its_reply_arrived():
+    # The hand case above with a pulling node (a Flower SuperNode): round t's message leaves
+    # when the reply of round t-1 has arrived (0.9), so download, compute and upload run in
+    # series again and every round takes 0.9 s, as FedAvg's; DGA's overlap is gone.
+    work = [ClientRound(0, 100_000, 0.5, 100_000)]
+    d = Direction(rate_bps=8e6, delay_s=0.1)
+    link = ClientLink(LinkProfile(name="t", up=d, down=d, source="test"), pulls=True)
+    tl = DGATimeline(SimClock([link]), DGAConfig(delay=1), clients=[0])
+    assert [tl.run_round(t, work) for t in range(1, 5)] == pytest.approx([0.9, 1.8, 2.7, 3.6])
+    assert [tl.arrived[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 1.1, 2.0, 2.9])
+    # Two pulling nodes, one computing 4x slower, D = 2: the fast node still runs ahead of
+    # the slow one (it waits for its own reply, not for the slow node's), as on the testbed.
+    links = [ClientLink(LinkProfile(name="t", up=d, down=d, source="test"), pulls=True),
+             ClientLink(LinkProfile(name="t", up=d, down=d, source="test"), speed=0.25, pulls=True)]
+    two = [ClientRound(0, 100_000, 0.5, 100_000), ClientRound(1, 100_000, 0.5, 100_000)]
+    tl = DGATimeline(SimClock(links), DGAConfig(delay=2), clients=[0, 1])
+    ends = [tl.run_round(t, two) for t in range(1, 4)]
+    assert tl.started[(2, 0)] < tl.started[(2, 1)] and ends[-1] > 3 * 0.9
+    # The knob reaches the links: RunClock(nodes_pull=True) builds pulling devices.
+    from fededge.netem.runclock import RunClock
+
+    assert all(c.pulls for c in RunClock(netem="4g", nodes_pull=True).build(3).clients)
+    assert not any(c.pulls for c in RunClock(netem="4g").build(3).clients)
+
+
 def test_a_slow_client_delays_others_only_through_the_averages_they_wait_for():
     links = [_link(80e6, 0.01), _link(80e6, 0.01, speed=0.25)]  # client 1 computes 4x slower
     work = [ClientRound(0, 10_000, 0.1, 10_000), ClientRound(1, 10_000, 0.1, 10_000)]
