@@ -49,7 +49,8 @@ from flwr.serverapp import Grid, ServerApp
 from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.server.nodestates import DiskStates, NodeStates, make_states
-from fededge.server.workers import SUPERLINK_NODE_ID, Job, WorkerPool, load_client_app, run_message
+from fededge.server.workers import (SUPERLINK_NODE_ID, Job, WorkerPool, error_reply, load_client_app, over_the_wire,
+                                    received, run_message)
 
 __all__ = ["InProcessGrid", "run_server", "SUPERLINK_NODE_ID"]
 
@@ -358,24 +359,13 @@ class InProcessGrid(Grid):
         mid, nid, root, objects = job[0], job[1], job[2], job[3]
         running.discard(nid)
         if result is None:  # the worker died: an error reply, the node keeps its last state
-            from flwr.app import Error
-
-            from fededge.protocol import CLIENT_APP_RAISED_EXCEPTION
-
-            msg = fi.message_from_objects(root, dict(objects))
-            fi.set_message_id(msg, mid)
             reason = "the in-process worker running this message died (see the log)"
-            reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
-            back = fi.message_from_objects(reply.object_id, fi.message_objects(reply))
-            fi.set_message_id(back, reply.object_id)
-            return back
+            return over_the_wire(error_reply(received(root, dict(objects), mid), reason))
         _, reply_root, reply_objects, state_objects, failure = result
         self.states.put_objects(nid, state_objects)
         if failure is not None:
             self._log_failure(nid, *failure)
-        back = fi.message_from_objects(reply_root, reply_objects)
-        fi.set_message_id(back, reply_root)
-        return back
+        return received(reply_root, reply_objects, reply_root)
 
     def _execute(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Message:
         self.messages_run += 1

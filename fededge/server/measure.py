@@ -417,7 +417,9 @@ class _Rounds:
             "partition_of": dict(self.metered.partition_of),
             "traffic": self.metered.state_dict(),
             "checkpoints": list(self.checkpoints),
-            "grid": self._grid_state(grid, server_round) if getattr(grid, "keeps_client_states", False) else None,
+            # Disk states go to a side file of the checkpoint, not into its body.
+            "grid": grid.state_dict(states_file=states_file_for(self.recorder.run_dir, server_round))
+            if getattr(grid, "keeps_client_states", False) else None,
         }
         path, size, seconds = write_checkpoint(self.recorder.run_dir, server_round, payload)
         self.checkpoints.append({"round": server_round, "bytes": size, "seconds": round(seconds, 6)})
@@ -425,13 +427,6 @@ class _Rounds:
         self.summary["checkpoint_bytes_last"] = size
         self.summary["checkpoint_s_total"] = round(sum(c["seconds"] for c in self.checkpoints), 6)
         log.debug("checkpoint of round %d: %s, %d bytes in %.3f s", server_round, path, size, seconds)
-
-    def _grid_state(self, grid: Any, server_round: int) -> dict[str, Any]:
-        """The in-process grid's client states; in a side file of the checkpoint where the
-        grid keeps them on disk (``client_states="disk"``: no copy of them in memory)."""
-        if getattr(getattr(grid, "states", None), "kind", None) == "disk":
-            return grid.state_dict(states_file=states_file_for(self.recorder.run_dir, server_round))
-        return grid.state_dict()
 
     def client_state_config(self, train_config: ConfigRecord | None) -> ConfigRecord | None:
         """``train_config``, and where this runtime does not keep the clients' states (Ray
@@ -460,10 +455,7 @@ class _Rounds:
             if not hasattr(grid, "load_state_dict"):
                 raise ResumeError("the checkpoint holds the in-process runtime's client states, but this grid "
                                   f"({type(grid).__name__}) is not fededge's in-process grid")
-            if "states_file" in checkpoint["grid"]:
-                grid.load_state_dict(checkpoint["grid"], states_dir=self.recorder.run_dir / CHECKPOINT_DIR)
-            else:
-                grid.load_state_dict(checkpoint["grid"])
+            grid.load_state_dict(checkpoint["grid"], states_dir=self.recorder.run_dir / CHECKPOINT_DIR)
         random.setstate(_tuples(checkpoint["random"]))
         torch.set_rng_state(checkpoint["torch_rng"])
         npr = checkpoint["numpy_rng"]

@@ -41,8 +41,6 @@ __all__ = ["CLIENT_STATES", "DiskStates", "MemoryStates", "NodeStates", "make_st
 class MemoryStates:
     """Every node's state on the heap, as the live ``RecordDict`` the ClientApp left."""
 
-    kind = "memory"
-
     def __init__(self) -> None:
         self._states: dict[int, RecordDict] = {}
 
@@ -92,8 +90,6 @@ class DiskStates:
         Where the temporary directory goes (default: the system's, ``$TMPDIR``). The
         directory is private (mode 0700) and removed by :meth:`close`.
     """
-
-    kind = "disk"
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         if directory is not None:

@@ -40,8 +40,8 @@ from typing import Any
 
 from fededge import _flwr_internals as fi
 
-__all__ = ["ENV_WORKER", "Job", "JobResult", "SUPERLINK_NODE_ID", "WorkerPool", "WorkerStartError", "load_client_app",
-           "run_message"]
+__all__ = ["ENV_WORKER", "Job", "JobResult", "SUPERLINK_NODE_ID", "WorkerPool", "WorkerStartError", "error_reply",
+           "load_client_app", "over_the_wire", "received", "run_message"]
 
 SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID
 #: Set to "1" in a worker process's environment.
@@ -67,18 +67,37 @@ def load_client_app(ref: str) -> Any:
     return obj
 
 
+def received(root: str, objects: dict[str, bytes], mid: str) -> Any:
+    """The Message that ``objects`` (its serialised objects, consumed) stand for, with
+    the id the SuperLink gives it."""
+    msg = fi.message_from_objects(root, objects)
+    fi.set_message_id(msg, mid)
+    return msg
+
+
+def over_the_wire(reply: Any) -> Any:
+    """``reply`` as it arrives on the other side: serialised and rebuilt."""
+    return received(reply.object_id, fi.message_objects(reply), reply.object_id)
+
+
+def error_reply(msg: Any, reason: str) -> Any:
+    """The error reply a Flower runtime gives when the ClientApp failed on ``msg``."""
+    from flwr.app import Error, Message
+
+    from fededge.protocol import CLIENT_APP_RAISED_EXCEPTION
+
+    return Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
+
+
 def run_message(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_id: int, mid: str, root: str,
                 objects: dict[str, bytes], node_config: Mapping[str, Any], state: Any) -> tuple[Any, Any, Any]:
     """Run one message on ``client_app`` with a fresh Context holding ``state`` (a
     RecordDict). Returns ``(reply message as it arrives over the wire, the Context's
     state afterwards, (reason, traceback) if the ClientApp raised, else None)``. An
     exception becomes an error reply, as in Flower's runtimes."""
-    from flwr.app import Context, Error, Message
+    from flwr.app import Context
 
-    from fededge.protocol import CLIENT_APP_RAISED_EXCEPTION
-
-    msg = fi.message_from_objects(root, objects)
-    fi.set_message_id(msg, mid)
+    msg = received(root, objects, mid)
     ctx = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config), state=state,
                   run_config=dict(run_config))
     failure = None
@@ -86,11 +105,8 @@ def run_message(client_app: Any, run_id: int, run_config: Mapping[str, Any], nod
         reply = client_app(msg, ctx)
     except Exception as err:  # noqa: BLE001 - becomes an error reply, as in Flower
         failure = (f"{type(err).__name__}: {err}", traceback.format_exc())
-        reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, failure[0]), reply_to=msg)
-    # The reply crosses the wire too.
-    back = fi.message_from_objects(reply.object_id, fi.message_objects(reply))
-    fi.set_message_id(back, reply.object_id)
-    return back, ctx.state, failure
+        reply = error_reply(msg, failure[0])
+    return over_the_wire(reply), ctx.state, failure  # the reply crosses the wire too
 
 
 def _worker_main(conn: Connection) -> None:
@@ -244,13 +260,6 @@ class WorkerPool:
 
     def _new(self) -> _Worker:
         return _Worker(self._setup, self._results, self._start_timeout)
-
-    def pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
-
-    @property
-    def size(self) -> int:
-        return len(self._workers)
 
     def idle(self) -> list[_Worker]:
         return [w for w in self._workers if w.job is None]
