@@ -6,7 +6,8 @@
 (``--shaping proxy``) at a profile drawn from ``--profiles`` (default
 ``wifi:0.5,4g:0.25,3g:0.25``) with ``--seed``. Through that one testbed, one after the
 other, with the same rounds and local steps: FedAvg, then DGA with each delay of
-``--delays`` (default ``1,2``). Every run gets ``netem=PROFILES seed=SEED``, so fededge's
+``--delays`` (default ``1,2``), and with ``--ahead also|only`` DGA with
+``dga-compute-ahead=true`` (fededge.clients.preview). Every run gets ``netem=PROFILES seed=SEED``, so fededge's
 simulated clock assigns each partition the link the testbed really applies, and its
 ``sim_s`` is what the clock predicts for the same run.
 
@@ -49,7 +50,7 @@ from fededge.deploy.testbed.plan import PREFIX
 from fededge.runconfig_text import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTROLLED = ("strategy", "num-rounds", "local-steps", "dga-delay", "netem", "seed", "results-dir", "run-name",
+CONTROLLED = ("strategy", "num-rounds", "local-steps", "dga-delay", "dga-compute-ahead", "netem", "seed", "results-dir", "run-name",
               "progress", "save-model", "min-available-nodes")
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -84,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-steps", type=int, default=5, help="local steps K per round (default 5)")
     p.add_argument("--delays", default="1,2", help="DGA delays D to run after FedAvg (default 1,2)")
     p.add_argument("--subnet", default=tb.DEFAULT_SUBNET, help=f"the testbed's subnet (default {tb.DEFAULT_SUBNET})")
+    p.add_argument("--ahead", choices=("off", "also", "only"), default="off",
+                   help="DGA with dga-compute-ahead=true (the warm workers compute each round from the "
+                        "preview the previous message brought): 'also' adds a row per delay, 'only' replaces "
+                        "the plain DGA rows (default off)")
     p.add_argument("--run-config", default=None, metavar='"k=v ..."', help="further overrides for every run")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per flwr run (default 900)")
     p.add_argument("--state-dir", default=None,
@@ -118,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"bench_testbed: {err}", file=sys.stderr)
         return 2
-    runs = [("fedavg", {"strategy": "fedavg"})] + [
-        (f"dga D={d}", {"strategy": "dga", "dga-delay": d}) for d in args.delay_list]
+    runs = [("fedavg", {"strategy": "fedavg"})]
+    for d in args.delay_list:
+        if args.ahead != "only":
+            runs.append((f"dga D={d}", {"strategy": "dga", "dga-delay": d}))
+        if args.ahead != "off":
+            runs.append((f"dga D={d} ahead", {"strategy": "dga", "dga-delay": d, "dga-compute-ahead": True}))
     started = dt.datetime.now().astimezone()
     load_before = os.getloadavg()
     rows: dict[str, dict[str, Any]] = {}

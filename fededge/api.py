@@ -10,6 +10,7 @@ client mod                server side                            what
 ========================  =====================================  ================================
 ``CompressionMod``        ``Compressed(strategy, update=...)``   compressed updates, any strategy
 ``DGAMod``                ``DGA``                                Delayed Gradient Averaging
+``PreviewMod``            ``DGA(compute_ahead=True)``            next round's content sent early
 ``GossipMod``             ``Gossip``                             D-PSGD / CHOCO-SGD, server relays
 (none)                    ``FedAvgOuter``                        FedAvg + outer Nesterov step
 (none)                    ``FedAsync``, ``FedBuff``, ``SSP``     asynchronous aggregation
@@ -37,6 +38,7 @@ from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunctio
 from fededge.algorithms.dga import DGAConfig
 from fededge.algorithms.gossip import ChocoConfig, GossipConfig
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, ModOrderError, config_error_mod
+from fededge.clients.preview import PreviewMod
 from fededge.clients.statestore import StateSpillMod, StateStoreMod
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.errors import ConfigError
@@ -55,7 +57,7 @@ from fededge.strategies.ssp import SSP
 
 __all__ = [
     # client mods
-    "CompressionMod", "DGAMod", "GossipMod", "StateSpillMod", "StateStoreMod", "config_error_mod",
+    "CompressionMod", "DGAMod", "GossipMod", "PreviewMod", "StateSpillMod", "StateStoreMod", "config_error_mod",
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
     "Experiment",

@@ -93,6 +93,7 @@ OWNED: dict[str, tuple[type, str]] = {
     "dga-correction": (DGAConfig, "correction"),
     "dga-warmup-rounds": (DGAConfig, "warmup_rounds"),
     "dga-pipeline": (DGAConfig, "pipeline"),
+    "dga-compute-ahead": (DGAConfig, "compute_ahead"),
     "topology": (GossipConfig, "topology"),
     "topology-file": (GossipConfig, "topology_file"),
     "topology-degree": (GossipConfig, "topology_degree"),
@@ -234,7 +235,8 @@ class RunConfig:
       :class:`fededge.compress.update.UpdateConfig` (docs/compression.md); e.g.
       ``compressor="qsgd" qsgd-levels=16``; ``downlink-compressor``:
       :class:`fededge.compress.update.DownlinkConfig`;
-    - ``dga-delay``, ``dga-correction``, ``dga-warmup-rounds``, ``dga-pipeline``
+    - ``dga-delay``, ``dga-correction``, ``dga-warmup-rounds``, ``dga-pipeline``,
+      ``dga-compute-ahead``
       (``strategy="dga"``): :class:`fededge.algorithms.dga.DGAConfig`;
     - ``topology``, ``topology-file``, ``topology-degree``, ``topology-p``, ``mixing``,
       ``gossip-algorithm`` (``strategy="gossip"``, docs/topology.md):
@@ -314,6 +316,7 @@ class RunConfig:
     dga_correction: bool = DGAConfig.correction
     dga_warmup_rounds: int = DGAConfig.warmup_rounds
     dga_pipeline: str = DGAConfig.pipeline
+    dga_compute_ahead: bool = DGAConfig.compute_ahead
     topology: str = GossipConfig.topology
     topology_file: str = GossipConfig.topology_file
     topology_degree: int = GossipConfig.topology_degree

@@ -86,6 +86,12 @@ DGA_CORRECTION = "dga-correction"  # bool: swap the own stale update for the ave
 # ... and metrics the client replies with.
 DGA_STALENESS = "dga-staleness"  # rounds of own updates whose average had not arrived
 
+# Previews (fededge.clients.preview; DGA's compute-ahead): records of a message that
+# carry the next message's content, and the record that refers to such content instead.
+PREVIEW_PREFIX = "fededge.preview/"  # "fededge.preview/<name>": the next message's record <name>
+PREVIEW_ID = "fededge.preview-id"  # ConfigRecord {"id": str}: the id of the preview carried
+PREVIEW_OF = "fededge.preview-of"  # ConfigRecord {"id": str}: this message's content is that preview
+
 # Gossip (fededge.strategies.gossip): train config the server sends ...
 GOSSIP_INDEX = "gossip-index"  # int: this node's index in the topology
 GOSSIP_ALGORITHM = "gossip-algorithm"  # "dpsgd" | "choco"

@@ -62,6 +62,7 @@ LIBRARY = [
     ("DGA", lambda **kw: DGA(**kw), "correction", "dga-correction"),
     ("DGA", lambda **kw: DGA(**kw), "warmup_rounds", "dga-warmup-rounds"),
     ("DGA", lambda **kw: DGA(**kw), "pipeline", "dga-pipeline"),
+    ("DGA", lambda **kw: DGA(**kw), "compute_ahead", "dga-compute-ahead"),
     ("DGA", lambda **kw: DGA(**kw), "downlink", "downlink-compressor"),
     ("Compressed", lambda **kw: Compressed(_inner(), **kw), "downlink", "downlink-compressor"),
     ("Gossip", lambda **kw: Gossip(**kw), "topology", "topology"),

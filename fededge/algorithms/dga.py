@@ -54,6 +54,7 @@ global-model history, and the timeline on the simulated clock (fededge.netem.clo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, TypeVar
 
@@ -61,8 +62,8 @@ import torch
 
 from fededge.netem.clock import ClientRound, SimClock
 
-__all__ = ["PIPELINE_MODES", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average",
-           "last_arrived", "round_delta"]
+__all__ = ["PIPELINE_MODES", "PULL_RETRY_S", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline",
+           "average", "last_arrived", "pulled", "round_delta"]
 
 Weights = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -95,12 +96,24 @@ class DGAConfig:
         deployment, the in-process runtime) and keeps one message per node in flight
         elsewhere (Ray simulation); ``on`` / ``off`` force it (``on`` on a grid that may
         run two messages of one node at once is refused). See docs/algorithms.md.
+    compute_ahead : bool
+        [dga-compute-ahead] Each round's message also carries the next round's content
+        (its config and ``G(g)``; a *preview*), wherever that global model already exists
+        (delay >= 1 in the next round), and the next message then refers to it instead of
+        repeating it. A node with a warm worker (``fededge supernode``) computes the next
+        round in the background as soon as it has replied, so its compute overlaps its own
+        upload, Flower's pull of the next message and that message's start-up: DGA's
+        overlap on nodes that pull their messages one at a time. The models are those of
+        the same run without it, bit for bit; only when things happen changes
+        (:class:`fededge.clients.preview.PreviewMod` on the client, ``DGATimeline`` on the
+        clock). Nodes without a warm worker compute in the foreground, as before.
     """
 
     delay: int = 0
     correction: bool = True
     warmup_rounds: int = 0
     pipeline: str = "auto"
+    compute_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.delay < 0:
@@ -109,10 +122,19 @@ class DGAConfig:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
         if self.pipeline not in PIPELINE_MODES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_MODES)}, got {self.pipeline!r}")
+        if not isinstance(self.compute_ahead, bool):
+            raise ValueError(f"compute_ahead must be true or false, got {self.compute_ahead!r}")
 
     def delay_at(self, rnd: int) -> int:
         """The delay of round ``rnd`` (1-based): 0 during the warm-up."""
         return 0 if rnd <= self.warmup_rounds else self.delay
+
+    def previews(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s message may carry round ``rnd + 1``'s content
+        (:attr:`compute_ahead`): only where the next round's global model exists before
+        round ``rnd`` is averaged (``last_arrived(rnd + 1) < rnd``: round ``rnd``'s own
+        average is not due at its end, its delay is at least 1)."""
+        return self.compute_ahead and last_arrived(self, rnd + 1) < rnd
 
 
 class DGAStateError(ValueError):
@@ -322,6 +344,20 @@ class DGAServer:
             del self.globals[s]
 
 
+#: Seconds a Flower SuperNode waits after a pull that found no message before it pulls
+#: again (flwr 1.41, ``flwr.supernode.start_client_internal``: ``time.sleep(3)``).
+PULL_RETRY_S = 3.0
+
+
+def pulled(sent: float, asked: float, retry_s: float = PULL_RETRY_S) -> float:
+    """When a node that pulls gets a message the server has ready at ``sent``: it asks at
+    ``asked`` (its previous reply just went out) and, while it finds nothing, again every
+    ``retry_s`` seconds."""
+    if sent <= asked:
+        return asked
+    return asked + retry_s * math.ceil((sent - asked) / retry_s - 1e-12)
+
+
 class DGATimeline:
     """When each DGA round happens on the simulated clock: the overlap the protocol allows.
 
@@ -337,8 +373,15 @@ class DGATimeline:
     A device that pulls its messages (``ClientLink.pulls``, run-config ``nodes-pull``: a
     Flower SuperNode asks for its next message only once it has sent its reply) gets
     round ``t``'s message no earlier than its previous reply's arrival at the server, so
-    the download cannot overlap its compute and upload. (Flower's wait between two polls
-    of a node that found no message is not modelled.)
+    the download cannot overlap its compute and upload; and a node that found no message
+    asks again :data:`PULL_RETRY_S` seconds later (:func:`pulled`), as Flower's do.
+
+    With ``compute_ahead`` (:meth:`DGAConfig.previews`), round ``t``'s message leaves once
+    round ``t + 1``'s global model is ready too, and a client that got round ``t``'s
+    content with round ``t - 1``'s message computes round ``t`` as soon as it has handled
+    that message (a warm worker's background run, with no per-message overhead), while
+    its reply travels and round ``t``'s message comes; its reply leaves when both the
+    compute and round ``t``'s message (plus the per-message overhead) are done.
 
     The average of round ``t`` is ready at the server when the last upload of round
     ``t`` has arrived. So a slow client delays the others only through the averages
@@ -356,26 +399,42 @@ class DGATimeline:
         self.clients = list(clients)
         self._free = {j: 0.0 for j in self.clients}  # end of the client's last compute
         self._replied = {j: 0.0 for j in self.clients}  # arrival of the client's last reply
+        self._handled = {j: 0.0 for j in self.clients}  # departure of the client's last reply
         self.ready: dict[int, float] = {0: 0.0}  # round -> its average ready at the server
         self.started: dict[tuple[int, int], float] = {}
         self.arrived: dict[tuple[int, int], float] = {}  # (round, client) -> message arrival
+        self.replied: dict[tuple[int, int], float] = {}  # (round, client) -> reply arrival
         self.blocked: dict[tuple[int, int], float] = {}  # time spent waiting for the message
 
     def run_round(self, t: int, work: Sequence[ClientRound]) -> float:
         """Schedule round ``t`` (measured compute and bytes per client); return when its
         average is ready at the server (the round's end on the clock)."""
-        sent = self.ready[last_arrived(self.config, t)]
+        ahead = self.config.previews(t)  # round t's message also carries round t+1's content
+        sent = self.ready[last_arrived(self.config, t + 1 if ahead else t)]
+        previewed = t > 1 and self.config.previews(t - 1)  # round t's content came with round t-1's
         arrivals = []
         for c in work:
             j = c.client
-            depart = max(sent, self._replied[j]) if self.clock.clients[j].pulls else sent
+            link = self.clock.clients[j]
+            depart = pulled(sent, self._replied[j]) if link.pulls else sent
             self.arrived[(t, j)] = self.clock.send_down(j, c.bytes_down, depart)
-            could = max(self._free[j], self.clock.up_departed(j))
-            start = max(could, self.arrived[(t, j)])
-            self.started[(t, j)] = start
-            self.blocked[(t, j)] = start - could
-            self._free[j] = self.clock.compute(j, c.compute_s, start)
-            self._replied[j] = self.clock.send_up(j, c.bytes_up, self._free[j])
+            if previewed and (t - 1, j) in self.arrived:
+                # Computed ahead: from the end of the node's handling of round t-1's message
+                # (which brought round t's content), in its warm worker, while its reply
+                # travels and round t's message comes; the reply leaves once both are done.
+                start = self._handled[j]
+                self.started[(t, j)] = start
+                self.blocked[(t, j)] = 0.0
+                self._free[j] = start + c.compute_s / link.speed
+                leave = max(self._free[j], self.arrived[(t, j)] + link.message_overhead_s)
+            else:
+                could = max(self._free[j], self.clock.up_departed(j))
+                start = max(could, self.arrived[(t, j)])
+                self.started[(t, j)] = start
+                self.blocked[(t, j)] = start - could
+                self._free[j] = leave = self.clock.compute(j, c.compute_s, start)
+            self._handled[j] = leave
+            self._replied[j] = self.replied[(t, j)] = self.clock.send_up(j, c.bytes_up, leave)
             arrivals.append(self._replied[j])
         self.ready[t] = max(arrivals, default=self.ready[t - 1])
         self.clock.now = max(self.clock.now, self.ready[t])

@@ -30,6 +30,7 @@ from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.clients.device import resolve_device
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
+from fededge.clients.preview import PreviewMod
 from fededge.clients.statestore import StateSpillMod, StateStoreMod
 from fededge.clients.train import BatchSampler, evaluate, local_sgd
 from fededge.config import RunConfig
@@ -55,7 +56,10 @@ def client_mods(cfg: RunConfig, *, inprocess: bool = False) -> tuple[Mod, ...]:
     config has ``fededge-inprocess``), which keeps idle nodes' states on disk itself.
     ``compressor`` / ``downlink-compressor`` give a :class:`CompressionMod` (except with
     gossip, whose CHOCO messages :class:`GossipMod` encodes itself); ``strategy="dga"`` a
-    :class:`DGAMod`; ``strategy="gossip"`` a :class:`GossipMod` with the compressor and
+    :class:`DGAMod` (and, with ``dga-compute-ahead``, a
+    :class:`~fededge.clients.preview.PreviewMod` outside the state store, so that a
+    message standing for a preview is the round's content before any other mod reads
+    it); ``strategy="gossip"`` a :class:`GossipMod` with the compressor and
     ``choco-scale``. Everything else about DGA and gossip travels in the server's messages.
 
     Examples
@@ -68,6 +72,8 @@ def client_mods(cfg: RunConfig, *, inprocess: bool = False) -> tuple[Mod, ...]:
     mods: list[Mod] = []
     if cfg.client_states == "disk" and not inprocess:
         mods.append(StateSpillMod())
+    if cfg.strategy == "dga" and cfg.dga_compute_ahead:
+        mods.append(PreviewMod())
     if cfg.checkpoint_every > 0:  # acts only when the server asks (its runtime keeps no client state)
         mods.append(StateStoreMod())
     if cfg.strategy != "gossip" and (cfg.compressor != "none" or cfg.downlink_compressor != "none"):

@@ -36,11 +36,13 @@ import socket
 import stat
 import struct
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from fededge.clients.preview import discard_ahead, held_preview, speculate
 from fededge.clients.workerwire import WireError, decode_records, encode_records, recv_frame, send_frame
 from fededge.nodecache import ENV_CACHE_DIR, NODE_CONFIG_CACHE_DIR
 
@@ -84,8 +86,12 @@ def _load_app() -> Callable[..., Any]:
     return app
 
 
-def handle(header: dict[str, Any], blobs: list[bytes], app: Callable[..., Any]) -> tuple[dict[str, Any], list[bytes]]:
-    """Run one message through ``app`` as Flower would; the reply frame."""
+def handle(header: dict[str, Any], blobs: list[bytes], app: Callable[..., Any],
+           after: list[Callable[[], None]] | None = None) -> tuple[dict[str, Any], list[bytes]]:
+    """Run one message through ``app`` as Flower would; the reply frame. When the node's
+    state now holds a preview (:mod:`fededge.clients.preview`), ``after`` (if given) gets
+    the background run that computes the next message ahead, to start once the reply has
+    been sent."""
     from flwr.app import Context, Message
 
     from fededge._flwr_internals import set_message_id, task_identity
@@ -103,6 +109,9 @@ def handle(header: dict[str, Any], blobs: list[bytes], app: Callable[..., Any]) 
         context = Context(run_id, node_id, node_config, state, dict(header["run_config"]))
         reply = app(msg, context)
     out: list[bytes] = []
+    if after is not None and held_preview(context.state) is not None:
+        after.append(lambda: speculate(app, run_id=run_id, node_id=node_id, node_config=node_config,
+                                       run_config=dict(header["run_config"]), state=context.state))
     if reply.has_error():
         return {"ok": True, "error": {"code": int(reply.error.code), "reason": str(reply.error.reason)},
                 "state": encode_records(context.state, out)}, out
@@ -142,10 +151,11 @@ def serve(socket_path: str | os.PathLike[str], *, app: Callable[..., Any] | None
         _log.info("fededge worker %d ready on %s (%.1f s to load)", os.getpid(), path, time.perf_counter() - t0)
         if ready is not None:
             ready()
+        ahead: list[threading.Thread] = []  # the next message, computed ahead (at most one)
         while True:
             conn, _ = srv.accept()
             with conn:
-                _serve_one(conn, app)
+                _serve_one(conn, app, ahead)
     except KeyboardInterrupt:
         pass
     finally:
@@ -156,7 +166,16 @@ def serve(socket_path: str | os.PathLike[str], *, app: Callable[..., Any] | None
             pass
 
 
-def _serve_one(conn: socket.socket, app: Callable[..., Any]) -> None:
+def _run_ahead(job: Callable[[], None]) -> None:
+    try:
+        job()
+    except Exception:  # the real message will compute again, and report its own error
+        _log.warning("fededge worker: computing the next message ahead failed; it will run when it comes",
+                     exc_info=True)
+        discard_ahead()
+
+
+def _serve_one(conn: socket.socket, app: Callable[..., Any], ahead: list[threading.Thread] | None = None) -> None:
     uid = peer_uid(conn)
     if uid != os.getuid():
         _log.warning("fededge worker: refused a connection from uid %d", uid)
@@ -182,16 +201,28 @@ def _serve_one(conn: socket.socket, app: Callable[..., Any]) -> None:
                    [])
         return
     t0 = time.perf_counter()
+    # One message at a time: a run computing this message ahead finishes first (its
+    # result is then used if it was computed for this message and state, else dropped).
+    while ahead:
+        ahead.pop().join()
+    after: list[Callable[[], None]] = []
     try:
-        reply, out = handle(header, blobs, app)
+        reply, out = handle(header, blobs, app, after)
     except Exception as ex:  # the app raised: the shim re-raises, so Flower reports it as usual
         reply, out = {"ok": False, "exception": f"{type(ex).__name__}: {ex}",
                       "traceback": traceback.format_exc()}, []
+        after.clear()
     reply["worker_s"] = time.perf_counter() - t0
     try:
         send_frame(conn, reply, out)
     except OSError as err:  # the shim gave up (its timeout): nothing to do
         _log.warning("fededge worker: could not send a reply: %s", err)
+        after.clear()
+    if ahead is not None:
+        for job in after:
+            thread = threading.Thread(target=_run_ahead, args=(job,), name="fededge-ahead", daemon=True)
+            thread.start()
+            ahead.append(thread)
 
 
 def _set_process_name(name: bytes) -> None:

@@ -86,7 +86,7 @@ class DGA(FedAvg):
 
     Parameters
     ----------
-    delay, correction, warmup_rounds, pipeline
+    delay, correction, warmup_rounds, pipeline, compute_ahead
         :class:`fededge.algorithms.dga.DGAConfig`'s knobs (their defaults, checks and
         meaning are declared there, once).
     downlink : str
@@ -117,13 +117,15 @@ class DGA(FedAvg):
 
     def __init__(self, *, delay: int = DGAConfig.delay, correction: bool = DGAConfig.correction,
                  warmup_rounds: int = DGAConfig.warmup_rounds, pipeline: str = DGAConfig.pipeline,
+                 compute_ahead: bool = DGAConfig.compute_ahead,
                  downlink: str = DownlinkConfig.downlink, poll_s: float = 0.5,
                  update: UpdateConfig | None = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
         DownlinkConfig(downlink=downlink)  # checks the name
         self.downlink = downlink
         self._down: dict[int, dict[str, ArrayRecord]] = {}  # g -> G(g) cast for the downlink (built once)
-        self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds, pipeline=pipeline)
+        self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds, pipeline=pipeline,
+                                compute_ahead=compute_ahead)
         self.pipeline = pipeline
         self.poll_s = poll_s
         self._info: dict[int, DGARoundInfo] = {}
@@ -251,6 +253,7 @@ class DGA(FedAvg):
             "timeline": None if tl is None else {
                 "clients": list(tl.clients), "free": {int(j): float(v) for j, v in tl._free.items()},
                 "replied": {int(j): float(v) for j, v in tl._replied.items()},
+                "handled": {int(j): float(v) for j, v in tl._handled.items()},
                 "ready": {int(r): float(v) for r, v in tl.ready.items()}},
         }
 
@@ -284,6 +287,7 @@ class DGA(FedAvg):
             self._timeline = DGATimeline(self._clock.clock, self.config, clients=[int(j) for j in tl["clients"]])
             self._timeline._free = {int(j): float(v) for j, v in tl["free"].items()}
             self._timeline._replied.update({int(j): float(v) for j, v in tl.get("replied", {}).items()})
+            self._timeline._handled.update({int(j): float(v) for j, v in tl.get("handled", {}).items()})
             self._timeline.ready = {int(r): float(v) for r, v in tl["ready"].items()}
         return done
 
@@ -321,11 +325,13 @@ class DGA(FedAvg):
         self._keys = set(initial_arrays.keys())
         self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
         self._resync: set[int] = set()
+        self._previewed: dict[int, int] = {}  # node -> the round whose content it got as a preview
         self._result = Result()
         self._evaluate_fn = evaluate_fn
-        log.info("DGA: delay %d rounds, correction %s, warm-up %d rounds, %s", self.config.delay,
+        log.info("DGA: delay %d rounds, correction %s, warm-up %d rounds, %s%s", self.config.delay,
                  self.config.correction, self.config.warmup_rounds,
-                 "pipelined (rounds pushed ahead)" if self.pipelined else "lock-step (one message per node)")
+                 "pipelined (rounds pushed ahead)" if self.pipelined else "lock-step (one message per node)",
+                 ", compute-ahead (messages carry the next round's content)" if self.config.compute_ahead else "")
         if self._resume is not None:
             done = self._resumed(grid)
         else:
@@ -343,37 +349,64 @@ class DGA(FedAvg):
             self._run_lockstep(grid, num_rounds, timeout, train_config, evaluate_config, done)
         return self._result
 
-    def _messages(self, t: int, train_config: ConfigRecord) -> list[Message]:
-        """Round t's train messages, in this round's (seeded) order of participants."""
-        g = last_arrived(self.config, t)
-        new = t == 1 or g != last_arrived(self.config, t - 1)
-        full, empty = self._arrays_of[g], ArrayRecord()  # G(g) as sent, kept since round g
-        config = ConfigRecord(dict(train_config))
-        config[keys.SERVER_ROUND] = t
-        config[keys.DGA_GLOBAL_ROUND] = g
-        config[keys.DGA_CORRECTION] = self.config.correction
+    def _messages(self, t: int, train_config: ConfigRecord, *, preview: bool = False) -> list[Message]:
+        """Round t's train messages, in this round's (seeded) order of participants. With
+        ``preview`` (compute-ahead), each also carries round t+1's content, and a node that
+        got round t's content as a preview is sent a reference to it instead."""
+        config, new = self._round_config(t, train_config)
         # The same draw as FedAvg's per-round sample of all nodes, so D = 0 matches it.
         order = random.sample(self.participants, len(self.participants))
+        after = self._round_config(t + 1, train_config) if preview else None
         out = []
         for node in order:
-            send = new or node in self._resync
-            self._resync.discard(node)
-            if send and self.downlink != "none":
-                if g not in self._down:  # g only grows: older casts are never sent again
-                    self._down = {g: cast_downlink(full, self.downlink)}
-                content = RecordDict({**self._down[g], self.configrecord_key: config})
+            if self._previewed.pop(node, None) == t and node not in self._resync:
+                records: dict[str, Any] = {keys.PREVIEW_OF: ConfigRecord({"id": str(t)})}
             else:
-                content = RecordDict({self.arrayrecord_key: full if send else empty, self.configrecord_key: config})
-            out.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(t)))
+                records = self._content(t, config, send=new or node in self._resync)
+            self._resync.discard(node)
+            if after is not None:
+                records.update({keys.PREVIEW_PREFIX + k: v
+                                for k, v in self._content(t + 1, after[0], send=after[1]).items()})
+                records[keys.PREVIEW_ID] = ConfigRecord({"id": str(t + 1)})
+                self._previewed[node] = t + 1
+            out.append(Message(RecordDict(records), dst_node_id=node, message_type=MessageType.TRAIN,
+                               group_id=str(t)))
         if self._clock is not None:
             cache: dict[str, int] = {}
             self._bytes_down[t] = {m.metadata.dst_node_id: wire_size(m, cache) for m in out}
         return out
 
+    def _round_config(self, t: int, train_config: ConfigRecord) -> tuple[ConfigRecord, bool]:
+        """Round t's train config, and whether its ``G(g)`` is new (sent to every node)."""
+        g = last_arrived(self.config, t)
+        config = ConfigRecord(dict(train_config))
+        config[keys.SERVER_ROUND] = t
+        config[keys.DGA_GLOBAL_ROUND] = g
+        config[keys.DGA_CORRECTION] = self.config.correction
+        return config, t == 1 or g != last_arrived(self.config, t - 1)
+
+    def _content(self, t: int, config: ConfigRecord, *, send: bool) -> dict[str, Any]:
+        """The records of round t's message: ``G(g)`` (as sent, kept since round g; cast
+        for the downlink) when ``send``, else no arrays, and the config."""
+        g = int(config[keys.DGA_GLOBAL_ROUND])
+        full = self._arrays_of[g]
+        if send and self.downlink != "none":
+            if g not in self._down:  # g only grows: older casts are never sent again
+                self._down = {g: cast_downlink(full, self.downlink)}
+            return {**self._down[g], self.configrecord_key: config}
+        return {self.arrayrecord_key: full if send else ArrayRecord(), self.configrecord_key: config}
+
+    def _previews(self, t: int, stop: int) -> bool:
+        """Whether round t's messages carry round t+1's content: compute-ahead, the next
+        global model exists, and round t is not the last before a stop (the run's end, or
+        a checkpoint, after which nothing of a later round may be out)."""
+        return self.config.previews(t) and t < stop
+
     def _run_lockstep(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
                       evaluate_config: ConfigRecord, done: int = 0) -> None:
         for t in range(done + 1, num_rounds + 1):
-            replies = list(grid.send_and_receive(self._messages(t, train_config), timeout=timeout))
+            preview = self._previews(t, num_rounds) and not self._due(t)
+            replies = list(grid.send_and_receive(self._messages(t, train_config, preview=preview), timeout=timeout))
             self._finish_round(t, replies)
             if self.fraction_evaluate > 0:
                 ev = grid.send_and_receive(
@@ -394,10 +427,15 @@ class DGA(FedAvg):
         # before it is saved (resume.py's contract).
         stops = [t for t in range(done + 1, num_rounds + 1) if self._due(t)]
         while done < num_rounds:
-            # Push every round whose global model exists: up to D + 1 rounds ahead.
+            # Push every round whose global model exists: up to D + 1 rounds ahead (with
+            # compute-ahead, once the next round's exists too: it travels as a preview).
             stop = next((s for s in stops if s > done), num_rounds)
-            while next_push <= stop and last_arrived(self.config, next_push) <= done:
-                pushed[next_push] = list(grid.push_messages(self._messages(next_push, train_config)))
+            while next_push <= stop:
+                preview = self._previews(next_push, stop)
+                if last_arrived(self.config, next_push + 1 if preview else next_push) > done:
+                    break
+                messages = self._messages(next_push, train_config, preview=preview)
+                pushed[next_push] = list(grid.push_messages(messages))
                 next_push += 1
             t = done + 1
             outstanding = [m for r in sorted(pushed) for m in pushed[r] if m not in got]

@@ -104,6 +104,7 @@ def _build(cfg: RunConfig) -> Strategy:
         # The codec the clients were told to use: a reply in another one is rejected by name.
         return DGA(**kw, delay=cfg.dga_delay, correction=cfg.dga_correction,
                    warmup_rounds=cfg.dga_warmup_rounds, pipeline=cfg.dga_pipeline,
+                   compute_ahead=cfg.dga_compute_ahead,
                    downlink=cfg.downlink_compressor,
                    update=cfg.update_config() if cfg.compressor != "none" else None)
     if name == "diloco":

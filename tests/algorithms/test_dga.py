@@ -210,6 +210,50 @@ def test_a_node_that_pulls_gets_its_next_message_only_after_its_reply_arrived():
     assert not any(c.pulls for c in RunClock(netem="4g").build(3).clients)
 
 
+def test_computing_ahead_hides_the_compute_of_a_node_that_pulls():
+    # The pulling node above, with compute-ahead (D = 2): round 1 as before (arrives 0.2,
+    # computed to 0.7, reply arrives 0.9). Round 1's message brought round 2's content, so
+    # the node computes round 2 from 0.7 to 1.2 while its reply travels and round 2's
+    # message comes (pulled at 0.9, arrives 1.1); the reply leaves at 1.2 and arrives 1.4.
+    # Every later round the same: 0.5 s a round, the compute alone, against 0.9 s without.
+    work = [ClientRound(0, 100_000, 0.5, 100_000)]
+    d = Direction(rate_bps=8e6, delay_s=0.1)
+    link = ClientLink(LinkProfile(name="t", up=d, down=d, source="test"), pulls=True)
+    tl = DGATimeline(SimClock([link]), DGAConfig(delay=2, compute_ahead=True), clients=[0])
+    assert [tl.run_round(t, work) for t in range(1, 5)] == pytest.approx([0.9, 1.4, 1.9, 2.4])
+    assert [tl.started[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 0.7, 1.2, 1.7])
+    assert [tl.arrived[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 1.1, 1.6, 2.1])
+    # A message may only carry the next round's content once that round's global model
+    # exists: not in the warm-up (D = 0: round 3 starts from G(2), round 2's own average).
+    cfg = DGAConfig(delay=1, warmup_rounds=2, compute_ahead=True)
+    assert [cfg.previews(t) for t in range(1, 6)] == [False, False, True, True, True]
+    assert not any(DGAConfig(delay=0, compute_ahead=True).previews(t) for t in range(1, 6))
+    assert not any(DGAConfig(delay=2).previews(t) for t in range(1, 6))
+    with pytest.raises(ValueError, match="compute_ahead must be true or false"):
+        DGAConfig(compute_ahead="yes")
+
+
+def test_a_node_that_finds_no_message_asks_again_three_seconds_later():
+    from fededge.algorithms.dga import pulled
+
+    assert pulled(0.5, 1.0) == 1.0  # the message was waiting: taken at once
+    assert pulled(4.0, 1.0) == 4.0  # ready exactly at the second ask
+    assert pulled(4.2, 1.0) == pytest.approx(7.0)  # asked at 1, 4 (nothing), 7
+    # On the timeline: two pulling nodes, D = 1 with compute-ahead, node 1 uploading 10x
+    # slower. Round 2's message waits for round 1's average: node 1's reply, at 1.8 s (0.2
+    # down, 0.5 compute, 1.1 up). Node 0 replied at 0.9 and asked then; it asks again at
+    # 3.9 and has the message at 4.1 (0.2 s down), though it was ready at 1.8.
+    fast, slow = Direction(rate_bps=8e6, delay_s=0.1), Direction(rate_bps=8e5, delay_s=0.1)
+    links = [ClientLink(LinkProfile(name="f", up=fast, down=fast, source="test"), pulls=True),
+             ClientLink(LinkProfile(name="s", up=slow, down=fast, source="test"), pulls=True)]
+    work = [ClientRound(0, 100_000, 0.5, 100_000), ClientRound(1, 100_000, 0.5, 100_000)]
+    tl = DGATimeline(SimClock(links), DGAConfig(delay=1, compute_ahead=True), clients=[0, 1])
+    for t in (1, 2):
+        tl.run_round(t, work)
+    assert (tl.replied[(1, 0)], tl.ready[1]) == pytest.approx((0.9, 1.8))
+    assert tl.arrived[(2, 0)] == pytest.approx(4.1) and tl.arrived[(2, 1)] == pytest.approx(2.0)
+
+
 def test_a_slow_client_delays_others_only_through_the_averages_they_wait_for():
     links = [_link(80e6, 0.01), _link(80e6, 0.01, speed=0.25)]  # client 1 computes 4x slower
     work = [ClientRound(0, 10_000, 0.1, 10_000), ClientRound(1, 10_000, 0.1, 10_000)]

@@ -393,3 +393,70 @@ def test_a_dead_worker_is_restarted_until_the_restarts_run_out(tmp_path, restart
         assert f"no restarts left (--worker-restarts {restarts})" in err, err
     finally:
         _stop_all(proc, kids)
+
+
+# ------------------------------------------------------------------ computing ahead (previews)
+
+
+def _dga_messages(initial: ArrayRecord, g1: ArrayRecord) -> list[Message]:
+    """Three DGA rounds (D = 1) as DGA(compute_ahead=True) sends them: round 1 in full with
+    round 2's content as a preview, then messages that refer to the preview they got."""
+    def conf(t: int, g: int) -> ConfigRecord:
+        return ConfigRecord({keys.LOCAL_STEPS: 3, keys.SERVER_ROUND: t, keys.DGA_GLOBAL_ROUND: g,
+                             keys.DGA_CORRECTION: True})
+
+    def preview(t: int, arrays: ArrayRecord, g: int) -> dict:
+        return {keys.PREVIEW_PREFIX + keys.ARRAYS: arrays, keys.PREVIEW_PREFIX + keys.CONFIG: conf(t, g),
+                keys.PREVIEW_ID: ConfigRecord({"id": str(t)})}
+
+    contents = [
+        {keys.ARRAYS: initial, keys.CONFIG: conf(1, 0), **preview(2, ArrayRecord(), 0)},
+        {keys.PREVIEW_OF: ConfigRecord({"id": "2"}), **preview(3, g1, 1)},
+        {keys.PREVIEW_OF: ConfigRecord({"id": "3"})},
+    ]
+    out = []
+    for t, c in enumerate(contents, start=1):
+        with task_identity(RUN_ID, NODE_ID, 0):
+            msg = Message(RecordDict(c), dst_node_id=NODE_ID, message_type="train", group_id=str(t))
+            set_message_id(msg, f"m{t}")
+        out.append(msg)
+    return out
+
+
+def _dga_context() -> Context:
+    return Context(RUN_ID, NODE_ID, {keys.PARTITION_ID: 1, keys.NUM_PARTITIONS: 3}, RecordDict(),
+                   {"seed": 3, "batch-size": 16, "strategy": "dga", "dga-delay": 1, "dga-compute-ahead": True})
+
+
+def _run_dga(app, *, pause_s: float = 0.0) -> tuple[list[Message], RecordDict]:
+    initial = _initial()
+    g1 = ArrayRecord({k: Array(v.numpy() * 0.5) for k, v in initial.items()})  # any G(1) will do
+    ctx, replies = _dga_context(), []
+    for msg in _dga_messages(initial, g1):
+        with task_identity(RUN_ID, NODE_ID, 0):
+            reply = app(msg, ctx)
+        assert not reply.has_error(), reply.error
+        replies.append(reply)
+        time.sleep(pause_s)  # the SuperNode's upload and next pull: the worker computes meanwhile
+    return replies, ctx.state
+
+
+def test_warm_worker_computes_ahead_and_replies_as_cold_bit_for_bit(worker):
+    """DGA with compute-ahead: the warm worker runs the preview it got as soon as it has
+    replied, and uses that run for the message that refers to it (logged); the replies and
+    the node's state are the cold path's (which computes each round when asked), bit for bit."""
+    from fededge.clients.app import app as cold_app
+
+    proc, sock = worker
+    warm, warm_state = _run_dga(WorkerShim(socket_path=str(sock)), pause_s=0.5)
+    cold, cold_state = _run_dga(cold_app)
+    for w, c in zip(warm, cold):
+        for rd in (w.content, c.content):
+            rd[keys.METRICS][keys.COMPUTE_S] = 0.0
+        assert _rd_equal(w.content, c.content)
+    assert _rd_equal(warm_state, cold_state)
+    assert keys.PREVIEW_ID not in warm_state  # the last message carried no preview
+    proc.terminate()
+    proc.wait(10)
+    log = proc.stdout.read().decode()
+    assert log.count("the reply computed ahead") == 2, log

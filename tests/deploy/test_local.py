@@ -98,17 +98,23 @@ def test_secure_command_lines_and_connection_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_dga_pipelines_rounds_on_a_real_superlink(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["pushed", "computed-ahead"])
+def test_dga_pipelines_rounds_on_a_real_superlink(tmp_path, ahead):
     """DGA with D=1 pushes round t+1 before round t's replies are in: each SuperNode
-    runs its messages in order, so the strategy picks the pipelined loop."""
+    runs its messages in order, so the strategy picks the pipelined loop. With
+    dga-compute-ahead, each node's warm worker computes rounds 2 and 3 from the previews
+    it got, as soon as it has replied, and uses them when their messages come."""
     results = tmp_path / "results"
     # Warm nodes (fededge supernode): the strategy's behaviour is the point here, not the
     # per-message process start (the cold path has its own tests below).
     with LocalDeployment(ROOT, num_supernodes=2, workdir=tmp_path / "dep", warm=True,
                          env={"FEDEDGE_CACHE_DIR": str(tmp_path / "cache")}) as dep:
         run = dep.run({"strategy": "dga", "dga-delay": 1, "num-rounds": 3, "local-steps": 2,
-                       "results-dir": str(results), "progress": "lines"}, timeout_s=400)
+                       "dga-compute-ahead": ahead, "results-dir": str(results), "progress": "lines"},
+                      timeout_s=400)
+        logs = dep.log_tails(chars=200_000)
     assert processes_of(str(dep.home)) == []
+    assert logs.count("the reply computed ahead") == (4 if ahead else 0), logs
     assert run.ok, run.describe()
     lines = _metrics(results)
     assert [r["round"] for r in lines] == [0, 1, 2, 3], run.describe()

@@ -21,3 +21,20 @@ def failing_once(partition: int, at_round: int) -> ClientApp:
         return fededge_train(msg, context)
 
     return app
+
+
+def losing_state_once(partition: int, at_round: int) -> ClientApp:
+    """fededge's ClientApp, except that ``partition``'s ``context.state`` is wiped before
+    its round ``at_round`` message (a SuperNode that restarted and lost it)."""
+    app = ClientApp()
+
+    def wipe(msg: Message, context: Context, call_next):  # noqa: ANN001, ANN202
+        if int(context.node_config[keys.PARTITION_ID]) == partition and int(msg.metadata.group_id) == at_round:
+            context.state.clear()
+        return call_next(msg, context)
+
+    @app.train(mods=[wipe, run_config_mods])
+    def train(msg: Message, context: Context) -> Message:
+        return fededge_train(msg, context)
+
+    return app

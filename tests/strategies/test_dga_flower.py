@@ -7,7 +7,7 @@ import torch
 
 from fededge.config import ConfigError, RunConfig
 from fededge.server.inprocess import run_inprocess
-from .apps import failing_once
+from .apps import failing_once, losing_state_once
 from fededge.strategies.dga import DGA
 
 BASE = {"num-rounds": 5, "local-steps": 4, "progress": "off"}
@@ -203,3 +203,39 @@ def test_dga_downlink_cast_halves_the_model_messages_and_keeps_the_exact_global_
     # trains like the uncast one, not identically.
     assert [r["accuracy"] for r in half] == pytest.approx([r["accuracy"] for r in full], abs=0.05)
     assert half[-1]["loss"] < half[0]["loss"] and half[-1]["compression_ratio"] == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("pipeline", ["on", "off"])
+def test_computing_ahead_trains_the_same_model_bit_for_bit(tmp_path, pipeline):
+    """dga-compute-ahead only moves each round's content into the previous round's message
+    (a preview; fededge.clients.preview): the same models, metrics and bytes in all
+    (but the previews' few config bytes), with a warm-up and error feedback."""
+    over = {**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 2, "dga-warmup-rounds": 1,
+            "compressor": "topk", "error-feedback": True, "dga-pipeline": pipeline}
+    plain = run_inprocess({**over, "results-dir": str(tmp_path / "plain")}, num_clients=3)
+    ahead = run_inprocess({**over, "dga-compute-ahead": True, "results-dir": str(tmp_path / "ahead")},
+                          num_clients=3)
+    _same_models(plain, ahead)
+    a, b = _lines(plain), _lines(ahead)
+    for k in ("accuracy", "loss", "staleness", "dga_global_round", "bytes_up"):
+        assert [r.get(k) for r in a] == [r.get(k) for r in b], k
+    down = [sum(r["bytes_down"] for r in x) for x in (a, b)]
+    assert 0 < down[1] - down[0] < 3 * 6 * 400, down  # each message's preview config, a few hundred bytes
+    # The contents moved: round 5's G(2) came with round 4's message. Round 5 is a
+    # checkpoint (checkpoint-every=5), past which nothing is sent early: round 6 in full.
+    assert b[5]["bytes_down"] < a[5]["bytes_down"] / 10 and b[4]["bytes_down"] > a[4]["bytes_down"] * 10
+    assert b[6]["bytes_down"] == a[6]["bytes_down"]
+
+
+def test_a_node_that_lost_its_preview_is_refused_by_name_and_resynchronised(tmp_path):
+    run_dir = run_inprocess({**BASE, "num-rounds": 6, "strategy": "dga", "dga-delay": 1,
+                             "dga-compute-ahead": True, "results-dir": str(tmp_path)},
+                            num_clients=3, client_app=losing_state_once(1, 3))
+    lines = _lines(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    failures = [r["failures"] for r in lines[1:]]
+    clients = [r["num_clients"] for r in lines[1:]]
+    # Round 3's message refers to the preview partition 1 no longer holds: an error reply
+    # naming it; round 4 then brings it everything again.
+    assert failures == [0, 0, 1, 0, 0, 0], failures
+    assert clients == [3, 3, 2, 3, 3, 3], clients
