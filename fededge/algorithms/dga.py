@@ -54,16 +54,15 @@ global-model history, and the timeline on the simulated clock (fededge.netem.clo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, TypeVar
+from typing import Container, Mapping, Sequence, TypeVar
 
 import torch
 
 from fededge.netem.clock import ClientRound, SimClock
 
-__all__ = ["PIPELINE_MODES", "PULL_RETRY_S", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline",
-           "average", "last_arrived", "pulled", "round_delta"]
+__all__ = ["PIPELINE_MODES", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average",
+           "last_arrived", "round_delta"]
 
 Weights = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -99,7 +98,8 @@ class DGAConfig:
     compute_ahead : bool
         [dga-compute-ahead] Each round's message also carries the next round's content
         (its config and ``G(g)``; a *preview*), wherever that global model already exists
-        (delay >= 1 in the next round), and the next message then refers to it instead of
+        (:meth:`previews`: this round's own delay is at least 1; not in the run's last
+        round nor in a checkpoint round), and the next message then refers to it instead of
         repeating it. A node with a warm worker (``fededge supernode``) computes the next
         round in the background as soon as it has replied, so its compute overlaps its own
         upload, Flower's pull of the next message and that message's start-up: DGA's
@@ -344,20 +344,6 @@ class DGAServer:
             del self.globals[s]
 
 
-#: Seconds a Flower SuperNode waits after a pull that found no message before it pulls
-#: again (flwr 1.41, ``flwr.supernode.start_client_internal``: ``time.sleep(3)``).
-PULL_RETRY_S = 3.0
-
-
-def pulled(sent: float, asked: float, retry_s: float = PULL_RETRY_S) -> float:
-    """When a node that pulls gets a message the server has ready at ``sent``: it asks at
-    ``asked`` (its previous reply just went out) and, while it finds nothing, again every
-    ``retry_s`` seconds."""
-    if sent <= asked:
-        return asked
-    return asked + retry_s * math.ceil((sent - asked) / retry_s - 1e-12)
-
-
 class DGATimeline:
     """When each DGA round happens on the simulated clock: the overlap the protocol allows.
 
@@ -374,7 +360,7 @@ class DGATimeline:
     Flower SuperNode asks for its next message only once it has sent its reply) gets
     round ``t``'s message no earlier than its previous reply's arrival at the server, so
     the download cannot overlap its compute and upload; and a node that found no message
-    asks again :data:`PULL_RETRY_S` seconds later (:func:`pulled`), as Flower's do.
+    asks again 3 s later (:func:`fededge.netem.clock.pulled`), as Flower's do.
 
     With ``compute_ahead`` (:meth:`DGAConfig.previews`), round ``t``'s message leaves once
     round ``t + 1``'s global model is ready too, and a client that got round ``t``'s
@@ -406,27 +392,37 @@ class DGATimeline:
         self.replied: dict[tuple[int, int], float] = {}  # (round, client) -> reply arrival
         self.blocked: dict[tuple[int, int], float] = {}  # time spent waiting for the message
 
-    def run_round(self, t: int, work: Sequence[ClientRound]) -> float:
+    def run_round(self, t: int, work: Sequence[ClientRound], *, ahead: bool | None = None,
+                  from_preview: Container[int] | None = None) -> float:
         """Schedule round ``t`` (measured compute and bytes per client); return when its
-        average is ready at the server (the round's end on the clock)."""
-        ahead = self.config.previews(t)  # round t's message also carries round t+1's content
+        average is ready at the server (the round's end on the clock).
+
+        ``ahead``: round t's messages carried round t+1's content (default: whenever
+        :meth:`DGAConfig.previews` allows it); ``from_preview``: the clients whose round t
+        content came with round t-1's message (default: all that ran round t-1, if round
+        t-1's messages carried previews). The strategy passes what it really sent (it sends
+        no preview past a checkpoint, and the full content to a node it resynchronises)."""
+        if ahead is None:
+            ahead = self.config.previews(t)
+        if from_preview is None:
+            from_preview = {j for (s, j) in self.arrived if s == t - 1} if t > 1 and self.config.previews(t - 1) \
+                else set()
         sent = self.ready[last_arrived(self.config, t + 1 if ahead else t)]
-        previewed = t > 1 and self.config.previews(t - 1)  # round t's content came with round t-1's
         arrivals = []
         for c in work:
             j = c.client
             link = self.clock.clients[j]
-            depart = pulled(sent, self._replied[j]) if link.pulls else sent
-            self.arrived[(t, j)] = self.clock.send_down(j, c.bytes_down, depart)
-            if previewed and (t - 1, j) in self.arrived:
+            self.arrived[(t, j)] = self.clock.send_down(j, c.bytes_down, self.clock.receive(j, sent))
+            if j in from_preview:
                 # Computed ahead: from the end of the node's handling of round t-1's message
                 # (which brought round t's content), in its warm worker, while its reply
                 # travels and round t's message comes; the reply leaves once both are done.
                 start = self._handled[j]
                 self.started[(t, j)] = start
-                self.blocked[(t, j)] = 0.0
                 self._free[j] = start + c.compute_s / link.speed
-                leave = max(self._free[j], self.arrived[(t, j)] + link.message_overhead_s)
+                handled = self.arrived[(t, j)] + link.message_overhead_s
+                self.blocked[(t, j)] = max(0.0, handled - self._free[j])  # the reply waits for the message
+                leave = max(self._free[j], handled)
             else:
                 could = max(self._free[j], self.clock.up_departed(j))
                 start = max(could, self.arrived[(t, j)])

@@ -14,7 +14,8 @@ The protocol (:attr:`fededge.algorithms.dga.DGAConfig.compute_ahead`):
   ``id``).
 - The next message then carries ``fededge.preview-of`` (``id``) instead of repeating that
   content (the bytes travel once, earlier).
-- :class:`PreviewMod` (on the client, outside every other fededge mod) keeps the preview
+- :class:`PreviewMod` (on the client, outside fededge's other mods but the state-spill
+  mod, which must load the state first) keeps the preview
   in ``context.state`` and hands the inner mods the content a message stands for. With
   no warm worker, that is all: the replies are those of the same run without previews,
   bit for bit.
@@ -124,7 +125,13 @@ class PreviewMod:
             # two train messages): the held preview stays for the message that refers to it.
             return call_next(msg, context)
         ref = content[keys.PREVIEW_OF] if keys.PREVIEW_OF in content else None
+        speculative = ref is not None and bool(ref.get("speculative", False))
+        # What a reply computed ahead is keyed by: the node's whole state, preview included.
+        start = state_digest(context.state) if ref is not None else None
         held_id, held = _take(context.state)
+        nxt_id = str(content[keys.PREVIEW_ID]["id"]) if keys.PREVIEW_ID in content else None
+        nxt = {n: content[n] for n in names if n.startswith(keys.PREVIEW_PREFIX)}
+        reply = None
         if ref is not None:
             want = str(ref["id"])
             if held_id != want:
@@ -132,30 +139,28 @@ class PreviewMod:
                        f"{'no preview' if held_id is None else f'preview {held_id}'} (its context.state was lost "
                        f"or replaced); the server resends the full message")
                 _log.warning("fededge: %s", why)
-                return Message(Error(code=PREVIEW_ERROR_CODE, reason=why), reply_to=msg)
+                reply = Message(Error(code=PREVIEW_ERROR_CODE, reason=why), reply_to=msg)
+            elif not speculative:
+                assert start is not None
+                reply = self._computed_ahead(msg, context, want, start)
             own = held
         else:
             own = RecordDict({n: content[n] for n in names if not _is_preview(n)})
-        nxt_id = str(content[keys.PREVIEW_ID]["id"]) if keys.PREVIEW_ID in content else None
-        nxt = {n: content[n] for n in names if n.startswith(keys.PREVIEW_PREFIX)}
-        speculative = ref is not None and bool(ref.get("speculative", False))
-        reply = None
-        if ref is not None and not speculative:
-            reply = self._computed_ahead(msg, context, str(ref["id"]))
         if reply is None:
-            start = state_digest(context.state) if speculative else None
             msg.content = own
             try:
                 reply = call_next(msg, context)
             finally:
                 msg.content = content
             if speculative:
-                assert start is not None
+                assert ref is not None and start is not None
                 with _lock:
                     _ahead.clear()
                     _ahead.append(_Ahead((int(msg.metadata.run_id), int(context.node_id), str(ref["id"]), start),
                                          None if reply.has_error() else reply.content,
                                          reply.error if reply.has_error() else None, context.state))
+        # Kept also after an error (a preview this node had lost): a message the server
+        # pushed before it learnt of the error may refer to this one.
         if nxt_id is not None:
             for n, rec in nxt.items():
                 context.state[n] = rec
@@ -163,16 +168,16 @@ class PreviewMod:
         return reply
 
     @staticmethod
-    def _computed_ahead(msg: Message, context: Context, pid: str) -> Message | None:
-        """The reply computed ahead for this message and state, with its state put in
-        ``context``; None when there is none (or it was computed for something else,
-        which is then dropped)."""
+    def _computed_ahead(msg: Message, context: Context, pid: str, start: str) -> Message | None:
+        """The reply computed ahead for this message and state (``start``: the state's
+        digest as the message found it), with its state put in ``context``; None when
+        there is none (or it was computed for something else, which is then dropped)."""
         with _lock:
             ahead = _ahead.pop() if _ahead else None
             _ahead.clear()
         if ahead is None:
             return None
-        if ahead.key != (int(msg.metadata.run_id), int(context.node_id), pid, state_digest(context.state)):
+        if ahead.key != (int(msg.metadata.run_id), int(context.node_id), pid, start):
             _log.info("fededge: the reply computed ahead was for another message or state; computing again")
             return None
         context.state.clear()
@@ -206,12 +211,10 @@ def speculate(app: ClientAppCallable, *, run_id: int, node_id: int, node_config:
         return False
     with _lock:
         done = [a.key for a in _ahead]
-    if done and done[0][:3] == (run_id, node_id, pid):
-        # Already computed for this preview (a message in between, such as an evaluate
-        # message, left it held): again only if the node's state has changed since.
-        inner = RecordDict({n: state[n] for n in state.keys() if not _is_preview(n)})
-        if done[0][3] == state_digest(inner):
-            return False
+    if done and done[0] == (run_id, node_id, pid, state_digest(state)):
+        # Already computed for this preview and state (a message in between, such as an
+        # evaluate message, left both as they were).
+        return False
     blobs: list[bytes] = []
     copy = decode_records(encode_records(state, blobs), blobs)  # nothing shared with the caller's
     ctx = Context(run_id, node_id, dict(node_config), copy, dict(run_config))

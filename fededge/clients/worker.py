@@ -13,9 +13,16 @@ context)``, and sends back the reply's content and the updated ``context.state``
   messages at once, as a SuperNode never does.
 - **Isolation.** Nothing of a message survives in the worker but what fededge's app
   caches by its own keys: the data by the data key (:mod:`fededge.workload`), the model
-  object by architecture (each message loads its weights). A node's training state
-  travels in ``context.state`` with every message, as in the cold path, so runs (run
-  id) and configs cannot leak into each other.
+  object by architecture (each message loads its weights), and one reply computed ahead
+  (:mod:`fededge.clients.preview`), used only for the message (run id, node id, preview
+  id) and incoming ``context.state`` (SHA-256) it was computed for. A node's training
+  state travels in ``context.state`` with every message, as in the cold path, so runs
+  and configs cannot leak into each other.
+- **Computing ahead.** After a reply that left a preview in the node's state, the worker
+  runs the app on it in a background thread. The next message, whatever it is, waits
+  for that run to end first (one message at a time, as above), so a message that does
+  not use it (an evaluate message, a resynchronising one) can wait up to one round's
+  compute.
 - **Permissions.** The socket's directory must be the worker's own with no access for
   group or others (0700; it refuses to start otherwise), the socket itself is 0600, and
   each connection's peer uid (``SO_PEERCRED``) must equal the worker's, else it is

@@ -58,7 +58,7 @@ from fededge.netem.trace import PACKET_BYTES, DeliveryTrace
 __all__ = [
     "clock_compute_s",
     "MSS_BYTES", "ClientLink", "LinkDirection", "SimClock", "ClientRound", "RoundTiming",
-    "mathis_rate_bps", "synchronous_round", "transfer_duration",
+    "mathis_rate_bps", "synchronous_round", "transfer_duration", "PULL_RETRY_S", "pulled",
 ]
 
 MSS_BYTES = 1448  # TCP payload per 1500-byte packet (20 IP + 32 TCP with timestamps)
@@ -172,6 +172,20 @@ class RoundTiming:
         return self.end - self.start
 
 
+#: Seconds a Flower SuperNode waits after a pull that found no message before it pulls
+#: again (flwr 1.41, ``flwr.supernode.start_client_internal``: ``time.sleep(3)``).
+PULL_RETRY_S = 3.0
+
+
+def pulled(sent: float, asked: float, retry_s: float = PULL_RETRY_S) -> float:
+    """When a node that pulls gets a message the server has ready at ``sent``: it asks at
+    ``asked`` (its previous reply just went out) and, while it finds nothing, again every
+    ``retry_s`` seconds."""
+    if sent <= asked:
+        return asked
+    return asked + retry_s * math.ceil((sent - asked) / retry_s - 1e-12)
+
+
 class SimClock:
     """Per-client links and devices on one simulated timeline.
 
@@ -188,6 +202,7 @@ class SimClock:
         self.now = 0.0
         self._dirs: dict[tuple[int, int], LinkDirection | None] = {}
         self.seed = seed
+        self.replied: dict[int, float] = {}  # client -> arrival of its latest upload
 
     def _link(self, client: int, which: int) -> LinkDirection | None:
         key = (client, which)
@@ -212,7 +227,17 @@ class SimClock:
     def send_up(self, client: int, nbytes: int, at: float) -> float:
         """Client -> server: when a message sent at ``at`` has fully arrived."""
         link = self._link(client, _UP)
-        return at if link is None else link.send(nbytes, at)
+        arrival = at if link is None else link.send(nbytes, at)
+        self.replied[client] = arrival
+        return arrival
+
+    def receive(self, client: int, sent: float) -> float:
+        """When ``client`` takes a message the server has ready at ``sent``: at once,
+        unless the device pulls (``ClientLink.pulls``) and has replied before; then at its
+        first ask from that reply on (:func:`pulled`)."""
+        if not self.clients[client].pulls or client not in self.replied:
+            return sent
+        return pulled(sent, self.replied[client])
 
     def up_departed(self, client: int) -> float:
         """When the last byte of ``client``'s latest upload left it (0 on an ideal link).
@@ -234,7 +259,8 @@ class SimClock:
     def state_dict(self) -> dict:
         """What the clock has done so far (each used link direction's queue, trace
         position, counters and random stream), for a checkpoint; plain values only."""
-        return {"now": self.now, "seed": self.seed, "num_clients": len(self.clients), "links": [
+        return {"now": self.now, "seed": self.seed, "num_clients": len(self.clients),
+                "replied": {int(c): float(v) for c, v in self.replied.items()}, "links": [
             [client, which, None if d is None else {
                 "busy_until": d.busy_until, "next_opportunity": d.next_opportunity, "bytes_sent": d.bytes_sent,
                 "loss_events": d.loss_events, "rng": d.rng.bit_generator.state}]
@@ -246,6 +272,7 @@ class SimClock:
             raise ValueError(f"clock state of {state['num_clients']} clients (seed {state['seed']}) cannot be "
                              f"loaded into a clock of {len(self.clients)} clients (seed {self.seed})")
         self.now = float(state["now"])
+        self.replied = {int(c): float(v) for c, v in state.get("replied", {}).items()}
         self._dirs = {}
         for client, which, saved in state["links"]:
             link = self._link(int(client), int(which))
@@ -266,14 +293,15 @@ class SimClock:
 def synchronous_round(clock: SimClock, clients: Sequence[ClientRound], *, start: float | None = None) -> RoundTiming:
     """One synchronous round: broadcast, local computation, upload; wait for all.
 
-    Each selected client receives the model, computes, and uploads. The round ends when
+    Each selected client receives the model (a device that pulls, at its first ask after
+    the broadcast: :meth:`SimClock.receive`), computes, and uploads. The round ends when
     the last upload has arrived: aggregation is instantaneous, and the next round's
     broadcast is the next round's download. Advances ``clock.now`` to the end.
     """
     t0 = clock.now if start is None else start
     down, comp, up = {}, {}, {}
     for c in clients:
-        down[c.client] = clock.send_down(c.client, c.bytes_down, t0)
+        down[c.client] = clock.send_down(c.client, c.bytes_down, clock.receive(c.client, t0))
         comp[c.client] = clock.compute(c.client, c.compute_s, down[c.client])
         up[c.client] = clock.send_up(c.client, c.bytes_up, comp[c.client])
     end = max(up.values(), default=t0)

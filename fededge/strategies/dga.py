@@ -136,7 +136,10 @@ class DGA(FedAvg):
         self._clock: RunClock | None = None
         self._timeline: DGATimeline | None = None
         self._bytes_down: dict[int, dict[int, int]] = {}  # round -> node -> bytes of its message
-        self._work: dict[int, list[tuple[int, int | None, ClientRound]]] = {}  # round -> (pid, n, work)
+        # round -> (its messages carried the next round's content, the nodes sent a reference)
+        self._sent_as: dict[int, tuple[bool, set[int]]] = {}
+        # round -> (pid, n, work, node id)
+        self._work: dict[int, list[tuple[int, int | None, ClientRound, int]]] = {}
         self._wait_s: float | None = None
         self._local_steps: int | None = None
         self.update = update
@@ -186,18 +189,20 @@ class DGA(FedAvg):
         if self._clock is None:
             return None
         work = self._work.pop(t, [])
+        ahead, referred = self._sent_as.pop(t, (False, set()))
         if self._timeline is None and work:
             # As many clients as the replies report partitions, else as the run has nodes.
-            reported = max((num for _, num, _ in work if num is not None), default=None)
-            clock = self._clock.build(max(self._clock.num_clients(reported), 1 + max(pid for pid, _, _ in work)))
+            reported = max((num for _, num, _, _ in work if num is not None), default=None)
+            clock = self._clock.build(max(self._clock.num_clients(reported), 1 + max(pid for pid, _, _, _ in work)))
             self._timeline = DGATimeline(clock, self.config, clients=range(len(clock.clients)))
             for s in range(1, t):  # rounds before the first reply: nothing on the clock
                 self._timeline.run_round(s, [])
         if self._timeline is None or t < 1:
             return 0.0
-        rounds = [w for _, _, w in work]
+        rounds = [w for _, _, w, _ in work]
         before = self._timeline.ready[t - 1]
-        end = self._timeline.run_round(t, rounds)
+        from_preview = {pid for pid, _, _, node in work if node in referred}  # the clock's clients are partitions
+        end = self._timeline.run_round(t, rounds, ahead=ahead, from_preview=from_preview)
         waits = [self._timeline.blocked[(t, c.client)] for c in rounds]
         self._wait_s = sum(waits) / len(waits) if waits else None
         return end - before
@@ -221,7 +226,7 @@ class DGA(FedAvg):
                 float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None,
                 int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None)
             down = self._bytes_down.get(t, {}).get(r.metadata.src_node_id, 0)
-            work.append((pid, num, ClientRound(pid, down, compute, wire_size(r))))
+            work.append((pid, num, ClientRound(pid, down, compute, wire_size(r)), r.metadata.src_node_id))
         self._bytes_down.pop(t, None)
 
     # ----------------------------------------------------------------- checkpoints
@@ -357,10 +362,14 @@ class DGA(FedAvg):
         # The same draw as FedAvg's per-round sample of all nodes, so D = 0 matches it.
         order = random.sample(self.participants, len(self.participants))
         after = self._round_config(t + 1, train_config) if preview else None
+        g = int(config[keys.DGA_GLOBAL_ROUND])
+        self._down = {s: a for s, a in self._down.items() if s >= g}  # g only grows
         out = []
+        referred: set[int] = set()
         for node in order:
             if self._previewed.pop(node, None) == t and node not in self._resync:
                 records: dict[str, Any] = {keys.PREVIEW_OF: ConfigRecord({"id": str(t)})}
+                referred.add(node)
             else:
                 records = self._content(t, config, send=new or node in self._resync)
             self._resync.discard(node)
@@ -374,6 +383,7 @@ class DGA(FedAvg):
         if self._clock is not None:
             cache: dict[str, int] = {}
             self._bytes_down[t] = {m.metadata.dst_node_id: wire_size(m, cache) for m in out}
+            self._sent_as[t] = (preview, referred)  # for the clock: what round t's messages did
         return out
 
     def _round_config(self, t: int, train_config: ConfigRecord) -> tuple[ConfigRecord, bool]:
@@ -391,8 +401,8 @@ class DGA(FedAvg):
         g = int(config[keys.DGA_GLOBAL_ROUND])
         full = self._arrays_of[g]
         if send and self.downlink != "none":
-            if g not in self._down:  # g only grows: older casts are never sent again
-                self._down = {g: cast_downlink(full, self.downlink)}
+            if g not in self._down:  # kept for g(t) and g(t+1) (a preview); _messages prunes
+                self._down[g] = cast_downlink(full, self.downlink)
             return {**self._down[g], self.configrecord_key: config}
         return {self.arrayrecord_key: full if send else ArrayRecord(), self.configrecord_key: config}
 
@@ -460,6 +470,10 @@ class DGA(FedAvg):
         info = DGARoundInfo(delay=self.config.delay_at(t), global_round=last_arrived(self.config, t),
                             pipelined=self.pipelined)
         self._note_work(t, replies)
+        # A participant without a reply (timed out, or its message was lost) may not hold
+        # the round's global model or preview: its next message carries them in full.
+        answered = {r.metadata.src_node_id for r in replies}
+        self._resync.update(n for n in self.participants if n not in answered)
         valid = []
         for r in replies:
             node = r.metadata.src_node_id

@@ -234,7 +234,7 @@ def test_computing_ahead_hides_the_compute_of_a_node_that_pulls():
 
 
 def test_a_node_that_finds_no_message_asks_again_three_seconds_later():
-    from fededge.algorithms.dga import pulled
+    from fededge.netem.clock import pulled
 
     assert pulled(0.5, 1.0) == 1.0  # the message was waiting: taken at once
     assert pulled(4.0, 1.0) == 4.0  # ready exactly at the second ask
@@ -252,6 +252,15 @@ def test_a_node_that_finds_no_message_asks_again_three_seconds_later():
         tl.run_round(t, work)
     assert (tl.replied[(1, 0)], tl.ready[1]) == pytest.approx((0.9, 1.8))
     assert tl.arrived[(2, 0)] == pytest.approx(4.1) and tl.arrived[(2, 1)] == pytest.approx(2.0)
+    # FedAvg's rounds on the same links: round 2 is broadcast at 1.8, node 0 asks at 3.9.
+    clock = SimClock(links)
+    assert synchronous_round(clock, work).end == pytest.approx(1.8)
+    second = synchronous_round(clock, work)
+    assert second.downloaded[0] == pytest.approx(4.1) and second.downloaded[1] == pytest.approx(2.0)
+    # A checkpoint of the clock keeps when each device last replied.
+    again = SimClock(links)
+    again.load_state_dict(clock.state_dict())
+    assert again.replied == clock.replied and again.receive(0, 5.0) == clock.receive(0, 5.0)
 
 
 def test_a_slow_client_delays_others_only_through_the_averages_they_wait_for():

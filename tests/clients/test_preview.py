@@ -77,6 +77,11 @@ def test_a_message_for_a_preview_the_node_lost_is_an_error_that_names_it():
     reply = _send(_msg({keys.PREVIEW_OF: ConfigRecord({"id": "2"})}, 2), _context())
     assert reply.has_error() and reply.error.code == PREVIEW_ERROR_CODE
     assert "preview 2" in reply.error.reason and "holds no preview" in reply.error.reason
+    # It keeps the preview that message brought: a later message may refer to it.
+    ctx = _context()
+    nxt = {keys.PREVIEW_PREFIX + keys.CONFIG: _conf(3, 1), keys.PREVIEW_ID: ConfigRecord({"id": "3"})}
+    reply = _send(_msg({keys.PREVIEW_OF: ConfigRecord({"id": "2"}), **nxt}, 2), ctx)
+    assert reply.has_error() and held_preview(ctx.state) == "3"
     # A preview of another round is no better.
     ctx = _context()
     ctx.state[keys.PREVIEW_ID] = ConfigRecord({"id": "5"})
