@@ -27,6 +27,7 @@ import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fededge import keys
+from fededge.arrays import from_torch, record_from_torch, record_to_torch
 from fededge.compress import build_codec, decode_any
 from fededge.compress.bundle import pack_bundle, unpack_bundle
 from fededge.compress.update import decode_update
@@ -58,7 +59,7 @@ def decode_update_record(record: ArrayRecord, *, max_elements: int) -> dict[str,
     largest), so a forged header cannot make it allocate without bound."""
     if list(record.keys()) == [keys.BUNDLE]:
         return decode_update(bundle_payloads(record), max_elements=max_elements)
-    return dict(record.to_torch_state_dict())
+    return dict(record_to_torch(record))
 
 
 def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
@@ -68,11 +69,11 @@ def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
     if there are any). :func:`decode_downlink` turns them back into ``arrays``."""
     codec = build_codec(downlink)
     payloads, raw = {}, {}
-    for name, t in arrays.to_torch_state_dict().items():
+    for name, t in record_to_torch(arrays).items():
         if t.is_floating_point():
             payloads[name] = codec.encode(t)
         else:
-            raw[name] = Array(t.numpy())
+            raw[name] = from_torch(t)
     records = {keys.COMPRESSED_DOWN: bundle_record(payloads)}
     if raw:
         records[keys.UNCOMPRESSED] = ArrayRecord(raw)
@@ -85,8 +86,8 @@ def decode_downlink(content: RecordDict) -> RecordDict:
     payloads = bundle_payloads(content[keys.COMPRESSED_DOWN])
     arrays = {k: decode_any(p).numpy() for k, p in payloads.items()}
     if keys.UNCOMPRESSED in content:
-        arrays.update({k: v.numpy() for k, v in content[keys.UNCOMPRESSED].to_torch_state_dict().items()})
-    out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+        arrays.update({k: v.numpy() for k, v in record_to_torch(content[keys.UNCOMPRESSED]).items()})
+    out = RecordDict({keys.ARRAYS: record_from_torch(arrays)})
     for name in content.keys():
         if name not in (keys.COMPRESSED_DOWN, keys.UNCOMPRESSED):
             out[name] = content[name]

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable
@@ -50,6 +50,7 @@ from fededge.algorithms.dga import DGAClient, DGAConfig, round_delta
 from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,
 )
+from fededge.arrays import record_from_torch, record_to_torch, to_numpy
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
 from fededge.errors import ConfigError
@@ -75,7 +76,7 @@ def _train_config(msg: Message) -> ConfigRecord | None:
 def _with_arrays(content: RecordDict, arrays: Weights, *, drop: tuple[str, ...] = ()) -> RecordDict:
     """``content`` with ``arrays`` replaced, and records whose name starts with one of
     ``drop`` left out: the message a user's train function sees."""
-    out = RecordDict({keys.ARRAYS: ArrayRecord(arrays)})
+    out = RecordDict({keys.ARRAYS: record_from_torch(arrays)})
     for name in content.keys():
         if name != keys.ARRAYS and not any(name.startswith(prefix) for prefix in drop):
             out[name] = content[name]
@@ -92,7 +93,7 @@ def _trained(reply: Message, mod: str) -> dict[str, torch.Tensor] | None:
                             f"CompressionMod before {mod} (mods=[CompressionMod(...), {mod}(...)])")
     if keys.ARRAYS not in reply.content:
         return None
-    return dict(reply.content[keys.ARRAYS].to_torch_state_dict())
+    return dict(record_to_torch(reply.content[keys.ARRAYS]))
 
 
 def _metrics(reply: Message) -> MetricRecord:
@@ -116,7 +117,7 @@ def _stream(context: Context) -> int:
 def _encoder(update: UpdateConfig, stream: int, state: ArrayRecord | None) -> UpdateEncoder:
     encoder = UpdateEncoder(update, stream=stream)
     if state is not None:
-        encoder.load_state_dict(state.to_torch_state_dict())
+        encoder.load_state_dict(record_to_torch(state))
     return encoder
 
 
@@ -182,9 +183,9 @@ class CompressionMod:
         if own is None and received is None:
             raise ValueError(f"CompressionMod: the train message brought no '{keys.ARRAYS}' record to take "
                              f"the delta from (it has {list(msg.content.keys())})")
-        base = received.to_torch_state_dict() if own is None else {}
+        base = record_to_torch(received) if own is None else {}
         delta, raw = {}, {}
-        for name, new in reply.content[keys.ARRAYS].to_torch_state_dict().items():
+        for name, new in record_to_torch(reply.content[keys.ARRAYS]).items():
             if not new.is_floating_point():
                 raw[name] = new
             elif own is not None:  # DGA: its own K-step change; the reply is G(g) + own
@@ -196,10 +197,10 @@ class CompressionMod:
         payloads = encoder.encode(delta, round=rnd - 1)
         kept = encoder.state_dict()
         if kept:
-            context.state[keys.STATE_COMPRESS] = ArrayRecord({k: Array(v.numpy()) for k, v in kept.items()})
+            context.state[keys.STATE_COMPRESS] = record_from_torch(kept)
         content = RecordDict({keys.COMPRESSED: bundle_record(payloads)})
         if raw:
-            content[keys.UNCOMPRESSED] = ArrayRecord({k: Array(v.numpy()) for k, v in raw.items()})
+            content[keys.UNCOMPRESSED] = record_from_torch(raw)
         for name in reply.content.keys():
             if name != keys.ARRAYS:
                 content[name] = reply.content[name]
@@ -218,7 +219,7 @@ class CompressionMod:
             raise ModOrderError(f"CompressionMod got a reply to DGA round {rnd}, but the DGA state holds no "
                                 f"update of that round: register DGAMod inside CompressionMod "
                                 f"(mods=[CompressionMod(...), DGAMod()])")
-        return {k: torch.from_numpy(v.numpy()) for k, v in own.items()}
+        return {k: torch.from_numpy(to_numpy(v)) for k, v in own.items()}
 
 
 class DGAMod:
@@ -253,11 +254,11 @@ class DGAMod:
             return call_next(msg, context)
         config = DGAConfig(correction=bool(conf.get(keys.DGA_CORRECTION, True)))
         if keys.STATE_DGA in context.state:
-            dga = DGAClient.from_state_dict(config, context.state[keys.STATE_DGA].to_torch_state_dict())
+            dga = DGAClient.from_state_dict(config, record_to_torch(context.state[keys.STATE_DGA]))
         else:
             dga = DGAClient(config, {}, global_round=-1)  # holds nothing yet: the first message must bring G(g)
         arrays = msg.content[keys.ARRAYS] if keys.ARRAYS in msg.content else ArrayRecord()
-        dga.sync(int(conf[keys.DGA_GLOBAL_ROUND]), arrays.to_torch_state_dict() if len(arrays) else None)
+        dga.sync(int(conf[keys.DGA_GLOBAL_ROUND]), record_to_torch(arrays) if len(arrays) else None)
         staleness = dga.staleness()  # before this round: its own rounds still in flight
         original = msg.content
         msg.content = _with_arrays(original, dga.model)
@@ -269,10 +270,10 @@ class DGAMod:
             return reply
         trained = _trained(reply, "DGAMod")
         if trained is not None:
-            reply.content[keys.ARRAYS] = ArrayRecord(dga.train_round(int(conf[keys.SERVER_ROUND]), trained))
+            reply.content[keys.ARRAYS] = record_from_torch(dga.train_round(int(conf[keys.SERVER_ROUND]), trained))
             _metrics(reply)[keys.DGA_STALENESS] = staleness
         # Also after a reply without weights (a dropout): the client did receive G(g).
-        context.state[keys.STATE_DGA] = ArrayRecord(dga.state_dict())
+        context.state[keys.STATE_DGA] = record_from_torch(dga.state_dict())
         return reply
 
 
@@ -362,14 +363,14 @@ class GossipMod:
         algorithm = str(conf[keys.GOSSIP_ALGORITHM])
         row = {int(j): float(w) for j, w in zip(conf.get(keys.GOSSIP_ROW_NODES, []),
                                                  conf.get(keys.GOSSIP_ROW_WEIGHTS, []))}
-        state = (context.state[keys.STATE_GOSSIP].to_torch_state_dict()
+        state = (record_to_torch(context.state[keys.STATE_GOSSIP])
                  if keys.STATE_GOSSIP in context.state else {})
         y = {k[2:]: v for k, v in state.items() if k.startswith("x/")}
         if not y:
             if keys.ARRAYS not in msg.content:
                 raise GossipError(f"gossip node {i} holds no model and round {t}'s message brings none; "
                                   f"the relay sends '{keys.ARRAYS}' until a node has completed a round")
-            y = dict(msg.content[keys.ARRAYS].to_torch_state_dict())
+            y = dict(record_to_torch(msg.content[keys.ARRAYS]))
         c = msg.content
         received = {int(name[len(keys.GOSSIP_FROM):]): c[name] for name in c.keys()
                     if name.startswith(keys.GOSSIP_FROM)}
@@ -377,12 +378,12 @@ class GossipMod:
             if t == 1:
                 return _GossipRound(i, t, algorithm, y)
             w = effective_row(row, received, own=i)
-            models = {j: dict(received[j].to_torch_state_dict()) for j in w if j != i}
+            models = {j: dict(record_to_torch(received[j])) for j in w if j != i}
             models[i] = y
             return _GossipRound(i, t, algorithm, mix_row(models, w, own=i))
 
         config = ChocoConfig(gamma=float(conf[keys.GOSSIP_GAMMA]))
-        resync = {int(name[len(keys.GOSSIP_HAT):]): dict(c[name].to_torch_state_dict()) for name in c.keys()
+        resync = {int(name[len(keys.GOSSIP_HAT):]): dict(record_to_torch(c[name])) for name in c.keys()
                   if name.startswith(keys.GOSSIP_HAT)}
         if resync:  # the relay's estimates already hold every q up to the last round
             node = ChocoNode.from_estimates(config, i, resync)
@@ -407,12 +408,12 @@ class GossipMod:
         state = {f"x/{k}": v for k, v in y.items()}
         content = RecordDict()
         if rnd.node is None:
-            content[keys.GOSSIP_MESSAGE] = ArrayRecord(y)
+            content[keys.GOSSIP_MESSAGE] = record_from_torch(y)
         else:
             delta = {k: d * self._scale(d.numel()) for k, d in rnd.node.difference(y).items()}
             if self.update.compressor == "none":
                 q = delta
-                content[keys.GOSSIP_MESSAGE] = ArrayRecord(q)
+                content[keys.GOSSIP_MESSAGE] = record_from_torch(q)
             else:
                 payloads = UpdateEncoder(self.update, stream=rnd.index).encode(delta, round=rnd.round - 1)
                 content[keys.GOSSIP_MESSAGE] = bundle_record(payloads)
@@ -422,13 +423,13 @@ class GossipMod:
             state |= rnd.node.state_dict()
             state |= {f"q/{k}": v for k, v in q.items()}
         if bool(conf.get(keys.GOSSIP_EVAL, False)):  # for the server's evaluation only
-            content[keys.GOSSIP_EVAL_ARRAYS] = ArrayRecord(y)
+            content[keys.GOSSIP_EVAL_ARRAYS] = record_from_torch(y)
         for name in reply.content.keys():
             if name != keys.ARRAYS:
                 content[name] = reply.content[name]
         reply.content = content
         _add_compute(_metrics(reply), time.perf_counter() - t0)
-        context.state[keys.STATE_GOSSIP] = ArrayRecord(state)
+        context.state[keys.STATE_GOSSIP] = record_from_torch(state)
         return reply
 
     def _scale(self, numel: int) -> float:

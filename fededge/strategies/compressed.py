@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
+from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
@@ -126,13 +127,13 @@ class Compressed(Strategy):
                         grid: Grid) -> Iterable[Message]:
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         if self.downlink == "none":
-            self._sent = {server_round: arrays.to_torch_state_dict()}  # only this round's base
+            self._sent = {server_round: record_to_torch(arrays)}  # only this round's base
             return messages
         # Cast the broadcast model once; the base for decoding the replies is the model
         # the clients actually received (the rounded one, decoded as they decode it), so
         # deltas rebuild exactly.
         down = cast_downlink(arrays, self.downlink)
-        self._sent = {server_round: decode_downlink(RecordDict(down))[keys.ARRAYS].to_torch_state_dict()}
+        self._sent = {server_round: record_to_torch(decode_downlink(RecordDict(down))[keys.ARRAYS])}
         for m in messages:
             content = RecordDict(down)
             for name in m.content.keys():
@@ -196,7 +197,7 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
     payloads = bundle_payloads(rec)
     if expect is not None:
         _check_codecs(payloads, expect)
-    raw = content[keys.UNCOMPRESSED].to_torch_state_dict() if keys.UNCOMPRESSED in content else {}
+    raw = record_to_torch(content[keys.UNCOMPRESSED]) if keys.UNCOMPRESSED in content else {}
     deltas = decode_update(payloads, max_elements=largest)
     full: dict[str, np.ndarray] = {}
     for name, old in sent.items():
@@ -216,7 +217,7 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
     stats.payload_bytes += sum(len(p) for p in payloads.values())
     stats.dense_bytes += sum(4 * d.numel() for d in deltas.values())
     stats.decoded += 1
-    out = RecordDict({keys.ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}),
+    out = RecordDict({keys.ARRAYS: record_from_torch(full),
                       keys.METRICS: content[keys.METRICS] if keys.METRICS in content else MetricRecord()})
     for name in content.keys():  # anything else the client replied with, as it came
         if name not in out and name not in (keys.COMPRESSED, keys.UNCOMPRESSED):

@@ -47,6 +47,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from fededge import keys
 from fededge._flwr_internals import aggregate_arrayrecords, runs_messages_in_order, wire_size
 from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived
+from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.protocol import cast_downlink
@@ -326,7 +327,7 @@ class DGA(FedAvg):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         self._local_steps = int(train_config[keys.LOCAL_STEPS]) if keys.LOCAL_STEPS in train_config else None
-        self._server = DGAServer(self.config, dict(initial_arrays.to_torch_state_dict()))
+        self._server = DGAServer(self.config, dict(record_to_torch(initial_arrays)))
         self._keys = set(initial_arrays.keys())
         self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
         self._resync: set[int] = set()
@@ -503,9 +504,9 @@ class DGA(FedAvg):
         if valid:
             contents = [r.content for r in valid]
             ybar = aggregate_arrayrecords(contents, self.weighted_by_key)
-            new = self._server.advance(t, {k: torch.from_numpy(v.numpy()) for k, v in ybar.items()})
+            new = self._server.advance(t, record_to_torch(ybar))
             # g = t - 1: G(t) is ȳ itself, FedAvg's own ArrayRecord (bit for bit)
-            arrays = ybar if last_arrived(self.config, t) == t - 1 else ArrayRecord(
+            arrays = ybar if last_arrived(self.config, t) == t - 1 else record_from_torch(
                 {k: new[k] for k in ybar.keys()})
             self._result.train_metrics_clientapp[t] = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         else:

@@ -1,0 +1,137 @@
+"""Flower's ``Array`` to and from numpy and torch: the same bytes and values as Flower's
+own conversions, without their per-array cost.
+
+A Flower ``Array`` holds a numpy array in ``.npy`` format (``np.save``'s bytes: a header
+naming dtype, order and shape, then the raw data). ``Array.numpy()`` runs ``np.load``,
+which parses that header with Python's ``ast`` (about 0.1 ms), and
+``Array.from_numpy_ndarray`` runs ``np.save`` through a ``BytesIO``. A model is tens of
+arrays, and fededge's client state (DGA's model and its updates in flight, residuals,
+momentum buffers) hundreds: converted on every message, on every small device. Here the
+header is parsed (by numpy's own parser) once per distinct header and remembered, and
+the data is read with ``np.frombuffer``; writing reuses the header numpy wrote for the
+same dtype, order and shape. Anything else (an object dtype, a ``.npy`` version numpy
+writes only for non-ASCII field names, another ``stype``) goes through Flower's own path.
+
+Exact by construction and checked (tests/test_arrays.py): :func:`to_numpy` equals
+``Array.numpy()`` bit for bit, and :func:`from_numpy` gives the very bytes of
+``Array.from_numpy_ndarray`` (the first array of each header is also encoded by Flower and
+compared, and a mismatch sends that header through Flower's path from then on), so object
+ids and the bytes counted on the wire are Flower's.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+__all__ = ["from_numpy", "from_torch", "record_from_torch", "record_to_torch", "to_numpy"]
+
+_NUMPY_STYPE = "numpy.ndarray"
+_MAX_CACHED = 4096  # distinct headers remembered (a model has a handful of shapes)
+
+# header bytes -> (dtype, shape, fortran order), as numpy's parser read them
+_parsed: dict[bytes, tuple[np.dtype, tuple[int, ...], bool]] = {}
+# (dtype.str, shape, fortran order) -> the header np.save writes, or None: use Flower's path
+_written: dict[tuple[str, tuple[int, ...], bool], bytes | None] = {}
+
+
+def to_numpy(arr: Array) -> np.ndarray:
+    """``arr.numpy()``: a fresh, writable array equal to it bit for bit."""
+    data = arr.data
+    if arr.stype != _NUMPY_STYPE or len(data) < 10 or data[:6] != b"\x93NUMPY":
+        return arr.numpy()
+    major = data[6]
+    if major == 1:
+        start = 10 + int.from_bytes(data[8:10], "little")
+    elif major == 2:
+        start = 12 + int.from_bytes(data[8:12], "little")
+    else:
+        return arr.numpy()
+    header = bytes(data[:start])
+    parsed = _parsed.get(header)
+    if parsed is None:
+        fp = io.BytesIO(header)
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+        if dtype.hasobject:
+            return arr.numpy()  # np.load refuses it (allow_pickle=False): so does Flower
+        if len(_parsed) >= _MAX_CACHED:
+            _parsed.clear()
+        parsed = _parsed[header] = (dtype, tuple(shape), bool(fortran))
+    dtype, shape, fortran = parsed
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(data) - start != count * dtype.itemsize:
+        return arr.numpy()  # truncated or padded: let np.load say what is wrong
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    return flat.reshape(shape, order="F" if fortran else "C").copy(order="K")
+
+
+def from_numpy(nd: np.ndarray) -> Array:
+    """``Array.from_numpy_ndarray(nd)``: the same dtype, shape, stype and bytes."""
+    if nd.dtype.hasobject:
+        return Array.from_numpy_ndarray(nd)
+    fortran = bool(nd.flags.f_contiguous and not nd.flags.c_contiguous)
+    key = (nd.dtype.str, tuple(nd.shape), fortran)
+    header = _written.get(key, b"")
+    if header is None:
+        return Array.from_numpy_ndarray(nd)
+    if header == b"":  # first array of this kind: numpy writes the header, Flower checks it
+        flower = Array.from_numpy_ndarray(nd)
+        header = _npy_header(nd)
+        ok = header + nd.tobytes(order="F" if fortran else "C") == flower.data
+        if len(_written) >= _MAX_CACHED:
+            _written.clear()
+        _written[key] = header if ok else None
+        return flower
+    # One copy: the header and the array's own buffer where it is laid out as written.
+    if fortran:
+        body = memoryview(np.ascontiguousarray(nd.T)) if nd.ndim else nd.tobytes()
+    else:
+        body = memoryview(nd) if nd.flags.c_contiguous else memoryview(nd.tobytes())
+    return Array(dtype=str(nd.dtype), shape=tuple(nd.shape), stype=_NUMPY_STYPE, data=header + body)
+
+
+def _npy_header(nd: np.ndarray) -> bytes:
+    """The header np.save writes for ``nd``: version 1.0, or 2.0 when it does not fit."""
+    d = np.lib.format.header_data_from_array_1_0(nd)
+    fp = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(fp, d)
+    except ValueError:  # over 65535 bytes (a shape of thousands of dimensions)
+        fp = io.BytesIO()
+        np.lib.format.write_array_header_2_0(fp, d)
+    return fp.getvalue()
+
+
+def from_torch(tensor: Any) -> Array:
+    """``Array.from_torch_tensor(tensor)``, fast."""
+    return from_numpy(tensor.detach().cpu().numpy())
+
+
+def record_to_torch(record: ArrayRecord) -> "OrderedDict[str, Any]":
+    """``record.to_torch_state_dict()``: name -> CPU tensor, in the record's order."""
+    import torch
+
+    return OrderedDict((k, torch.from_numpy(to_numpy(a))) for k, a in record.items())
+
+
+def record_from_torch(tensors: Mapping[str, Any]) -> ArrayRecord:
+    """``ArrayRecord(tensors)``: the same record, fast. Values are torch tensors (a
+    ``state_dict``), numpy arrays or Flower ``Array`` objects (kept as they are)."""
+    record = ArrayRecord()
+    for k, v in tensors.items():
+        if isinstance(v, Array):
+            record[k] = v
+        elif isinstance(v, np.ndarray):
+            record[k] = from_numpy(v)
+        else:
+            record[k] = from_torch(v)
+    return record

@@ -1,0 +1,63 @@
+"""fededge.arrays against Flower's own conversions: the same values and the same bytes."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fededge import arrays
+from fededge.models.zoo import build_model
+
+CASES = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4)),  # written in Fortran order
+    np.arange(24, dtype=np.int64).reshape(2, 3, 4)[:, ::2],  # not contiguous
+    np.array(3.5, dtype=np.float16),  # 0-d
+    np.zeros((0, 5), dtype=np.float32),  # empty
+    np.arange(6, dtype=">i4"),  # big-endian
+    np.array([True, False, True]),
+    np.frombuffer(bytes(range(16)), dtype=np.uint8),
+    np.arange(10, dtype=np.complex64),
+    np.zeros((2,), dtype=[("a", "<f4"), ("b", "<i2")]),  # structured
+]
+
+
+@pytest.mark.parametrize("nd", CASES, ids=lambda a: f"{a.dtype}-{a.shape}")
+def test_both_ways_equal_flowers_bytes_and_values(nd):
+    for _ in range(2):  # the first call checks the header against Flower's, the second uses it
+        ours, flower = arrays.from_numpy(nd), Array.from_numpy_ndarray(nd)
+        assert (ours.dtype, tuple(ours.shape), ours.stype, ours.data) == \
+            (flower.dtype, tuple(flower.shape), flower.stype, flower.data)
+        assert ours.object_id == flower.object_id
+        back, ref = arrays.to_numpy(flower), flower.numpy()
+        assert back.dtype == ref.dtype and back.shape == ref.shape
+        assert back.tobytes() == ref.tobytes()
+        assert back.flags.writeable and not np.shares_memory(back, np.frombuffer(flower.data, np.uint8))
+
+
+def test_a_model_state_dict_round_trips_as_flower_does():
+    sd = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0).state_dict()
+    ours, flower = arrays.record_from_torch(sd), ArrayRecord(torch_state_dict=sd)
+    assert ours.object_id == flower.object_id
+    back, ref = arrays.record_to_torch(flower), flower.to_torch_state_dict()
+    assert list(back) == list(ref)
+    assert all(torch.equal(back[k], ref[k]) and back[k].dtype == ref[k].dtype for k in ref)
+
+
+def test_bad_bytes_get_numpys_own_error():
+    good = Array.from_numpy_ndarray(np.arange(8, dtype=np.float32))
+    cut = Array(dtype=good.dtype, shape=good.shape, stype=good.stype, data=good.data[:-4])
+    with pytest.raises(ValueError):
+        arrays.to_numpy(cut)
+    other = Array(dtype="float32", shape=(2,), stype="torch.Tensor", data=b"\x00" * 8)
+    with pytest.raises(TypeError, match="Unsupported serialization type"):
+        arrays.to_numpy(other)
+
+
+def test_a_header_numpy_would_write_differently_falls_back_to_flower(monkeypatch):
+    nd = np.arange(7, dtype=np.float32)
+    monkeypatch.setattr(arrays, "_written", {})
+    monkeypatch.setattr(arrays, "_npy_header", lambda a: b"\x93NUMPY-wrong")
+    assert arrays.from_numpy(nd).data == Array.from_numpy_ndarray(nd).data
+    assert arrays._written[(nd.dtype.str, (7,), False)] is None
+    assert arrays.from_numpy(nd).data == Array.from_numpy_ndarray(nd).data
