@@ -149,7 +149,15 @@ class RunConfig:
         K, the SGD steps each selected client runs per round (local SGD). K = 1 is
         synchronous mini-batch SGD with a parameter average each step.
     local_lr, momentum, weight_decay : float
-        The client's SGD optimiser. Momentum buffers restart every round.
+        The client's SGD optimiser. Momentum buffers restart every round unless
+        ``keep-momentum``.
+    keep_momentum : bool
+        Each client keeps its momentum buffers across rounds (in its ``context.state``,
+        one model's size per client) instead of restarting them every round. The
+        momentum then runs across the averaging points, as in the optimiser of DGA's
+        paper (Zhu et al., 2021): with K = 1, FedAvg is synchronous momentum SGD and DGA
+        the paper's per-iteration rule with momentum (docs/algorithms.md). A client
+        that skips rounds resumes with the buffers of its last round.
     batch_size : int
         Mini-batch size on the client.
     dataset : str
@@ -263,6 +271,7 @@ class RunConfig:
     local_steps: int = 20
     local_lr: float = 0.05
     momentum: float = 0.9
+    keep_momentum: bool = False
     weight_decay: float = 0.0
     batch_size: int = 32
     dataset: str = "digits"

@@ -66,6 +66,7 @@ CLIENT_STATES = "client-states"
 
 # Names of the records fededge keeps in a node's ``context.state``.
 STATE_SAMPLER = "fededge.sampler"
+STATE_MOMENTUM = "fededge.momentum"  # keep-momentum: the local optimiser's buffers, kept across rounds
 STATE_DGA = "fededge.dga"  # DGA: the client's local model and its updates in flight
 STATE_COMPRESS = "fededge.compress"  # the update encoder's state (residuals, PowerSGD's Q, DGC)
 STATE_STORE = "fededge.state-store"  # the run and attempt whose state this context holds

@@ -28,6 +28,7 @@ from torch import nn
 
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
+from fededge.arrays import record_from_torch, record_to_torch
 from fededge.clients.device import resolve_device
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
 from fededge.clients.preview import PreviewMod
@@ -155,6 +156,18 @@ def _sampler(work: ClientWorkload, context: Context, batch_size: int) -> BatchSa
     return sampler
 
 
+def _kept_momentum(context: Context, work: ClientWorkload) -> dict[str, torch.Tensor]:
+    """``keep-momentum``: the momentum buffers this node's last round ended with (empty
+    before its first round), on the model's device."""
+    if keys.STATE_MOMENTUM not in context.state:
+        return {}
+    rec = context.state[keys.STATE_MOMENTUM]
+    if not isinstance(rec, ArrayRecord):
+        raise TypeError(f"context.state['{keys.STATE_MOMENTUM}'] is a {type(rec).__name__}, not the ArrayRecord "
+                        "of momentum buffers keep-momentum keeps there")
+    return {name: t.to(work.device) for name, t in record_to_torch(rec).items()}
+
+
 def _received_arrays(msg: Message) -> ArrayRecord:
     if keys.ARRAYS not in msg.content:
         raise KeyError(
@@ -173,8 +186,10 @@ def train(msg: Message, context: Context) -> Message:
     if work.partition_id in dropped_partitions(work.num_partitions, cfg.dropout, seed=cfg.seed):
         return _dropped_reply(msg, work)
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
-    work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
+    work.model.load_state_dict(record_to_torch(_received_arrays(msg)))
     sampler = _sampler(work, context, int(conf.get(keys.BATCH_SIZE, cfg.batch_size)))
+    momentum = float(conf.get(keys.MOMENTUM, cfg.momentum))
+    buffers = _kept_momentum(context, work) if cfg.keep_momentum and momentum != 0 else None
 
     threads = torch.get_num_threads()
     if cfg.client_threads:
@@ -187,10 +202,11 @@ def train(msg: Message, context: Context) -> Message:
             work.model, work.x, work.y,
             steps=int(conf.get(keys.LOCAL_STEPS, cfg.local_steps)),
             lr=float(conf.get(keys.LOCAL_LR, cfg.local_lr)),
-            momentum=float(conf.get(keys.MOMENTUM, cfg.momentum)),
+            momentum=momentum,
             weight_decay=float(conf.get(keys.WEIGHT_DECAY, cfg.weight_decay)),
             sampler=sampler,
             proximal_mu=float(conf.get(keys.PROXIMAL_MU, 0.0)),
+            momentum_buffers=buffers,
         )
         if work.device.type == "cuda":
             torch.cuda.synchronize(work.device)
@@ -199,6 +215,8 @@ def train(msg: Message, context: Context) -> Message:
         torch.set_num_threads(threads)  # the process may be shared (in-process runtime)
 
     context.state[keys.STATE_SAMPLER] = ConfigRecord(sampler.state_dict())
+    if buffers:
+        context.state[keys.STATE_MOMENTUM] = record_from_torch(buffers)
     metrics = MetricRecord({
         keys.NUM_EXAMPLES: len(work.x),
         keys.TRAIN_LOSS: result.mean_loss,
@@ -207,7 +225,7 @@ def train(msg: Message, context: Context) -> Message:
         keys.REPLY_PARTITION_ID: work.partition_id,
         keys.REPLY_NUM_PARTITIONS: work.num_partitions,
     })
-    content = RecordDict({keys.ARRAYS: ArrayRecord(work.model.state_dict()), keys.METRICS: metrics})
+    content = RecordDict({keys.ARRAYS: record_from_torch(work.model.state_dict()), keys.METRICS: metrics})
     return Message(content=content, reply_to=msg)
 
 
@@ -245,7 +263,7 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     work = client_workload(context)
     if work.partition_id in dropped_partitions(work.num_partitions, work.cfg.dropout, seed=work.cfg.seed):
         return _dropped_reply(msg, work)
-    work.model.load_state_dict(_received_arrays(msg).to_torch_state_dict())
+    work.model.load_state_dict(record_to_torch(_received_arrays(msg)))
     loss, acc = evaluate(work.model, work.x, work.y)
     metrics = MetricRecord({keys.NUM_EXAMPLES: len(work.x), "eval-loss": loss, "eval-acc": acc})
     return Message(content=RecordDict({keys.METRICS: metrics}), reply_to=msg)

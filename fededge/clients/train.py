@@ -91,12 +91,21 @@ def local_sgd(
     weight_decay: float = 0.0,
     sampler: BatchSampler,
     proximal_mu: float = 0.0,
+    momentum_buffers: dict[str, torch.Tensor] | None = None,
 ) -> LocalResult:
-    """Run ``steps`` SGD steps (heavy-ball momentum, fresh buffer) on ``(x, y)`` in place.
+    """Run ``steps`` SGD steps (heavy-ball momentum) on ``(x, y)`` in place.
 
     ``x`` and ``y`` must already be on the model's device. With ``proximal_mu > 0`` the
     loss gets FedProx's term ``mu/2 * ||w - w_received||^2`` (Li et al., 2020), where
     ``w_received`` is the model as it was when this call started.
+
+    The momentum buffers start empty (local SGD's usual restart every round) unless
+    ``momentum_buffers`` is given: a dict from parameter name to buffer, read as the
+    buffers to continue from (a name it lacks starts empty) and updated in place with
+    the buffers after the last step. Two calls of K steps sharing it (and the sampler)
+    are then one call of 2K steps, bit for bit (tests/clients/test_train.py): fededge's
+    ``keep-momentum``, the optimizer of DGA's paper, whose momentum runs across the
+    averaging points.
 
     Examples
     --------
@@ -106,8 +115,19 @@ def local_sgd(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     buffers: list[torch.Tensor | None] = [None] * len(params)
+    if momentum_buffers is not None:
+        for i, (name, p) in enumerate(named):
+            buf = momentum_buffers.get(name)
+            if buf is not None:
+                if buf.shape != p.shape:
+                    raise ValueError(f"momentum buffer '{name}' has shape {tuple(buf.shape)}, the parameter "
+                                     f"{tuple(p.shape)}: a buffer kept for another model")
+                # A copy on the parameter's device and dtype: the caller's dict is rewritten
+                # at the end, never aliased by a step.
+                buffers[i] = buf.detach().to(device=p.device, dtype=p.dtype, copy=True)
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     total = torch.zeros((), device=x.device)
     seen = 0
@@ -124,6 +144,10 @@ def local_sgd(
         loss.backward()
         sgd_step(params, buffers, lr=lr, momentum=momentum, weight_decay=weight_decay)
         seen += len(idx)
+    if momentum_buffers is not None:
+        for (name, _), buf in zip(named, buffers):
+            if buf is not None:
+                momentum_buffers[name] = buf
     return LocalResult(mean_loss=float(total) / steps, steps=steps, examples_seen=seen)
 
 

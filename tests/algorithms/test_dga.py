@@ -286,27 +286,87 @@ def test_a_slow_client_delays_others_only_through_the_averages_they_wait_for():
 from fededge.algorithms.dga import DGAServer, DGAStateError, last_arrived  # noqa: E402
 
 
-def _run_global_form(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray):
+def _run_global_form(cfg: DGAConfig, clients, weights, rounds: int, k: int, lr: float, x0: np.ndarray,
+                     momentum: float = 0.0):
     """What the Flower strategy and ClientApp run: G(g) down, G(g) + Δ up, server advances G.
+    With ``momentum``, each client's K steps are heavy ball with a buffer it keeps across
+    rounds (keep-momentum).
 
     Returns each client's model at the start of each round (after sync) and G(t)."""
     server = DGAServer(cfg, {"x": torch.tensor(x0, dtype=torch.float64)})
     states = [DGAClient(cfg, {"x": torch.tensor(x0, dtype=torch.float64)}) for _ in clients]
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     starts, globals_ = [], []
+    buffers = [np.zeros_like(x0) for _ in clients]  # heavy ball's first step: buf = 0 * m + grad
     for t in range(1, rounds + 1):
         g = last_arrived(cfg, t)
         new = t == 1 or g != last_arrived(cfg, t - 1)
         replies = []
         starts.append([])
-        for st, (a, c) in zip(states, clients):
+        for j, (st, (a, c)) in enumerate(zip(states, clients)):
             st.sync(g, server.global_model(g) if new else None)
             start = st.model["x"].numpy().copy()
             starts[-1].append(start)
-            replies.append(st.train_round(t, {"x": torch.tensor(_local_steps(start, a, c, k, lr))}))
+            if momentum:
+                end, buffers[j] = _momentum_steps(start, a, c, k, lr, momentum, buffers[j])
+            else:
+                end = _local_steps(start, a, c, k, lr)
+            replies.append(st.train_round(t, {"x": torch.tensor(end)}))
         ybar = {"x": sum(wj * r["x"] for wj, r in zip(w, replies))}
         globals_.append(server.advance(t, ybar)["x"].numpy().copy())
     return starts, globals_
+
+
+def _momentum_steps(x: np.ndarray, a: np.ndarray, c: np.ndarray, k: int, lr: float, m: float, buf: np.ndarray):
+    for _ in range(k):
+        buf = m * buf + a @ (x - c)
+        x = x - lr * buf
+    return x, buf
+
+
+def _paper_rule(delay: int, correction: bool, clients, weights, iterations: int, lr: float, m: float,
+                x0: np.ndarray):
+    """Zhu et al.'s per-iteration rule with momentum SGD, written from the paper: worker j's
+    optimiser steps on e(i,j) = g(i,j) - g(i-D,j) + avg g(i-D) (with correction) or on
+    avg g(i-D) alone (without), g(s, .) = 0 for s < 1. Returns the workers' models after
+    each iteration."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    models = [x0.copy() for _ in clients]
+    u = [np.zeros_like(x0) for _ in clients]
+    grads: list[list[np.ndarray]] = []  # grads[i-1][j] = g(i, j)
+    history = []
+    for i in range(1, iterations + 1):
+        grads.append([a @ (models[j] - c) for j, (a, c) in enumerate(clients)])
+        old = grads[i - 1 - delay] if i - delay >= 1 else [np.zeros_like(x0)] * len(clients)
+        old_avg = sum(wj * gj for wj, gj in zip(w, old))
+        for j in range(len(clients)):
+            e = grads[i - 1][j] - old[j] + old_avg if correction else old_avg
+            u[j] = m * u[j] + e
+            models[j] = models[j] - lr * u[j]
+        history.append([x.copy() for x in models])
+    return history
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("delay", [0, 1, 4])
+def test_k1_with_kept_momentum_is_the_papers_rule_with_momentum_sgd(delay, correction):
+    """K = 1 with the client's momentum kept across rounds (keep-momentum) is the paper's
+    per-iteration DGA with momentum SGD: momentum is linear, so the paper's optimiser on the
+    corrected gradient equals local heavy ball on the client's own gradients, with the
+    own-for-average swap on the model (docs/algorithms.md). The round form restarting its
+    buffer every round is not (checked too: at K = 1 its momentum never acts)."""
+    clients = _quadratic_clients(3, 5, seed=3)
+    weights = [2, 1, 3]
+    cfg = DGAConfig(delay=delay, correction=correction)
+    lr, m, rounds = 0.02, 0.9, 25
+    starts, _ = _run_global_form(cfg, clients, weights, rounds, 1, lr, np.ones(5), momentum=m)
+    ref = _paper_rule(delay, correction, clients, weights, rounds, lr, m, np.ones(5))
+    for t in range(2, rounds + 1):  # the model round t starts from = the paper's after iteration t-1
+        for j in range(3):
+            np.testing.assert_allclose(starts[t - 1][j], ref[t - 2][j], rtol=1e-9, atol=1e-9,
+                                       err_msg=f"round {t} client {j}")
+    restarted, _ = _run_global_form(cfg, clients, weights, rounds, 1, lr, np.ones(5))
+    assert not np.allclose(restarted[-1][0], ref[-2][0], rtol=1e-3)
 
 
 @pytest.mark.parametrize("correction", [True, False])

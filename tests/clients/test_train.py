@@ -62,6 +62,43 @@ def test_local_sgd_equals_a_hand_written_loop():
     assert res.steps == 6 and res.examples_seen == 96
 
 
+def test_kept_momentum_buffers_make_two_calls_one_bit_for_bit():
+    x, y = _data()
+    one = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    two = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    fresh = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    local_sgd(one, x, y, steps=6, lr=0.05, momentum=0.9, sampler=BatchSampler(100, 16, seed=5))
+    kept: dict[str, torch.Tensor] = {}
+    sampler = BatchSampler(100, 16, seed=5)
+    for _ in range(2):
+        local_sgd(two, x, y, steps=3, lr=0.05, momentum=0.9, sampler=sampler, momentum_buffers=kept)
+    sampler = BatchSampler(100, 16, seed=5)
+    for _ in range(2):  # buffers restarted at the second call: a different model
+        local_sgd(fresh, x, y, steps=3, lr=0.05, momentum=0.9, sampler=sampler)
+    names = [n for n, p in two.named_parameters()]
+    assert sorted(kept) == sorted(names)
+    for (k, a), b, c in zip(one.state_dict().items(), two.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert any(not torch.equal(a, c) for a, c in zip(one.state_dict().values(), fresh.state_dict().values()))
+    # The dict holds copies: the next call starts from them without having aliased them.
+    saved = {k: v.clone() for k, v in kept.items()}
+    local_sgd(two, x, y, steps=1, lr=0.05, momentum=0.9, sampler=sampler, momentum_buffers=dict(saved))
+    assert all(torch.equal(saved[k], kept[k]) for k in kept)
+
+
+def test_a_momentum_buffer_of_another_shape_is_refused_by_name():
+    x, y = _data()
+    m = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    name, p = next(iter(m.named_parameters()))
+    try:
+        local_sgd(m, x, y, steps=1, lr=0.05, momentum=0.9, sampler=BatchSampler(100, 16, seed=5),
+                  momentum_buffers={name: torch.zeros(p.numel() + 1)})
+    except ValueError as err:
+        assert name in str(err) and "another model" in str(err)
+    else:
+        raise AssertionError("a buffer of the wrong shape was accepted")
+
+
 def test_proximal_term_pulls_towards_received_weights():
     x, y = _data()
     base = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)

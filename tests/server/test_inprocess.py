@@ -197,9 +197,12 @@ def test_bad_config_key_stops_before_any_training(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_one_client_equals_plain_local_training(tmp_path):
+@pytest.mark.parametrize("keep", [False, True])
+def test_one_client_equals_plain_local_training(tmp_path, keep):
+    """keep-momentum: the client's momentum runs across rounds, so with one client the
+    rounds are one run of 12 local steps; without it the buffer restarts each round."""
     over = {"num-rounds": 3, "local-steps": 4, "batch-size": 16, "partition": "iid", "device": "cpu",
-            "results-dir": str(tmp_path), "progress": "off", "seed": 3, "model": "mlp"}
+            "results-dir": str(tmp_path), "progress": "off", "seed": 3, "model": "mlp", "keep-momentum": keep}
     run_dir = run_inprocess(over, num_clients=1)
     fed = torch.load(run_dir / "model.pt")
 
@@ -210,9 +213,13 @@ def test_one_client_equals_plain_local_training(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.client_threads)  # same reduction order as the client's
     try:
-        for _ in range(cfg.num_rounds):  # a fresh momentum buffer each round, as on the client
-            local_sgd(model, x, y, steps=cfg.local_steps, lr=cfg.local_lr, momentum=cfg.momentum,
+        if keep:  # the rounds are one call
+            local_sgd(model, x, y, steps=cfg.num_rounds * cfg.local_steps, lr=cfg.local_lr, momentum=cfg.momentum,
                       sampler=sampler)
+        else:
+            for _ in range(cfg.num_rounds):  # a fresh momentum buffer each round, as on the client
+                local_sgd(model, x, y, steps=cfg.local_steps, lr=cfg.local_lr, momentum=cfg.momentum,
+                          sampler=sampler)
     finally:
         torch.set_num_threads(threads)
     for k, v in model.state_dict().items():
