@@ -76,8 +76,8 @@ def to_numpy(arr: Array) -> np.ndarray:
 
 def from_numpy(nd: np.ndarray) -> Array:
     """``Array.from_numpy_ndarray(nd)``: the same dtype, shape, stype and bytes."""
-    if nd.dtype.hasobject:
-        return Array.from_numpy_ndarray(nd)
+    if nd.dtype.hasobject or nd.dtype.names is not None or nd.dtype.subdtype is not None:
+        return Array.from_numpy_ndarray(nd)  # structured: dtype.str would not tell two apart
     fortran = bool(nd.flags.f_contiguous and not nd.flags.c_contiguous)
     key = (nd.dtype.str, tuple(nd.shape), fortran)
     header = _written.get(key, b"")

@@ -44,6 +44,13 @@ def test_a_model_state_dict_round_trips_as_flower_does():
     assert all(torch.equal(back[k], ref[k]) and back[k].dtype == ref[k].dtype for k in ref)
 
 
+def test_two_structured_dtypes_of_one_size_keep_their_own_headers():
+    a = np.zeros((2,), dtype=[("a", "<f4"), ("b", "<i2")])
+    b = np.zeros((2,), dtype=[("x", "<i2"), ("y", "<f4")])
+    for nd in (a, b, a, b):
+        assert arrays.from_numpy(nd).data == Array.from_numpy_ndarray(nd).data
+
+
 def test_bad_bytes_get_numpys_own_error():
     good = Array.from_numpy_ndarray(np.arange(8, dtype=np.float32))
     cut = Array(dtype=good.dtype, shape=good.shape, stype=good.stype, data=good.data[:-4])
