@@ -24,11 +24,13 @@ def _same_models(a, b) -> None:
         assert torch.equal(ma[k], mb[k]), k
 
 
-@pytest.mark.parametrize("pipeline", ["on", "off"])
-def test_zero_delay_is_fedavg_bit_for_bit(tmp_path, pipeline):
-    """D = 0 reproduces synchronous local SGD (Flower's FedAvg, K local steps) exactly."""
-    fedavg = run_inprocess({**BASE, "results-dir": str(tmp_path / "fedavg")}, num_clients=4)
-    dga = run_inprocess({**BASE, "strategy": "dga", "dga-delay": 0, "dga-pipeline": pipeline,
+@pytest.mark.parametrize(("pipeline", "keep"), [("on", False), ("off", False), ("on", True)])
+def test_zero_delay_is_fedavg_bit_for_bit(tmp_path, pipeline, keep):
+    """D = 0 reproduces synchronous local SGD (Flower's FedAvg, K local steps) exactly,
+    also with the clients' momentum kept across rounds (keep-momentum, on both sides)."""
+    base = {**BASE, "keep-momentum": keep}
+    fedavg = run_inprocess({**base, "results-dir": str(tmp_path / "fedavg")}, num_clients=4)
+    dga = run_inprocess({**base, "strategy": "dga", "dga-delay": 0, "dga-pipeline": pipeline,
                          "results-dir": str(tmp_path / "dga")}, num_clients=4)
     _same_models(fedavg, dga)
     a, b = _lines(fedavg), _lines(dga)

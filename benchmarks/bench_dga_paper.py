@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+"""DGA in the paper's regime (issue 20): the correction ablation with D counted in local
+iterations, K = 1 and K > 1, several seeds, and DGA against FedAvg at equal local steps.
+
+Zhu et al. (NeurIPS 2021; shared/seeds/004, "Deal with Staleness") average after every
+local iteration and delay the average by D iterations, D = 5..20; their optimiser is
+momentum SGD whose momentum runs across iterations. Here every run is the default task
+(digits, 10 clients, the small CNN, batch 32, lr 0.05, momentum 0.9) split IID, in the
+in-process Flower runtime (``run_inprocess``: fededge's ServerApp and ClientApp, the
+wire included), with the same budget of local steps per client (``--steps``):
+
+- ``K=1`` (in ``--k``): ``local-steps=1``, ``dga-delay=D`` rounds = D iterations; the
+  paper's rule.
+- ``K=k`` for each other ``--k``: ``local-steps=k``, ``dga-delay=D/k`` rounds (D iterations
+  of staleness at least; a D that k does not divide is skipped).
+- ``--momentum-state``: ``keep`` (the clients keep their momentum buffers across rounds,
+  run-config ``keep-momentum``: the paper's optimiser; with K = 1 exactly its rule,
+  tests/algorithms/test_dga.py) and/or ``restart`` (fededge's default: a fresh buffer
+  each round, so at K = 1 momentum never acts).
+
+D = 0 is FedAvg with that K (bit for bit; the same run serves both correction columns).
+Each cell is the final test accuracy (the server's evaluation after the last round),
+mean ± sample standard deviation over ``--seeds``; ``best`` is the mean over seeds of
+each run's best round. Runs go ``--jobs`` at a time, each in its own process with one
+torch thread.
+
+Examples
+--------
+::
+
+    python benchmarks/bench_dga_paper.py                                  # the tables in BENCHMARKS.md
+    python benchmarks/bench_dga_paper.py --steps 60 --seeds 0 --delays 0 5 --k 1 5 --jobs 2   # a smoke run
+    python benchmarks/bench_dga_paper.py --plot docs/figures/dga-paper.png --json /tmp/dga-paper.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one(spec: dict) -> dict:
+    """One run, in this process (``--one``): its accuracy per round and its wall seconds."""
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from fededge.server.inprocess import run_inprocess
+
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        run_dir = run_inprocess({"progress": "off", "results-dir": out, "save-model": False, **spec["over"]},
+                                num_clients=spec["clients"])
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {**spec, "acc": [r["accuracy"] for r in lines], "wall_s": time.perf_counter() - t0}
+
+
+def _specs(args: argparse.Namespace) -> list[dict]:
+    specs = []
+    for state in args.momentum_state:
+        for k in args.k:
+            for d in args.delays:
+                if d % k:
+                    continue
+                for corr in ([True] if d == 0 else [True, False]):
+                    for seed in args.seeds:
+                        over = {"strategy": "dga", "partition": "iid", "seed": seed, "local-steps": k,
+                                "num-rounds": args.steps // k, "dga-delay": d // k, "dga-correction": corr,
+                                "keep-momentum": state == "keep", "client-threads": 1}
+                        if args.local_lr is not None:
+                            over["local-lr"] = args.local_lr
+                        if args.momentum is not None:
+                            over["momentum"] = args.momentum
+                        specs.append({"state": state, "k": k, "d": d, "correction": corr, "seed": seed,
+                                      "clients": args.clients, "over": over})
+    return specs
+
+
+def _run_all(specs: list[dict], jobs: int) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def sub(spec: dict) -> dict:
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
+                              env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"run {spec['over']} failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"  K={r['k']} D={r['d']} {'corr' if r['correction'] else 'no-corr'} {r['state']} seed {r['seed']}: "
+              f"final {r['acc'][-1]:.4f}, {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(sub, specs))
+
+
+def _cell(runs: list[dict]) -> str:
+    if not runs:
+        return "—"
+    final = [r["acc"][-1] * 100 for r in runs]
+    sd = statistics.stdev(final) if len(final) > 1 else 0.0
+    return f"{statistics.mean(final):.1f} ± {sd:.1f}"
+
+
+def _best(runs: list[dict]) -> str:
+    return "—" if not runs else f"{statistics.mean(max(r['acc']) * 100 for r in runs):.1f}"
+
+
+def _tables(results: list[dict], args: argparse.Namespace) -> str:
+    out = []
+    for state in args.momentum_state:
+        for k in args.k:
+            rows = [r for r in results if r["state"] == state and r["k"] == k]
+            if not rows:
+                continue
+            out.append(f"\n#### K = {k}, momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}"
+                       f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))})\n")
+            out.append("| D (iterations) | D (rounds) | with correction | without | best, with | best, without |")
+            out.append("|---:|---:|---:|---:|---:|---:|")
+            for d in args.delays:
+                if d % k:
+                    continue
+                w = [r for r in rows if r["d"] == d and r["correction"]]
+                wo = [r for r in rows if r["d"] == d and (not r["correction"] or d == 0)]
+                out.append(f"| {d} | {d // k} | {_cell(w)} | {_cell(wo)} | {_best(w)} | {_best(wo)} |")
+    return "\n".join(out)
+
+
+def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(args.momentum_state), figsize=(6 * len(args.momentum_state), 4), squeeze=False)
+    for ax, state in zip(axes[0], args.momentum_state):
+        for k in args.k:
+            for corr, style in ((True, "-"), (False, "--")):
+                pts = []
+                for d in args.delays:
+                    runs = [r for r in results if r["state"] == state and r["k"] == k and r["d"] == d
+                            and (r["correction"] == corr or d == 0)]
+                    if runs:
+                        final = [r["acc"][-1] * 100 for r in runs]
+                        pts.append((d, statistics.mean(final), statistics.stdev(final) if len(final) > 1 else 0))
+                if pts:
+                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], ls=style,
+                                marker="o", capsize=3, label=f"K={k}, {'with' if corr else 'without'} correction")
+        ax.set_title(f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}")
+        ax.set_xlabel("delay D (local iterations)")
+        ax.set_ylabel("final test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200, help="local steps per client in every run")
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--delays", type=int, nargs="+", default=[0, 5, 10, 15, 20], help="D in local iterations")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 5], help="local steps per round (D must divide by K)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--momentum-state", nargs="+", default=["keep", "restart"], choices=["keep", "restart"])
+    ap.add_argument("--local-lr", type=float, default=None, help="client lr (default: the run config's, 0.05)")
+    ap.add_argument("--momentum", type=float, default=None, help="client momentum (default 0.9)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(_one(json.loads(args.one))))
+        return 0
+    if any(k < 1 for k in args.k) or args.steps < 1:
+        ap.error("--k and --steps must be >= 1")
+    t0 = time.perf_counter()
+    results = _run_all(_specs(args), args.jobs)
+    print(_tables(results, args))
+    print(f"\n{len(results)} runs, {time.perf_counter() - t0:.0f} s wall")
+    if args.json:
+        args.json.write_text(json.dumps(results))
+    if args.plot:
+        _plot(results, args, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
