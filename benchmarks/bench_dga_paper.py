@@ -31,6 +31,7 @@ Examples
     python benchmarks/bench_dga_paper.py                                  # the tables in BENCHMARKS.md
     python benchmarks/bench_dga_paper.py --steps 60 --seeds 0 --delays 0 5 --k 1 5 --jobs 2   # a smoke run
     python benchmarks/bench_dga_paper.py --plot docs/figures/dga-paper.png --json /tmp/dga-paper.json
+    python benchmarks/bench_dga_paper.py --k 1 --momentum-state keep --set model=cnn-bn --set lr-schedule=cosine
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _specs(args: argparse.Namespace) -> list[dict]:
             for d in args.delays:
                 if d % k:
                     continue
-                for corr in ([True] if d == 0 else [True, False]):
+                for corr in ([True] if d == 0 else [c == "with" for c in args.correction]):
                     for seed in args.seeds:
                         over = {"strategy": "dga", "partition": "iid", "seed": seed, "local-steps": k,
                                 "num-rounds": args.steps // k, "dga-delay": d // k, "dga-correction": corr,
@@ -81,6 +82,7 @@ def _specs(args: argparse.Namespace) -> list[dict]:
                             over["local-lr"] = args.local_lr
                         if args.momentum is not None:
                             over["momentum"] = args.momentum
+                        over.update(args.set)
                         specs.append({"state": state, "k": k, "d": d, "correction": corr, "seed": seed,
                                       "clients": args.clients, "over": over})
     return specs
@@ -122,8 +124,9 @@ def _tables(results: list[dict], args: argparse.Namespace) -> str:
             rows = [r for r in results if r["state"] == state and r["k"] == k]
             if not rows:
                 continue
+            extra = "".join(f", {k_}={v}" for k_, v in args.set.items())
             out.append(f"\n#### K = {k}, momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}"
-                       f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))})\n")
+                       f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))}{extra})\n")
             out.append("| D (iterations) | D (rounds) | with correction | without | best, with | best, without |")
             out.append("|---:|---:|---:|---:|---:|---:|")
             for d in args.delays:
@@ -165,6 +168,19 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as TOML would (an int, float, bool or bare string)."""
+    import tomllib
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200, help="local steps per client in every run")
@@ -175,11 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--momentum-state", nargs="+", default=["keep", "restart"], choices=["keep", "restart"])
     ap.add_argument("--local-lr", type=float, default=None, help="client lr (default: the run config's, 0.05)")
     ap.add_argument("--momentum", type=float, default=None, help="client momentum (default 0.9)")
+    ap.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+                    help="another run-config key for every run, e.g. --set model=cnn-bn --set lr-schedule=cosine")
+    ap.add_argument("--correction", nargs="+", default=["with", "without"], choices=["with", "without"],
+                    help="which columns to run for D > 0")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.set = dict(args.set)
     if args.one:
         print(json.dumps(_one(json.loads(args.one))))
         return 0

@@ -29,6 +29,7 @@ from typing import Any, TypeVar, Union
 
 from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunction
 from fededge.algorithms.dga import DGAConfig
+from fededge.clients.train import LR_SCHEDULES
 from fededge.algorithms.gossip import GOSSIP_ALGORITHMS, ChocoConfig, GossipConfig, check_choco_codec
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.data.datasets import DATASETS
@@ -158,6 +159,16 @@ class RunConfig:
         paper (Zhu et al., 2021): with K = 1, FedAvg is synchronous momentum SGD and DGA
         the paper's per-iteration rule with momentum (docs/algorithms.md). A client
         that skips rounds resumes with the buffers of its last round.
+    lr_schedule : str
+        How the clients' ``local-lr`` changes over the rounds: ``constant`` (default),
+        ``cosine`` (down to nearly 0 at the last round) or ``step`` (x0.1 after half the
+        rounds, x0.01 after three quarters). The rate is constant within a round, so with
+        K = 1 the schedule is per iteration
+        (:func:`fededge.clients.train.scheduled_lr`). The server sends the schedule with
+        every train message and each client computes its round's rate.
+    lr_warmup_rounds : int
+        W: rounds 1..W ramp the rate linearly from ``local-lr / W`` up to ``local-lr``,
+        before the schedule. 0 (default): no warm-up. Must be below ``num-rounds``.
     batch_size : int
         Mini-batch size on the client.
     dataset : str
@@ -182,8 +193,8 @@ class RunConfig:
         The Dirichlet split is redrawn until every client has at least this many
         examples.
     model : str
-        ``mlp``, ``cnn``, ``cnn-fedavg`` (McMahan et al.'s CNN, 1.66M parameters on
-        MNIST) or ``resnet18`` (CIFAR variant).
+        ``mlp``, ``cnn``, ``cnn-bn`` (the CNN with BatchNorm), ``cnn-fedavg`` (McMahan et
+        al.'s CNN, 1.66M parameters on MNIST) or ``resnet18`` (CIFAR variant).
     seed : int
         Seeds the model initialisation, the partition, client sampling and batches.
     device : str
@@ -272,6 +283,8 @@ class RunConfig:
     local_lr: float = 0.05
     momentum: float = 0.9
     keep_momentum: bool = False
+    lr_schedule: str = "constant"
+    lr_warmup_rounds: int = 0
     weight_decay: float = 0.0
     batch_size: int = 32
     dataset: str = "digits"
@@ -355,6 +368,7 @@ class RunConfig:
         _choice("partition", self.partition, PARTITIONS)
         _choice("model", self.model, MODELS)
         _choice("client-states", self.client_states, CLIENT_STATES)
+        _choice("lr-schedule", self.lr_schedule, LR_SCHEDULES)
         for key, value in (("device", self.device), ("server-device", self.server_device)):
             if not _DEVICE_RE.match(value):
                 raise ConfigError(
@@ -364,6 +378,12 @@ class RunConfig:
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"run-config key 'seed' must be in [0, 2**32), got {self.seed}")
         _int_at_least("num-rounds", self.num_rounds, 1)
+        _int_at_least("lr-warmup-rounds", self.lr_warmup_rounds, 0)
+        if self.lr_warmup_rounds >= self.num_rounds:
+            raise ConfigError(
+                f"run-config key 'lr-warmup-rounds' ({self.lr_warmup_rounds}) must be below 'num-rounds' "
+                f"({self.num_rounds}): the warm-up would never reach local-lr; lower it or raise num-rounds"
+            )
         _int_at_least("local-steps", self.local_steps, 1)
         _int_at_least("batch-size", self.batch_size, 1)
         _int_at_least("synthetic-samples", self.synthetic_samples, 20)

@@ -46,6 +46,9 @@ LOCAL_LR = "local-lr"
 MOMENTUM = "momentum"
 WEIGHT_DECAY = "weight-decay"
 BATCH_SIZE = "batch-size"
+LR_SCHEDULE = "lr-schedule"  # with the two below: the client computes its round's local-lr
+LR_WARMUP_ROUNDS = "lr-warmup-rounds"
+NUM_ROUNDS = "num-rounds"  # the run's length, for the lr schedule
 PROXIMAL_MU = "proximal-mu"  # set by flwr's FedProx in configure_train
 
 # Node config (set by Flower's simulation, or by ``flower-supernode --node-config``).

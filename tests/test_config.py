@@ -42,7 +42,7 @@ def test_snake_case_key_is_refused_and_kebab_suggested():
         ("momentum", 1.0, r"'momentum' must be in \[0.0, 1.0\)"),
         ("partition", "zipf", r"'partition' must be one of iid, dirichlet, shards"),
         ("dataset", "imagenet", r"'dataset' must be one of .*digits"),
-        ("model", "vgg", r"'model' must be one of mlp, cnn, cnn-fedavg, resnet18"),
+        ("model", "vgg", r"'model' must be one of mlp, cnn, cnn-bn, cnn-fedavg, resnet18"),
         ("strategy", "fedsgd", r"'strategy' must be one of fedavg"),
         ("device", "tpu", r"'device' must be one of auto, cpu, cuda"),
         ("alpha", 0, r"'alpha' must be > 0"),

@@ -33,13 +33,13 @@ from fededge.clients.device import resolve_device
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
 from fededge.clients.preview import PreviewMod
 from fededge.clients.statestore import StateSpillMod, StateStoreMod
-from fededge.clients.train import BatchSampler, evaluate, local_sgd
+from fededge.clients.train import BatchSampler, evaluate, local_sgd, scheduled_lr
 from fededge.config import RunConfig
 from fededge.netem.assign import dropped_partitions
 from fededge.models.zoo import build_model
 from fededge.workload import client_data, dataset_for
 
-__all__ = ["app", "ClientWorkload", "client_mods", "client_workload", "run_config_mods", "train"]
+__all__ = ["app", "ClientWorkload", "client_mods", "client_workload", "round_lr", "run_config_mods", "train"]
 
 # A configuration error (say, a data split that cannot give this node min-partition-size
 # samples) comes back to the server as a named error that stops the run.
@@ -201,7 +201,7 @@ def train(msg: Message, context: Context) -> Message:
         result = local_sgd(
             work.model, work.x, work.y,
             steps=int(conf.get(keys.LOCAL_STEPS, cfg.local_steps)),
-            lr=float(conf.get(keys.LOCAL_LR, cfg.local_lr)),
+            lr=round_lr(conf, cfg.local_lr),
             momentum=momentum,
             weight_decay=float(conf.get(keys.WEIGHT_DECAY, cfg.weight_decay)),
             sampler=sampler,
@@ -227,6 +227,31 @@ def train(msg: Message, context: Context) -> Message:
     })
     content = RecordDict({keys.ARRAYS: record_from_torch(work.model.state_dict()), keys.METRICS: metrics})
     return Message(content=content, reply_to=msg)
+
+
+def round_lr(conf: ConfigRecord, default: float) -> float:
+    """The local learning rate a train message's config asks for.
+
+    ``local-lr`` (``default`` when absent). When the config carries ``lr-schedule`` (the
+    server's :func:`~fededge.server.experiment.train_config` with a schedule), the rate
+    of round ``server-round`` of ``num-rounds`` under it
+    (:func:`fededge.clients.train.scheduled_lr`). A ClientApp of one's own can call this
+    on the config it receives to follow the same schedule.
+
+    Raises ``ValueError`` naming the missing key when a schedule comes without
+    ``server-round`` or ``num-rounds``, and the schedule's own error for a bad value.
+    """
+    base = float(conf.get(keys.LOCAL_LR, default))
+    if keys.LR_SCHEDULE not in conf:
+        return base
+    missing = [k for k in (keys.SERVER_ROUND, keys.NUM_ROUNDS) if k not in conf]
+    if missing:
+        raise ValueError(f"the train config has '{keys.LR_SCHEDULE}' but no {' or '.join(repr(k) for k in missing)}: "
+                         "the strategy must send the round (Flower's and fededge's do), and the server "
+                         "fededge.server.experiment.train_config's keys")
+    return scheduled_lr(base, int(conf[keys.SERVER_ROUND]), int(conf[keys.NUM_ROUNDS]),
+                        schedule=str(conf[keys.LR_SCHEDULE]),
+                        warmup_rounds=int(conf.get(keys.LR_WARMUP_ROUNDS, 0)))
 
 
 def _dropped_reply(msg: Message, work: ClientWorkload) -> Message:

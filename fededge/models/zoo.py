@@ -9,6 +9,10 @@ Three models cover the usual FL benchmarks:
 ``"cnn"``
     A small two-convolution network for images ``(C, H, W)`` with ``H, W >= 8``: about
     94k parameters for 8x8 digits and 10 classes, the same layout for MNIST and CIFAR.
+``"cnn-bn"``
+    The same network with BatchNorm after both convolutions and the hidden linear layer
+    (94,410 parameters for digits): a small normalised model, like the ResNets of the
+    papers, for experiments where normalisation matters (stale gradients).
 ``"cnn-fedavg"``
     The "CNN" of McMahan et al. 2017: two 5x5 convolutions (32 and 64 channels, each
     followed by 2x2 max-pooling), a 512-unit fully connected layer, a linear classifier;
@@ -54,7 +58,7 @@ __all__ = [
     "count_parameters",
 ]
 
-MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-fedavg", "resnet18")
+MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-bn", "cnn-fedavg", "resnet18")
 """Names accepted by :func:`build_model`."""
 
 _NORMS = ("batch", "group")
@@ -156,8 +160,14 @@ class CNN(nn.Module):
     fc(576->128) - ReLU - fc(128->num_classes)``. The adaptive pool makes the parameter
     count independent of the image size (93,962 for one channel and 10 classes), so the
     same network, and the same bytes per round, serve 8x8 digits, MNIST and CIFAR. No
-    dropout or normalisation: the model is deterministic given its weights and has no
-    buffers for FedAvg to average.
+    dropout or normalisation by default: the model is deterministic given its weights and
+    has no buffers for FedAvg to average.
+
+    With ``batch_norm=True`` (``model = "cnn-bn"``) a BatchNorm layer follows each
+    convolution and the hidden linear layer (94,410 parameters for one channel and 10
+    classes, and the running statistics as buffers, which FedAvg averages). Normalisation
+    makes most weights scale-invariant, which is what lets stale-gradient SGD recover from
+    a step too large instead of diverging (docs/algorithms.md, DGA without the correction).
 
     Parameters
     ----------
@@ -165,6 +175,8 @@ class CNN(nn.Module):
         Number of input channels (1 for greyscale, 3 for RGB).
     num_classes : int
         Number of output logits.
+    batch_norm : bool
+        Put BatchNorm after the two convolutions and the hidden linear layer.
 
     Examples
     --------
@@ -172,19 +184,24 @@ class CNN(nn.Module):
     torch.Size([2, 10])
     """
 
-    def __init__(self, in_channels: int, num_classes: int) -> None:
+    def __init__(self, in_channels: int, num_classes: int, *, batch_norm: bool = False) -> None:
         super().__init__()
+
+        def norm(layer: nn.Module, channels: int) -> list[nn.Module]:
+            return [layer] if not batch_norm else [layer, nn.BatchNorm2d(channels) if isinstance(layer, nn.Conv2d)
+                                                   else nn.BatchNorm1d(channels)]
+
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, kernel_size=3, padding=1),
+            *norm(nn.Conv2d(in_channels, 32, kernel_size=3, padding=1), 32),
             nn.ReLU(),
-            nn.Conv2d(32, 64, kernel_size=3, padding=1),
+            *norm(nn.Conv2d(32, 64, kernel_size=3, padding=1), 64),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.AdaptiveAvgPool2d((3, 3)),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(64 * 3 * 3, 128),
+            *norm(nn.Linear(64 * 3 * 3, 128), 128),
             nn.ReLU(),
             nn.Linear(128, num_classes),
         )
@@ -400,9 +417,9 @@ def resnet18_cifar(
 def _construct(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if name == "mlp":
         return MLP(math.prod(shape), num_classes)
-    if name == "cnn":
+    if name in ("cnn", "cnn-bn"):
         _check_image_shape(name, shape, min_side=8)
-        return CNN(shape[0], num_classes)
+        return CNN(shape[0], num_classes, batch_norm=name == "cnn-bn")
     if name == "cnn-fedavg":
         _check_image_shape(name, shape, min_side=4)
         return FedAvgCNN(shape, num_classes)
@@ -424,6 +441,7 @@ def build_model(
     ----------
     name : str
         ``"mlp"`` (any input shape), ``"cnn"`` (images ``(C, H, W)``, ``H, W >= 8``),
+        ``"cnn-bn"`` (the same CNN with BatchNorm),
         ``"cnn-fedavg"`` (images with ``H, W >= 4``) or
         ``"resnet18"`` (CIFAR ResNet-18 with BatchNorm; for GroupNorm call
         :func:`resnet18_cifar` directly).

@@ -97,14 +97,25 @@ def check_data_split(grid: Grid, cfg: RunConfig) -> float:
 
 
 def train_config(cfg: RunConfig) -> ConfigRecord:
-    """What the server sends with every train message (the strategy adds the round)."""
-    return ConfigRecord({
+    """What the server sends with every train message (the strategy adds the round).
+
+    With an lr schedule (``lr-schedule`` other than ``constant``, or ``lr-warmup-rounds``)
+    it also carries the schedule and ``num-rounds``; each client computes its round's rate
+    from them and ``server-round`` (:func:`fededge.clients.app.round_lr`). Without one the
+    config is what it always was, byte for byte.
+    """
+    config = ConfigRecord({
         keys.LOCAL_STEPS: cfg.local_steps,
         keys.LOCAL_LR: cfg.local_lr,
         keys.MOMENTUM: cfg.momentum,
         keys.WEIGHT_DECAY: cfg.weight_decay,
         keys.BATCH_SIZE: cfg.batch_size,
     })
+    if cfg.lr_schedule != "constant" or cfg.lr_warmup_rounds:
+        config[keys.LR_SCHEDULE] = cfg.lr_schedule
+        config[keys.LR_WARMUP_ROUNDS] = cfg.lr_warmup_rounds
+        config[keys.NUM_ROUNDS] = cfg.num_rounds
+    return config
 
 
 def run_experiment(

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -161,3 +162,59 @@ def test_local_training_does_not_import_torch_dynamo():
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_scheduled_lr_warmup_cosine_and_step_to_the_number():
+    from fededge.clients.train import scheduled_lr
+
+    assert [scheduled_lr(0.4, t, 10, warmup_rounds=4) for t in (1, 2, 3, 4, 5, 10)] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.4], abs=1e-15)
+    # cosine: base at the first round after the warm-up, half way at the middle, nearly 0 at the end
+    cos = [scheduled_lr(1.0, t, 6, schedule="cosine", warmup_rounds=2) for t in range(1, 7)]
+    assert cos[:3] == [0.5, 1.0, 1.0]
+    assert abs(cos[4] - 0.5) < 1e-15 and 0 < cos[5] < 0.15
+    assert all(a > b for a, b in zip(cos[2:], cos[3:]))
+    # step: x0.1 after half the rounds (ceil), x0.01 after three quarters (ceil)
+    assert [scheduled_lr(2.0, t, 7, schedule="step") for t in range(1, 8)] == [2.0] * 4 + [0.2, 0.2, 0.02]
+    # an asynchronous strategy's version past num_rounds keeps the last rate
+    assert scheduled_lr(1.0, 99, 6, schedule="cosine") == scheduled_lr(1.0, 6, 6, schedule="cosine")
+
+
+def test_scheduled_lr_refuses_what_cannot_work():
+    from fededge.clients.train import scheduled_lr
+
+    with pytest.raises(ValueError, match="one of constant, cosine, step; got 'linear'"):
+        scheduled_lr(0.1, 1, 5, schedule="linear")
+    with pytest.raises(ValueError, match="warmup_rounds < num_rounds"):
+        scheduled_lr(0.1, 1, 5, warmup_rounds=5)
+    with pytest.raises(ValueError, match="rounds count from 1"):
+        scheduled_lr(0.1, 0, 5)
+
+
+def test_round_lr_reads_the_servers_schedule_and_names_a_missing_key():
+    from flwr.app import ConfigRecord
+
+    from fededge.clients.app import round_lr
+    from fededge.config import RunConfig
+    from fededge.server.experiment import train_config
+
+    plain = train_config(RunConfig.from_mapping({}))
+    assert set(plain) == {"local-steps", "local-lr", "momentum", "weight-decay", "batch-size"}  # unchanged bytes
+    assert round_lr(ConfigRecord({**plain, "server-round": 7}), 1.0) == 0.05
+    assert round_lr(ConfigRecord(), 0.3) == 0.3
+
+    conf = train_config(RunConfig.from_mapping({"num-rounds": 8, "lr-schedule": "step", "lr-warmup-rounds": 2}))
+    assert [round_lr(ConfigRecord({**conf, "server-round": t}), 1.0) for t in (1, 2, 4, 5, 7)] == \
+        pytest.approx([0.025, 0.05, 0.05, 0.005, 0.0005], rel=1e-12)
+    with pytest.raises(ValueError, match="no 'server-round'"):
+        round_lr(conf, 1.0)
+
+
+def test_lr_schedule_config_errors_name_the_key_and_the_fix():
+    from fededge.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="'lr-schedule' must be one of constant, cosine, step"):
+        RunConfig.from_mapping({"lr-schedule": "exp"})
+    with pytest.raises(ConfigError, match="'lr-warmup-rounds' \\(20\\) must be below 'num-rounds' \\(20\\).*raise num-rounds"):
+        RunConfig.from_mapping({"lr-warmup-rounds": 20})
+    with pytest.raises(ConfigError, match="'lr-warmup-rounds' must be >= 0"):
+        RunConfig.from_mapping({"lr-warmup-rounds": -1})

@@ -24,6 +24,7 @@ DIGITS, MNIST, CIFAR, TABULAR = (1, 8, 8), (1, 28, 28), (3, 32, 32), (30,)
 SHAPES = {
     "mlp": [TABULAR, DIGITS, MNIST, CIFAR],
     "cnn": [DIGITS, MNIST, CIFAR, (3, 8, 12)],
+    "cnn-bn": [DIGITS, CIFAR],
     "cnn-fedavg": [DIGITS, MNIST, CIFAR, (3, 8, 12)],
     "resnet18": [CIFAR, MNIST, DIGITS],
 }
@@ -171,6 +172,15 @@ def test_cnn_is_small_and_size_independent_of_image_side() -> None:
     assert not list(digits.buffers())
 
 
+def test_cnn_bn_is_the_cnn_with_batchnorm_after_each_hidden_layer() -> None:
+    plain = build_model("cnn", input_shape=DIGITS, num_classes=10, seed=0)
+    bn = build_model("cnn-bn", input_shape=DIGITS, num_classes=10, seed=0)
+    assert count_parameters(bn) == 94_410 == count_parameters(plain) + 2 * (32 + 64 + 128)
+    norms = [m for m in bn.modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))]
+    assert [m.num_features for m in norms] == [32, 64, 128]
+    assert sum(1 for k in bn.state_dict() if k.endswith("num_batches_tracked")) == 3
+
+
 def test_mlp_is_mcmahan_2nn() -> None:
     model = build_model("mlp", input_shape=MNIST, num_classes=10)
     assert isinstance(model, MLP)
@@ -196,7 +206,7 @@ def test_count_parameters_trainable_only_skips_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"name": "vgg"}, "name must be one of ('mlp', 'cnn', 'cnn-fedavg', 'resnet18')"),
+        ({"name": "vgg"}, "name must be one of ('mlp', 'cnn', 'cnn-bn', 'cnn-fedavg', 'resnet18')"),
         ({"num_classes": 1}, "num_classes"),
         ({"num_classes": 2.0}, "num_classes"),
         ({"num_classes": True}, "num_classes"),

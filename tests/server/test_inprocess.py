@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.clients.train import BatchSampler, local_sgd
+from fededge.clients.train import BatchSampler, local_sgd, scheduled_lr
 from fededge.config import ConfigError, RunConfig
 from fededge.server.experiment import NotEnoughNodesError, RoundFailedError, wait_for_nodes
 from fededge.server.grid import InProcessGrid
@@ -197,15 +197,9 @@ def test_bad_config_key_stops_before_any_training(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_one_client_equals_plain_local_training(tmp_path, keep):
-    """keep-momentum: the client's momentum runs across rounds, so with one client the
-    rounds are one run of 12 local steps; without it the buffer restarts each round."""
-    over = {"num-rounds": 3, "local-steps": 4, "batch-size": 16, "partition": "iid", "device": "cpu",
-            "results-dir": str(tmp_path), "progress": "off", "seed": 3, "model": "mlp", "keep-momentum": keep}
-    run_dir = run_inprocess(over, num_clients=1)
-    fed = torch.load(run_dir / "model.pt")
-
+def _plain_local_training(over: dict, calls: list[tuple[int, float]]) -> dict:
+    """The one client's model trained by local_sgd alone: one call per (steps, lr), each
+    with a fresh momentum buffer, the sampler continuing across calls."""
     cfg = RunConfig.from_mapping(over)
     model = model_for(cfg, dataset_for(cfg))
     x, y = client_data(cfg, 0, 1, torch.device("cpu"))
@@ -213,16 +207,38 @@ def test_one_client_equals_plain_local_training(tmp_path, keep):
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.client_threads)  # same reduction order as the client's
     try:
-        if keep:  # the rounds are one call
-            local_sgd(model, x, y, steps=cfg.num_rounds * cfg.local_steps, lr=cfg.local_lr, momentum=cfg.momentum,
-                      sampler=sampler)
-        else:
-            for _ in range(cfg.num_rounds):  # a fresh momentum buffer each round, as on the client
-                local_sgd(model, x, y, steps=cfg.local_steps, lr=cfg.local_lr, momentum=cfg.momentum,
-                          sampler=sampler)
+        for steps, lr in calls:
+            local_sgd(model, x, y, steps=steps, lr=lr, momentum=cfg.momentum, sampler=sampler)
     finally:
         torch.set_num_threads(threads)
-    for k, v in model.state_dict().items():
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_one_client_equals_plain_local_training(tmp_path, keep):
+    """keep-momentum: the client's momentum runs across rounds, so with one client the
+    rounds are one run of 12 local steps; without it the buffer restarts each round."""
+    over = {"num-rounds": 3, "local-steps": 4, "batch-size": 16, "partition": "iid", "device": "cpu",
+            "results-dir": str(tmp_path), "progress": "off", "seed": 3, "model": "mlp", "keep-momentum": keep}
+    fed = torch.load(run_inprocess(over, num_clients=1) / "model.pt")
+    lr = RunConfig.from_mapping(over).local_lr
+    plain = _plain_local_training(over, [(12, lr)] if keep else [(4, lr)] * 3)  # kept: the rounds are one call
+    for k, v in plain.items():
+        assert torch.equal(fed[k], v), k
+
+
+@pytest.mark.parametrize("schedule, warmup", [("cosine", 1), ("step", 0), ("constant", 2)])
+def test_one_client_follows_the_lr_schedule(tmp_path, schedule, warmup):
+    """lr-schedule: each round's K steps run at scheduled_lr of that round; with one client
+    the federated model is plain local training at those rates, bit for bit."""
+    over = {"num-rounds": 4, "local-steps": 3, "batch-size": 16, "partition": "iid", "device": "cpu",
+            "results-dir": str(tmp_path), "progress": "off", "seed": 5, "model": "mlp",
+            "lr-schedule": schedule, "lr-warmup-rounds": warmup, "local-lr": 0.2}
+    fed = torch.load(run_inprocess(over, num_clients=1) / "model.pt")
+    rates = [scheduled_lr(0.2, t, 4, schedule=schedule, warmup_rounds=warmup) for t in (1, 2, 3, 4)]
+    assert len(set(rates)) > 1  # the schedule changes the rate, so a client ignoring it fails below
+    plain = _plain_local_training(over, [(3, lr) for lr in rates])
+    for k, v in plain.items():
         assert torch.equal(fed[k], v), k
 
 
