@@ -158,7 +158,9 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
                 if pts:
                     ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], ls=style,
                                 marker="o", capsize=3, label=f"K={k}, {'with' if corr else 'without'} correction")
-        ax.set_title(f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}")
+        extra = "".join(f", {k_}={v}" for k_, v in getattr(args, "set", {}).items())
+        ax.set_title(f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}{extra}",
+                     fontsize=9)
         ax.set_xlabel("delay D (local iterations)")
         ax.set_ylabel("final test accuracy (%)")
         ax.grid(alpha=0.3)
