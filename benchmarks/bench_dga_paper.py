@@ -21,7 +21,9 @@ wire included), with the same budget of local steps per client (``--steps``):
 D = 0 is FedAvg with that K (bit for bit; the same run serves both correction columns).
 Each cell is the final test accuracy (the server's evaluation after the last round),
 mean ± sample standard deviation over ``--seeds``; ``best`` is the mean over seeds of
-each run's best round. Runs go ``--jobs`` at a time, each in its own process with one
+each run's best round. For a model with BatchNorm (``--set model=cnn-bn``) two more
+columns give the final model's accuracy with its running statistics recomputed on the
+training set: the weights' own accuracy, apart from the statistics DGA averaged. Runs go ``--jobs`` at a time, each in its own process with one
 torch thread.
 
 Examples
@@ -60,10 +62,40 @@ def _one(spec: dict) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
-        run_dir = run_inprocess({"progress": "off", "results-dir": out, "save-model": False, **spec["over"]},
+        run_dir = run_inprocess({"progress": "off", "results-dir": out, "save-model": True, **spec["over"]},
                                 num_clients=spec["clients"])
+        wall = time.perf_counter() - t0
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {**spec, "acc": [r["accuracy"] for r in lines], "wall_s": time.perf_counter() - t0}
+        recomputed = _with_statistics_recomputed(spec["over"], torch.load(run_dir / "model.pt"))
+    return {**spec, "acc": [r["accuracy"] for r in lines], "acc_rs": recomputed, "wall_s": wall}
+
+
+def _with_statistics_recomputed(over: dict, state: dict) -> float | None:
+    """The final model's test accuracy with its BatchNorm running statistics recomputed
+    on the whole training set (None for a model without them). What the server evaluates
+    uses the statistics DGA averaged, which the weights may have left behind; this tells
+    the weights' own accuracy apart from that."""
+    import torch
+
+    from fededge.clients.train import evaluate
+    from fededge.config import RunConfig
+    from fededge.workload import dataset_for, model_for
+
+    cfg = RunConfig.from_mapping(over)
+    ds = dataset_for(cfg)
+    model = model_for(cfg, ds)
+    model.load_state_dict(state)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return None
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over the batches below
+    model.train()
+    with torch.no_grad():
+        for i in range(0, len(ds.x_train), 256):
+            model(ds.x_train[i:i + 256])
+    return evaluate(model, ds.x_test, ds.y_test)[1]
 
 
 def _specs(args: argparse.Namespace) -> list[dict]:
@@ -117,6 +149,11 @@ def _best(runs: list[dict]) -> str:
     return "—" if not runs else f"{statistics.mean(max(r['acc']) * 100 for r in runs):.1f}"
 
 
+def _recomputed(runs: list[dict]) -> str:
+    vals = [r["acc_rs"] * 100 for r in runs if r.get("acc_rs") is not None]
+    return "—" if not vals else f"{statistics.mean(vals):.1f}"
+
+
 def _tables(results: list[dict], args: argparse.Namespace) -> str:
     out = []
     for state in args.momentum_state:
@@ -127,14 +164,17 @@ def _tables(results: list[dict], args: argparse.Namespace) -> str:
             extra = "".join(f", {k_}={v}" for k_, v in args.set.items())
             out.append(f"\n#### K = {k}, momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}"
                        f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))}{extra})\n")
-            out.append("| D (iterations) | D (rounds) | with correction | without | best, with | best, without |")
-            out.append("|---:|---:|---:|---:|---:|---:|")
+            stats = any(r.get("acc_rs") is not None for r in rows)
+            out.append("| D (iterations) | D (rounds) | with correction | without | best, with | best, without |"
+                       + (" with, BN statistics recomputed | without, recomputed |" if stats else ""))
+            out.append("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if stats else ""))
             for d in args.delays:
                 if d % k:
                     continue
                 w = [r for r in rows if r["d"] == d and r["correction"]]
                 wo = [r for r in rows if r["d"] == d and (not r["correction"] or d == 0)]
-                out.append(f"| {d} | {d // k} | {_cell(w)} | {_cell(wo)} | {_best(w)} | {_best(wo)} |")
+                out.append(f"| {d} | {d // k} | {_cell(w)} | {_cell(wo)} | {_best(w)} | {_best(wo)} |"
+                           + (f" {_recomputed(w)} | {_recomputed(wo)} |" if stats else ""))
     return "\n".join(out)
 
 

@@ -369,6 +369,10 @@ class RunConfig:
         _choice("model", self.model, MODELS)
         _choice("client-states", self.client_states, CLIENT_STATES)
         _choice("lr-schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.model == "cnn-bn" and min(self.batch_size, self.min_partition_size) < 2:
+            raise ConfigError(
+                f"model 'cnn-bn' needs batches of at least 2 examples (its BatchNorm1d cannot train on one), got "
+                f"batch-size={self.batch_size}, min-partition-size={self.min_partition_size}; set both >= 2")
         for key, value in (("device", self.device), ("server-device", self.server_device)):
             if not _DEVICE_RE.match(value):
                 raise ConfigError(

@@ -61,8 +61,8 @@ import torch
 
 from fededge.netem.clock import ClientRound, SimClock
 
-__all__ = ["PIPELINE_MODES", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline", "average",
-           "last_arrived", "round_delta"]
+__all__ = ["NORM_STATISTICS", "PIPELINE_MODES", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline",
+           "average", "last_arrived", "norm_statistics", "round_delta"]
 
 Weights = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -291,6 +291,16 @@ def round_delta(state: Mapping[str, T], rnd: int) -> dict[str, T]:
     return {k[len(prefix):]: state[k] for k in state.keys() if k.startswith(prefix)}
 
 
+#: Suffixes of the buffers torch's normalisation layers keep (BatchNorm, InstanceNorm with
+#: ``track_running_stats``): running statistics, not trained by any gradient.
+NORM_STATISTICS: tuple[str, ...] = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def norm_statistics(names: Sequence[str]) -> frozenset[str]:
+    """The names among ``names`` that are normalisation layers' running statistics."""
+    return frozenset(n for n in names if n.rsplit(".", 1)[-1] in NORM_STATISTICS)
+
+
 class DGAServer:
     """The server's side: the global models ``G(s)`` still needed, advanced each round.
 
@@ -299,12 +309,22 @@ class DGAServer:
     config : DGAConfig
     initial : Weights
         ``G(0)``, the initial model.
+    statistics : set of str, optional
+        Entries that are running statistics (BatchNorm's), not weights: without the
+        correction their ``G(t)`` is the round's average ``ȳ(t)`` itself. Every client of
+        the uncorrected rule starts from ``G(g)``, so each statistic it replies is already
+        an estimate made from that stale start; adding the average as a delayed change
+        (``G(t-1) + ȳ - G(g)``) feeds it back D rounds late, ``x(t) = x(t-1) + a (b -
+        x(t-1-D))`` with ``a = 1 - 0.9^K``, which oscillates and diverges for large D (a
+        running variance goes negative, and the evaluated model with it). The weights,
+        and every entry with the correction, follow the rule above.
     """
 
-    def __init__(self, config: DGAConfig, initial: Weights) -> None:
+    def __init__(self, config: DGAConfig, initial: Weights, statistics: Container[str] = frozenset()) -> None:
         self.config = config
         self.round = 0
         self.globals: dict[int, Weights] = {0: initial}
+        self.statistics = statistics
 
     def last_arrived(self, t: int) -> int:
         return last_arrived(self.config, t)
@@ -323,7 +343,9 @@ class DGAServer:
             new = dict(ybar)
         else:
             prev, base = self.globals[t - 1], self.globals[g]
-            new = {k: (v + (ybar[k].to(v.dtype) - base[k])).to(v.dtype) for k, v in prev.items()}
+            fresh = () if self.config.correction else self.statistics
+            new = {k: ybar[k].to(v.dtype) if k in fresh else (v + (ybar[k].to(v.dtype) - base[k])).to(v.dtype)
+                   for k, v in prev.items()}
         self._keep(t, new)
         return new
 

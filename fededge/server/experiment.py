@@ -198,8 +198,15 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> None:
         raise ConfigError(f"resume-from={str(run_dir)!r}: {meta_path} cannot be read ({err}); give the "
                           "directory of a run fededge wrote") from err
     saved, now = dict(meta.get("config", {})), cfg.to_mapping()
+    # A key the run's fededge did not have yet (lr-schedule, ...) had its default's effect.
+    saved = {**{k: v for k, v in RunConfig.from_mapping({}).to_mapping().items() if k not in saved}, **saved}
     differ = sorted(k for k in set(saved) | set(now)
                     if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
+    if cfg.lr_schedule != "constant" and "num-rounds" in saved and saved["num-rounds"] != cfg.num_rounds:
+        raise ConfigError(
+            f"resume-from={str(run_dir)!r}: num-rounds={cfg.num_rounds} but the run had {saved['num-rounds']}, and "
+            f"lr-schedule={cfg.lr_schedule!r} is laid over num-rounds, so the rounds left would follow another "
+            f"curve than those done; resume with num-rounds={saved['num-rounds']}, or start a new run")
     if differ:
         shown = ", ".join(f"{k}={now.get(k)!r} (the run had {saved.get(k)!r})" for k in differ[:5])
         raise ConfigError(

@@ -46,7 +46,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
 from fededge._flwr_internals import aggregate_arrayrecords, runs_messages_in_order, wire_size
-from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived
+from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived, norm_statistics
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.update import DownlinkConfig, UpdateConfig
@@ -327,7 +327,8 @@ class DGA(FedAvg):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         self._local_steps = int(train_config[keys.LOCAL_STEPS]) if keys.LOCAL_STEPS in train_config else None
-        self._server = DGAServer(self.config, dict(record_to_torch(initial_arrays)))
+        self._server = DGAServer(self.config, dict(record_to_torch(initial_arrays)),
+                                 statistics=norm_statistics(list(initial_arrays.keys())))
         self._keys = set(initial_arrays.keys())
         self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
         self._resync: set[int] = set()

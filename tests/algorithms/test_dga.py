@@ -442,3 +442,55 @@ def test_sync_refuses_a_state_that_does_not_fit_the_message():
     torch.testing.assert_close(back.model["x"], torch.full((2,), 5.0))
     with pytest.raises(DGAStateError, match="arrived after"):
         back.sync(0, {"x": torch.zeros(2)})
+
+
+def _ema_statistic_run(cfg: DGAConfig, statistics, rounds: int, k: int = 1, b: float = 2.0) -> list[float]:
+    """A BatchNorm running variance through DGA's global-model form: each client starts
+    from what sync gives it and takes k EMA steps (torch's momentum 0.1) towards the
+    batch variance b. Returns G(t) of the statistic after each round."""
+    name = "bn.running_var"
+    server = DGAServer(cfg, {name: torch.tensor([1.0], dtype=torch.float64)}, statistics=statistics)
+    clients = [DGAClient(cfg, {name: torch.tensor([1.0], dtype=torch.float64)}) for _ in range(2)]
+    out = []
+    for t in range(1, rounds + 1):
+        g = last_arrived(cfg, t)
+        new = t == 1 or g != last_arrived(cfg, t - 1)
+        replies = []
+        for c in clients:
+            c.sync(g, server.global_model(g) if new else None)
+            x = c.model[name].clone()
+            for _ in range(k):
+                x = 0.9 * x + 0.1 * b
+            replies.append(c.train_round(t, {name: x}))
+        out.append(float(server.advance(t, {name: (replies[0][name] + replies[1][name]) / 2})[name]))
+    return out
+
+
+def test_uncorrected_running_statistics_take_the_round_average_and_stay_stable():
+    from fededge.algorithms.dga import norm_statistics
+
+    names = ["conv.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert norm_statistics(names) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    stats = norm_statistics(["bn.running_var"])
+    cfg = DGAConfig(delay=20, correction=False)
+    # As a delayed change, x(t) = x(t-1) + 0.1 (b - x(t-21)) oscillates with a growing
+    # amplitude: the variance goes negative (what made uncorrected cnn-bn evaluate at chance).
+    delayed = _ema_statistic_run(cfg, frozenset(), rounds=200)
+    assert min(delayed) < 0 and max(abs(v - 2.0) for v in delayed[-20:]) > 1.0
+    # As the round's average, it is each client's EMA from the same stale start,
+    # x(t) = 0.9 x(t-21) + 0.1 b: it rises monotonically towards b, the gap x0.9 every 21 rounds.
+    fresh = _ema_statistic_run(cfg, stats, rounds=200)
+    assert all(1.0 <= a <= b <= 2.0 for a, b in zip(fresh, fresh[1:]))
+    assert abs(fresh[-1] - 2.0) == pytest.approx(0.9 ** 10, rel=1e-9)
+    # The weights' rule is untouched, and so is every entry with the correction or at D = 0.
+    with_stats = DGAServer(cfg, {"w": torch.zeros(1), "bn.running_var": torch.ones(1)}, statistics=stats)
+    plain = DGAServer(cfg, {"w": torch.zeros(1), "bn.running_var": torch.ones(1)})
+    for t in range(1, 30):
+        ybar = {"w": torch.full((1,), float(t)), "bn.running_var": torch.full((1,), 3.0 + t)}
+        a, b = with_stats.advance(t, ybar), plain.advance(t, ybar)
+        assert float(a["bn.running_var"]) == 3.0 + t
+        assert torch.equal(a["w"], b["w"])
+    assert float(b["bn.running_var"]) != 3.0 + 29
+    for corr, d in ((True, 20), (False, 0)):
+        c = DGAConfig(delay=d, correction=corr)
+        assert _ema_statistic_run(c, stats, rounds=60) == _ema_statistic_run(c, frozenset(), rounds=60)

@@ -218,3 +218,13 @@ def test_lr_schedule_config_errors_name_the_key_and_the_fix():
         RunConfig.from_mapping({"lr-warmup-rounds": 20})
     with pytest.raises(ConfigError, match="'lr-warmup-rounds' must be >= 0"):
         RunConfig.from_mapping({"lr-warmup-rounds": -1})
+
+
+def test_cnn_bn_refuses_batches_of_one_by_name():
+    from fededge.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="'cnn-bn' needs batches of at least 2.*batch-size=1.*set both >= 2"):
+        RunConfig.from_mapping({"model": "cnn-bn", "batch-size": 1})
+    with pytest.raises(ConfigError, match="min-partition-size=1"):
+        RunConfig.from_mapping({"model": "cnn-bn", "min-partition-size": 1})
+    RunConfig.from_mapping({"model": "cnn", "batch-size": 1})

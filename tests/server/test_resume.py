@@ -224,3 +224,27 @@ def test_without_the_nodes_state_a_resumed_run_restarts_its_residuals(tmp_path, 
                           keep_client_states=False)
     a, b = _lines(run_dir), _lines(whole)
     assert a[:4] == b[:4] and a[4:] != b[4:]
+
+
+def test_resume_keeps_an_lr_schedule_on_its_rounds_and_reads_older_run_configs(tmp_path):
+    from fededge.server.experiment import check_resumable
+
+    def run_dir(config: dict) -> Path:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"config": config}))
+        return d
+
+    cosine = RunConfig.from_mapping({"lr-schedule": "cosine", "num-rounds": 10})
+    saved = run_dir(cosine.to_mapping())
+    check_resumable(saved, cosine)
+    with pytest.raises(ConfigError, match="num-rounds=12 but the run had 10.*lr-schedule='cosine'.*num-rounds=10"):
+        check_resumable(saved, RunConfig.from_mapping({"lr-schedule": "cosine", "num-rounds": 12}))
+    # a constant rate may still grow the run
+    check_resumable(run_dir(RunConfig.from_mapping({"num-rounds": 10}).to_mapping()),
+                    RunConfig.from_mapping({"num-rounds": 12}))
+    # a run written before lr-schedule existed had the default's effect, so it resumes
+    old = {k: v for k, v in RunConfig.from_mapping({}).to_mapping().items() if not k.startswith("lr-")}
+    check_resumable(run_dir(old), RunConfig.from_mapping({}))
+    with pytest.raises(ConfigError, match="lr-schedule='step' \\(the run had 'constant'\\)"):
+        check_resumable(run_dir(old), RunConfig.from_mapping({"lr-schedule": "step"}))
