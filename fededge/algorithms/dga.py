@@ -310,21 +310,32 @@ class DGAServer:
     initial : Weights
         ``G(0)``, the initial model.
     statistics : set of str, optional
-        Entries that are running statistics (BatchNorm's), not weights: without the
-        correction their ``G(t)`` is the round's average ``ȳ(t)`` itself. Every client of
-        the uncorrected rule starts from ``G(g)``, so each statistic it replies is already
-        an estimate made from that stale start; adding the average as a delayed change
-        (``G(t-1) + ȳ - G(g)``) feeds it back D rounds late, ``x(t) = x(t-1) + a (b -
-        x(t-1-D))`` with ``a = 1 - 0.9^K``, which oscillates and diverges for large D (a
-        running variance goes negative, and the evaluated model with it). The weights,
-        and every entry with the correction, follow the rule above.
+        Entries that are running statistics (BatchNorm's), not weights. Without the
+        correction, every client starts round t from ``G(g)``, so a running mean or
+        variance it replies after its K steps is ``y = c G(g) + (1 - c) b``: an
+        exponential average with decay ``c = (1 - momentum)^K`` started from the stale
+        ``G(g)``, where ``b`` is the average of its K batch statistics. The server takes
+        ``b̄`` out of ``ȳ`` and continues its own average without delay:
+        ``G(t) = c G(t-1) + (1 - c) b̄ = c G(t-1) + ȳ - c G(g)``, what one worker's
+        BatchNorm would hold. Advanced like a weight instead, ``G(t-1) + ȳ - G(g)``, a
+        statistic follows ``x(t) = x(t-1) + (1 - c)(b - x(t-1-D))``: delayed feedback that
+        oscillates with a growing amplitude for large D (running variances go negative).
+        ``num_batches_tracked``, a counter, and every entry with the correction follow
+        the weights' rule.
+    statistics_decay : float, optional
+        ``c`` above: ``(1 - m)^K`` for BatchNorm momentum ``m`` (torch's default 0.1) and K
+        local steps. 0 makes ``G(t)`` the round's average ``ȳ`` itself.
     """
 
-    def __init__(self, config: DGAConfig, initial: Weights, statistics: Container[str] = frozenset()) -> None:
+    def __init__(self, config: DGAConfig, initial: Weights, statistics: Container[str] = frozenset(),
+                 statistics_decay: float = 0.0) -> None:
+        if not 0.0 <= statistics_decay < 1.0:
+            raise ValueError(f"statistics_decay must be in [0, 1), got {statistics_decay}")
         self.config = config
         self.round = 0
         self.globals: dict[int, Weights] = {0: initial}
         self.statistics = statistics
+        self.statistics_decay = statistics_decay
 
     def last_arrived(self, t: int) -> int:
         return last_arrived(self.config, t)
@@ -343,8 +354,11 @@ class DGAServer:
             new = dict(ybar)
         else:
             prev, base = self.globals[t - 1], self.globals[g]
-            fresh = () if self.config.correction else self.statistics
-            new = {k: ybar[k].to(v.dtype) if k in fresh else (v + (ybar[k].to(v.dtype) - base[k])).to(v.dtype)
+            c = self.statistics_decay
+            stats = () if self.config.correction else self.statistics
+            new = {k: ((c * v + (ybar[k].to(v.dtype) - c * base[k])).to(v.dtype)
+                       if k in stats and v.is_floating_point() and not k.endswith("num_batches_tracked")
+                       else (v + (ybar[k].to(v.dtype) - base[k])).to(v.dtype))
                    for k, v in prev.items()}
         self._keep(t, new)
         return new

@@ -107,6 +107,11 @@ class DGA(FedAvg):
         logged and counted (``rejected``, ``mismatched``), and the round goes on without
         it; a round in which every update was refused so stops the run with that error.
         None (default) accepts any codec the decoder knows.
+    norm_momentum : float
+        The momentum of the model's BatchNorm layers (torch's default, 0.1). Without the
+        correction, the server continues the running statistics as one worker's BatchNorm
+        would, decaying by ``(1 - norm_momentum)^K`` per round (:class:`DGAServer`'s
+        ``statistics``); with the correction it is not used.
     **fedavg
         Flower's FedAvg arguments (sampling, record keys, weighting).
     """
@@ -120,8 +125,11 @@ class DGA(FedAvg):
                  warmup_rounds: int = DGAConfig.warmup_rounds, pipeline: str = DGAConfig.pipeline,
                  compute_ahead: bool = DGAConfig.compute_ahead,
                  downlink: str = DownlinkConfig.downlink, poll_s: float = 0.5,
-                 update: UpdateConfig | None = None, **fedavg: Any) -> None:
+                 update: UpdateConfig | None = None, norm_momentum: float = 0.1, **fedavg: Any) -> None:
         super().__init__(**fedavg)
+        if not 0.0 < norm_momentum <= 1.0:
+            raise ValueError(f"norm_momentum must be in (0, 1], got {norm_momentum}")
+        self.norm_momentum = norm_momentum  # the model's BatchNorm momentum (DGAServer's statistics rule)
         DownlinkConfig(downlink=downlink)  # checks the name
         self.downlink = downlink
         self._down: dict[int, dict[str, ArrayRecord]] = {}  # g -> G(g) cast for the downlink (built once)
@@ -327,8 +335,12 @@ class DGA(FedAvg):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         self._local_steps = int(train_config[keys.LOCAL_STEPS]) if keys.LOCAL_STEPS in train_config else None
+        # BatchNorm's running statistics decay by (1 - 0.1)^K over a round's K steps (torch's
+        # default momentum); without K in the train config the server takes their average.
         self._server = DGAServer(self.config, dict(record_to_torch(initial_arrays)),
-                                 statistics=norm_statistics(list(initial_arrays.keys())))
+                                 statistics=norm_statistics(list(initial_arrays.keys())),
+                                 statistics_decay=(1 - self.norm_momentum) ** self._local_steps
+                                 if self._local_steps else 0.0)
         self._keys = set(initial_arrays.keys())
         self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
         self._resync: set[int] = set()

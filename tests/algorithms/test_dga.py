@@ -444,12 +444,14 @@ def test_sync_refuses_a_state_that_does_not_fit_the_message():
         back.sync(0, {"x": torch.zeros(2)})
 
 
-def _ema_statistic_run(cfg: DGAConfig, statistics, rounds: int, k: int = 1, b: float = 2.0) -> list[float]:
+def _ema_statistic_run(cfg: DGAConfig, statistics, rounds: int, k: int = 1, b: float = 2.0,
+                       decay: float = 0.0) -> list[float]:
     """A BatchNorm running variance through DGA's global-model form: each client starts
     from what sync gives it and takes k EMA steps (torch's momentum 0.1) towards the
     batch variance b. Returns G(t) of the statistic after each round."""
     name = "bn.running_var"
-    server = DGAServer(cfg, {name: torch.tensor([1.0], dtype=torch.float64)}, statistics=statistics)
+    server = DGAServer(cfg, {name: torch.tensor([1.0], dtype=torch.float64)}, statistics=statistics,
+                       statistics_decay=decay)
     clients = [DGAClient(cfg, {name: torch.tensor([1.0], dtype=torch.float64)}) for _ in range(2)]
     out = []
     for t in range(1, rounds + 1):
@@ -466,7 +468,7 @@ def _ema_statistic_run(cfg: DGAConfig, statistics, rounds: int, k: int = 1, b: f
     return out
 
 
-def test_uncorrected_running_statistics_take_the_round_average_and_stay_stable():
+def test_uncorrected_running_statistics_continue_one_workers_average_and_stay_stable():
     from fededge.algorithms.dga import norm_statistics
 
     names = ["conv.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
@@ -477,20 +479,27 @@ def test_uncorrected_running_statistics_take_the_round_average_and_stay_stable()
     # amplitude: the variance goes negative (what made uncorrected cnn-bn evaluate at chance).
     delayed = _ema_statistic_run(cfg, frozenset(), rounds=200)
     assert min(delayed) < 0 and max(abs(v - 2.0) for v in delayed[-20:]) > 1.0
-    # As the round's average, it is each client's EMA from the same stale start,
-    # x(t) = 0.9 x(t-21) + 0.1 b: it rises monotonically towards b, the gap x0.9 every 21 rounds.
-    fresh = _ema_statistic_run(cfg, stats, rounds=200)
-    assert all(1.0 <= a <= b <= 2.0 for a, b in zip(fresh, fresh[1:]))
-    assert abs(fresh[-1] - 2.0) == pytest.approx(0.9 ** 10, rel=1e-9)
+    # With the clients' decay c = 0.9^K, the server's statistic is one worker's average
+    # without delay, x(t) = c x(t-1) + (1 - c) b: the gap to b shrinks by c every round.
+    for k in (1, 5):
+        c = 0.9 ** k
+        ema = _ema_statistic_run(cfg, stats, rounds=60, k=k, decay=c)
+        assert ema == pytest.approx([2.0 - c ** t for t in range(1, 61)], rel=1e-12)
+    # decay 0: the round's average itself, x(t) = 0.9 x(t-21) + 0.2: stable, but it lags
+    avg = _ema_statistic_run(cfg, stats, rounds=200)
+    assert all(1.0 <= a <= b <= 2.0 for a, b in zip(avg, avg[1:]))
+    assert abs(avg[-1] - 2.0) == pytest.approx(0.9 ** 10, rel=1e-9)
     # The weights' rule is untouched, and so is every entry with the correction or at D = 0.
-    with_stats = DGAServer(cfg, {"w": torch.zeros(1), "bn.running_var": torch.ones(1)}, statistics=stats)
+    with_stats = DGAServer(cfg, {"w": torch.zeros(1), "bn.running_var": torch.ones(1)}, statistics=stats,
+                           statistics_decay=0.5)
     plain = DGAServer(cfg, {"w": torch.zeros(1), "bn.running_var": torch.ones(1)})
     for t in range(1, 30):
         ybar = {"w": torch.full((1,), float(t)), "bn.running_var": torch.full((1,), 3.0 + t)}
         a, b = with_stats.advance(t, ybar), plain.advance(t, ybar)
-        assert float(a["bn.running_var"]) == 3.0 + t
         assert torch.equal(a["w"], b["w"])
-    assert float(b["bn.running_var"]) != 3.0 + 29
+    assert float(a["bn.running_var"]) != float(b["bn.running_var"])
     for corr, d in ((True, 20), (False, 0)):
         c = DGAConfig(delay=d, correction=corr)
-        assert _ema_statistic_run(c, stats, rounds=60) == _ema_statistic_run(c, frozenset(), rounds=60)
+        assert _ema_statistic_run(c, stats, rounds=60, decay=0.9) == _ema_statistic_run(c, frozenset(), rounds=60)
+    with pytest.raises(ValueError, match="statistics_decay must be in"):
+        DGAServer(cfg, {"w": torch.zeros(1)}, statistics_decay=1.0)
