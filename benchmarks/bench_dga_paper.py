@@ -23,8 +23,8 @@ Each cell is the final test accuracy (the server's evaluation after the last rou
 mean ± sample standard deviation over ``--seeds``; ``best`` is the mean over seeds of
 each run's best round. For a model with BatchNorm (``--set model=cnn-bn``) two more
 columns give the final model's accuracy with its running statistics recomputed on the
-training set: the weights' own accuracy, apart from the statistics DGA averaged. Runs go ``--jobs`` at a time, each in its own process with one
-torch thread.
+training set: the weights' own accuracy, apart from the statistics DGA averaged. Runs
+go ``--jobs`` at a time, each in its own process with one torch thread.
 
 Examples
 --------
@@ -154,6 +154,11 @@ def _recomputed(runs: list[dict]) -> str:
     return "—" if not vals else f"{statistics.mean(vals):.1f}"
 
 
+def _settings(args: argparse.Namespace) -> str:
+    """The ``--set`` keys, for a table's heading or a plot's title."""
+    return "".join(f", {k}={v}" for k, v in getattr(args, "set", {}).items())
+
+
 def _tables(results: list[dict], args: argparse.Namespace) -> str:
     out = []
     for state in args.momentum_state:
@@ -161,9 +166,8 @@ def _tables(results: list[dict], args: argparse.Namespace) -> str:
             rows = [r for r in results if r["state"] == state and r["k"] == k]
             if not rows:
                 continue
-            extra = "".join(f", {k_}={v}" for k_, v in args.set.items())
             out.append(f"\n#### K = {k}, momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}"
-                       f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))}{extra})\n")
+                       f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))}{_settings(args)})\n")
             stats = any(r.get("acc_rs") is not None for r in rows)
             out.append("| D (iterations) | D (rounds) | with correction | without | best, with | best, without |"
                        + (" with, BN statistics recomputed | without, recomputed |" if stats else ""))
@@ -198,8 +202,7 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
                 if pts:
                     ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], ls=style,
                                 marker="o", capsize=3, label=f"K={k}, {'with' if corr else 'without'} correction")
-        extra = "".join(f", {k_}={v}" for k_, v in getattr(args, "set", {}).items())
-        ax.set_title(f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}{extra}",
+        ax.set_title(f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}{_settings(args)}",
                      fontsize=9)
         ax.set_xlabel("delay D (local iterations)")
         ax.set_ylabel("final test accuracy (%)")

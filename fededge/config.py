@@ -29,8 +29,8 @@ from typing import Any, TypeVar, Union
 
 from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunction
 from fededge.algorithms.dga import DGAConfig
-from fededge.clients.train import LR_SCHEDULES
 from fededge.algorithms.gossip import GOSSIP_ALGORITHMS, ChocoConfig, GossipConfig, check_choco_codec
+from fededge.clients.train import LR_SCHEDULES
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.data.datasets import DATASETS
 from fededge.errors import ConfigError  # raised here for the run config; defined apart for the library

@@ -356,8 +356,9 @@ class DGAServer:
             prev, base = self.globals[t - 1], self.globals[g]
             c = self.statistics_decay
             stats = () if self.config.correction else self.statistics
+            # A counter (num_batches_tracked, an integer) is no average: it keeps the rule.
             new = {k: ((c * v + (ybar[k].to(v.dtype) - c * base[k])).to(v.dtype)
-                       if k in stats and v.is_floating_point() and not k.endswith("num_batches_tracked")
+                       if k in stats and v.is_floating_point()
                        else (v + (ybar[k].to(v.dtype) - base[k])).to(v.dtype))
                    for k, v in prev.items()}
         self._keep(t, new)
