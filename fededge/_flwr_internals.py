@@ -11,6 +11,10 @@ Internals used (checked against flwr 1.41):
 - ``flwr.supercore.inflatable.inflatable_object.get_all_nested_objects``: the object
   tree of a Message. Since flwr 1.20 a message travels as content-addressed objects,
   and each unique object's ``deflate()`` bytes is what is pushed or pulled.
+- ``flwr.supercore.inflatable.inflatable_object.no_object_id_recompute``: computes each
+  object's id once while a message is serialised, as Flower's own runtimes do
+  (``HttpGrid.push_messages``, the SuperNode): without it an object's id is recomputed
+  by every ancestor, about 30 ``deflate()`` calls per object of a training message.
 - ``flwr.supercore.inflatable.inflatable_utils.inflate_object_from_contents``: rebuild a
   Message from those bytes (the receiving side of the in-process transport).
 - ``flwr.supercore.task_identity.TaskIdentity``: process-global run/node/task ids that
@@ -45,6 +49,7 @@ __all__ = [
     "aggregate_arrayrecords",
     "check",
     "message_objects",
+    "serialise",
     "message_from_objects",
     "recorddict_from_objects",
     "recorddict_to_objects",
@@ -83,14 +88,42 @@ def _fail(name: str, err: BaseException) -> FlowerInternalsChanged:
 try:
     from flwr.clientapp.typing import ClientAppCallable, Mod
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
     from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
     from flwr.supercore.run import Run
     from flwr.supercore.task_identity import TaskIdentity
 except ImportError as e:  # exercised by a test that hides one module
     raise _fail(e.name or "a flwr module", e) from e
 
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
+
+
+def serialise(obj: Message | Any) -> tuple[str, dict[str, bytes]]:
+    """``obj`` (a Message or a RecordDict) as the serialised objects it travels as: its
+    root object id and object id -> bytes, children before parents.
+
+    Each object is deflated twice (once for its id, once for its bytes) rather than once
+    per ancestor: ids are computed once inside Flower's ``no_object_id_recompute``. Ids
+    cached by an earlier computation are dropped first: inside that context Flower
+    trusts a cached id that some other object of the tree also has, which a record
+    changed since (a ConfigRecord tracks no changes) could otherwise carry. Nothing may
+    change ``obj`` meanwhile (the call holds no lock)."""
+    _forget_ids(obj)
+    with no_object_id_recompute():
+        nested = get_all_nested_objects(obj)
+        return obj.object_id, {oid: o.deflate() for oid, o in nested.items()}
+
+
+def _forget_ids(obj: Any) -> None:
+    """Drop the object ids cached on ``obj`` and its records (an Array drops its own
+    when it changes; its chunks are its data's)."""
+    obj.__dict__.pop("_object_id", None)
+    if isinstance(obj, Message):
+        if obj.has_content():
+            _forget_ids(obj.content)
+    elif isinstance(obj, (RecordDict, ArrayRecord)):
+        for value in obj.values():
+            _forget_ids(value)
 
 
 def message_objects(msg: Message) -> dict[str, bytes]:
@@ -100,7 +133,7 @@ def message_objects(msg: Message) -> dict[str, bytes]:
     the wire. ``sum(map(len, ...))`` is the message's size on the wire, less the few
     tens of bytes of the transport's own request framing.
     """
-    return {oid: obj.deflate() for oid, obj in get_all_nested_objects(msg).items()}
+    return serialise(msg)[1]
 
 
 def wire_size(msg: Message | Any, cache: dict[str, int] | None = None) -> int:
@@ -111,14 +144,15 @@ def wire_size(msg: Message | Any, cache: dict[str, int] | None = None) -> int:
     serialised once for counting.
     """
     total = 0
-    for oid, obj in get_all_nested_objects(msg).items():
-        if cache is not None and oid in cache:
-            total += cache[oid]
-            continue
-        n = len(obj.deflate())
-        if cache is not None:
-            cache[oid] = n
-        total += n
+    with no_object_id_recompute():
+        for oid, obj in get_all_nested_objects(msg).items():
+            if cache is not None and oid in cache:
+                total += cache[oid]
+                continue
+            n = len(obj.deflate())
+            if cache is not None:
+                cache[oid] = n
+            total += n
     return total
 
 
@@ -137,8 +171,8 @@ def recorddict_to_objects(content: Any) -> dict[str, Any]:
     root object id and object id -> bytes (:func:`recorddict_from_objects` reverses it).
     No Message around it: building one needs Flower's task identity, which a ClientApp
     under Ray does not have."""
-    return {"root": content.object_id,
-            "objects": {oid: obj.deflate() for oid, obj in get_all_nested_objects(content).items()}}
+    root, objects = serialise(content)
+    return {"root": root, "objects": objects}
 
 
 def recorddict_from_objects(state: dict[str, Any]) -> Any:

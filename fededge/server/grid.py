@@ -282,10 +282,10 @@ class InProcessGrid(Grid):
             fi.set_run_id(msg, self._run.run_id)
             # The SuperLink's id for a message is its object id (HttpGrid does the same),
             # so replies carry a 64-hex-char reply_to id, as on the real wire.
-            mid = msg.object_id
+            mid, objects = fi.serialise(msg)
             if mid in self._pending or mid in self._replies:
                 raise ValueError(f"message {mid} was pushed twice")
-            self._pending[mid] = (dst, msg.object_id, fi.message_objects(msg))
+            self._pending[mid] = (dst, mid, objects)
             ids.append(mid)
         return ids
 
@@ -331,7 +331,7 @@ class InProcessGrid(Grid):
             return None
 
         while waiting or pool.busy():
-            for worker in pool.idle():
+            for worker in pool.free():
                 item = next_job()
                 if item is None:
                     break

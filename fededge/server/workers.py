@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections import deque
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -77,7 +78,8 @@ def received(root: str, objects: dict[str, bytes], mid: str) -> Any:
 
 def over_the_wire(reply: Any) -> Any:
     """``reply`` as it arrives on the other side: serialised and rebuilt."""
-    return received(reply.object_id, fi.message_objects(reply), reply.object_id)
+    root, objects = fi.serialise(reply)
+    return received(root, objects, root)
 
 
 def error_reply(msg: Any, reason: str) -> Any:
@@ -133,7 +135,7 @@ def _worker_main(conn: Connection) -> None:
         with fi.task_identity(run_id=run_id, node_id=SUPERLINK_NODE_ID, task_id=run_id):
             back, new_state, failure = run_message(app, run_id, run_config, node_id, mid, root, objects,
                                                    node_config, state)
-        conn.send((mid, back.object_id, fi.message_objects(back),
+        conn.send((mid, *fi.serialise(back),
                    fi.recorddict_to_objects(new_state) if len(new_state) else None, failure))
 
 
@@ -148,9 +150,16 @@ class WorkerStartError(RuntimeError):
 
 
 class _Worker:
-    """One worker process and the thread that feeds it: the thread sends a job and reads
-    its result while this process's main thread goes on (runs a job itself, aggregates),
-    so neither side waits on a full pipe for the other."""
+    """One worker process and the two threads that feed it: one sends jobs, one reads
+    results, while this process's main thread goes on (runs a job itself, aggregates).
+
+    Up to :attr:`depth` jobs are in flight: the next job is already in the pipe when the
+    worker finishes one, so it does not wait for this process's main thread (busy with a
+    job of its own) to hand it more. Sending and reading on separate threads means
+    neither side blocks on a full pipe while the other writes to it."""
+
+    #: Jobs a worker holds at once: the one it runs and the next.
+    depth = 2
 
     def __init__(self, setup: tuple[Any, ...], results: queue.SimpleQueue, start_timeout: float) -> None:
         ours, theirs = socket.socketpair()
@@ -162,7 +171,6 @@ class _Worker:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
-        self.job: Job | None = None
         try:
             self.conn.send(setup)
             if not self.conn.poll(start_timeout):
@@ -178,27 +186,57 @@ class _Worker:
         if status != "ready":
             self._kill()
             raise WorkerStartError(f"an in-process worker could not start the ClientApp {setup[0]!r}:\n{detail}")
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pump = threading.Thread(target=self._run, args=(results,), daemon=True,
-                                      name=f"fededge-worker-pipe-{self.proc.pid}")
-        self._pump.start()
+        self._results = results
+        self._lock = threading.Lock()
+        self._inflight: deque[Job] = deque()  # sent or being sent, in order; results come back in it
+        self._dead = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._send_loop, daemon=True, name=f"fededge-worker-send-{self.proc.pid}"),
+            threading.Thread(target=self._receive_loop, daemon=True, name=f"fededge-worker-recv-{self.proc.pid}"),
+        ]
+        for t in self._threads:
+            t.start()
 
-    def _run(self, results: queue.SimpleQueue) -> None:
+    def _send_loop(self) -> None:
         while True:
-            job = self._inbox.get()
+            job = self._outbox.get()
+            try:
+                self.conn.send(job)  # None: the worker's signal to stop
+            except (OSError, ValueError):
+                return  # the worker died: the receiving thread reports its jobs
             if job is None:
                 return
+
+    def _receive_loop(self) -> None:
+        while True:
             try:
-                self.conn.send(job)
                 result = self.conn.recv()
             except (EOFError, OSError, ValueError):
-                results.put((self, job, None))  # the worker died: this thread ends with it
+                with self._lock:  # the worker died (or was stopped): every job it held is lost
+                    self._dead = True
+                    lost = list(self._inflight)
+                    self._inflight.clear()
+                for job in lost:
+                    self._results.put((self, job, None))
                 return
-            results.put((self, job, result))
+            with self._lock:
+                job = self._inflight.popleft()
+            self._results.put((self, job, result))
+
+    @property
+    def free(self) -> int:
+        """How many more jobs this worker takes now."""
+        with self._lock:
+            return 0 if self._dead else self.depth - len(self._inflight)
 
     def submit(self, job: Job) -> None:
-        self.job = job
-        self._inbox.put(job)
+        with self._lock:
+            if not self._dead:
+                self._inflight.append(job)
+                self._outbox.put(job)
+                return
+        self._results.put((self, job, None))  # died meanwhile: the job is lost, as if it had started
 
     def _kill(self) -> None:
         self.proc.kill()
@@ -206,17 +244,14 @@ class _Worker:
         self.conn.close()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._inbox.put(None)
-        self._pump.join(timeout)
-        try:
-            self.conn.send(None)
-        except (OSError, ValueError):
-            pass
+        self._outbox.put(None)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        for t in self._threads:  # the worker's exit ends both (EOF, a broken pipe)
+            t.join(timeout)
         self.conn.close()
 
 
@@ -250,6 +285,7 @@ class WorkerPool:
         self._start_timeout = start_timeout
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[_Worker] = []
+        self._outstanding = 0
         self.restarts = 0
         try:
             for _ in range(size):
@@ -261,29 +297,32 @@ class WorkerPool:
     def _new(self) -> _Worker:
         return _Worker(self._setup, self._results, self._start_timeout)
 
-    def idle(self) -> list[_Worker]:
-        return [w for w in self._workers if w.job is None]
+    def free(self) -> list[_Worker]:
+        """Workers that take another job now (one per job they take)."""
+        return [w for w in self._workers for _ in range(w.free)]
 
     def busy(self) -> int:
-        return sum(1 for w in self._workers if w.job is not None)
+        """Jobs submitted and not yet collected."""
+        return self._outstanding
 
     def submit(self, worker: _Worker, job: Job) -> None:
+        self._outstanding += 1
         worker.submit(job)
 
     def collect(self, timeout: float | None = None) -> list[tuple[Job, JobResult | None]]:
-        """Wait for at least one busy worker to finish (``timeout=0``: do not wait);
+        """Wait for at least one submitted job to finish (``timeout=0``: do not wait);
         return ``(job, result)`` pairs, ``result`` None where the worker died (it is
-        replaced)."""
-        if not self.busy():
+        replaced, once, whatever the number of jobs it held)."""
+        if not self._outstanding:
             return []
         done = []
         try:
             item = self._results.get(block=timeout != 0, timeout=timeout or None)
             while True:
                 worker, job, result = item
-                worker.job = None
+                self._outstanding -= 1
                 done.append((job, result))
-                if result is None:
+                if result is None and worker in self._workers:
                     self._replace(worker)
                 item = self._results.get_nowait()
         except queue.Empty:

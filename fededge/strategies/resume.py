@@ -111,8 +111,8 @@ def arrays_from_state(state: dict[str, torch.Tensor] | None) -> ArrayRecord | No
 
 def message_to_state(msg: Message) -> dict[str, Any]:
     """A Message (a reply waiting to be used) as its serialised Flower objects."""
-    return {"root": msg.object_id, "objects": dict(fi.message_objects(msg)),
-            "message_id": msg.metadata.message_id}
+    root, objects = fi.serialise(msg)
+    return {"root": root, "objects": objects, "message_id": msg.metadata.message_id}
 
 
 def message_from_state(state: dict[str, Any]) -> Message:

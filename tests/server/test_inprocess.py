@@ -131,6 +131,38 @@ def test_bytes_up_equals_serialized_reply_size():
     assert t.bytes_up > 2 * 16 * 4
 
 
+def test_serialise_gives_flowers_own_objects_and_sees_a_changed_message():
+    """fi.serialise computes each object id once (Flower's no_object_id_recompute): its
+    objects are exactly what Flower's recursive object ids give, and a message changed
+    after it was serialised is serialised anew, never from stale ids."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        msg = Message(RecordDict({"arrays": _rec({"w": np.arange(6, dtype=np.float32), "b": np.ones(3, np.float32)}),
+                                  "config": ConfigRecord({"lr": 0.1}), "metrics": MetricRecord({"n": 3})}), 7, "train")
+    root, objects = fi.serialise(msg)
+    assert root == msg.object_id
+    assert objects == {oid: o.deflate() for oid, o in get_all_nested_objects(msg).items()}
+    assert sum(map(len, objects.values())) == wire_size(msg)
+    msg.content["arrays"]["w"] = Array(np.full(6, 2.0, dtype=np.float32))  # changed after serialising
+    msg.content["config"]["lr"] = 0.2
+    root2, objects2 = fi.serialise(msg)
+    assert root2 != root and root2 == msg.object_id
+    back = fi.message_from_objects(root2, dict(objects2))
+    np.testing.assert_array_equal(back.content["arrays"]["w"].numpy(), np.full(6, 2.0, dtype=np.float32))
+    assert back.content["config"]["lr"] == 0.2
+    # A record changed since its id was computed, whose old content another record of the
+    # message now has: inside no_object_id_recompute Flower would trust its stale id.
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        a = ConfigRecord({"x": 1})
+        _ = a.object_id
+        a["x"] = 2
+        msg = Message(RecordDict({"b": ConfigRecord({"x": 1}), "a": a}), 7, "train")  # b's id first
+    root, objects = fi.serialise(msg)
+    back = fi.message_from_objects(root, dict(objects))
+    assert (back.content["a"]["x"], back.content["b"]["x"]) == (2, 1)
+
+
 def test_pull_runs_messages_in_push_order_and_allows_pushing_ahead():
     grid = InProcessGrid(fixed_client, num_nodes=1, run_config={})
     nid = next(iter(grid.get_node_ids()))
