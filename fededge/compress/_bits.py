@@ -96,19 +96,26 @@ def pack_uints(values: np.ndarray, bits: int) -> bytes:
     return np.packbits(field.reshape(-1), bitorder="little").tobytes()
 
 
-def unpack_uints(data: bytes, n: int, bits: int, what: str) -> np.ndarray:
+def _unpacked_bits(data: bytes, n: int, bits: int, what: str) -> np.ndarray:
+    """The first ``n * bits`` bits of ``data`` (LSB first) as 0/1 uint8, the padding after
+    them checked to be zero."""
     if len(data) != (n * bits + 7) // 8:
         raise MalformedPayloadError(f"{what}: {len(data)} bytes for {n} x {bits} bits")
     raw = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
     if raw[n * bits:].any():
         raise MalformedPayloadError(f"{what}: padding bits after the last field are not zero")
-    field = raw[: n * bits].reshape(n, bits).astype(np.uint32)
+    return raw[: n * bits]
+
+
+def unpack_uints(data: bytes, n: int, bits: int, what: str) -> np.ndarray:
+    field = _unpacked_bits(data, n, bits, what).reshape(n, bits).astype(np.uint32)
     return (field << np.arange(bits, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
 
 
 def unpack_bools(data: bytes, n: int, what: str) -> np.ndarray:
-    """``n`` one-bit fields (see :func:`unpack_uints`) as booleans."""
-    return unpack_uints(data, n, 1, what).astype(np.bool_)
+    """``n`` one-bit fields (see :func:`unpack_uints`) as booleans (a view of the 0/1
+    bits: no widening to uint32 and back)."""
+    return _unpacked_bits(data, n, 1, what).view(np.bool_)
 
 
 def pack_bools(bits: np.ndarray) -> bytes:
