@@ -38,7 +38,7 @@ Internals used (checked against flwr 1.41):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,6 +50,7 @@ __all__ = [
     "check",
     "message_objects",
     "serialise",
+    "serialise_all",
     "message_from_objects",
     "recorddict_from_objects",
     "recorddict_to_objects",
@@ -62,6 +63,7 @@ __all__ = [
     "runs_messages_in_order",
     "sample_nodes",
     "wire_size",
+    "wire_sizes",
 ]
 
 
@@ -95,23 +97,40 @@ try:
 except ImportError as e:  # exercised by a test that hides one module
     raise _fail(e.name or "a flwr module", e) from e
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
+
+
+def serialise_all(objs: Iterable[Message | Any]) -> list[tuple[str, dict[str, bytes]]]:
+    """Each of ``objs`` (Messages or RecordDicts) as the serialised objects it travels
+    as: its root object id and object id -> bytes, children before parents.
+
+    Each object's id is computed once, inside Flower's ``no_object_id_recompute`` (as its
+    own runtimes serialise), instead of once per ancestor; an object shared by several
+    of ``objs`` (the model a round broadcasts) is hashed and deflated once for all of
+    them. Ids cached by an earlier computation are dropped first: inside that context
+    Flower trusts a cached id that another object of the tree also has, which a record
+    changed since (a ConfigRecord tracks no changes) could otherwise carry. Nothing may
+    change ``objs`` meanwhile (the call holds no lock)."""
+    objs = list(objs)
+    for obj in objs:
+        _forget_ids(obj)
+    done: dict[str, bytes] = {}  # object id -> bytes: equal ids, equal bytes
+    out = []
+    with no_object_id_recompute():
+        for obj in objs:
+            objects = {}
+            for oid, o in get_all_nested_objects(obj).items():
+                data = done.get(oid)
+                if data is None:
+                    data = done[oid] = o.deflate()
+                objects[oid] = data
+            out.append((obj.object_id, objects))
+    return out
 
 
 def serialise(obj: Message | Any) -> tuple[str, dict[str, bytes]]:
-    """``obj`` (a Message or a RecordDict) as the serialised objects it travels as: its
-    root object id and object id -> bytes, children before parents.
-
-    Each object is deflated twice (once for its id, once for its bytes) rather than once
-    per ancestor: ids are computed once inside Flower's ``no_object_id_recompute``. Ids
-    cached by an earlier computation are dropped first: inside that context Flower
-    trusts a cached id that some other object of the tree also has, which a record
-    changed since (a ConfigRecord tracks no changes) could otherwise carry. Nothing may
-    change ``obj`` meanwhile (the call holds no lock)."""
-    _forget_ids(obj)
-    with no_object_id_recompute():
-        nested = get_all_nested_objects(obj)
-        return obj.object_id, {oid: o.deflate() for oid, o in nested.items()}
+    """:func:`serialise_all` of one object."""
+    return serialise_all([obj])[0]
 
 
 def _forget_ids(obj: Any) -> None:
@@ -121,8 +140,8 @@ def _forget_ids(obj: Any) -> None:
     if isinstance(obj, Message):
         if obj.has_content():
             _forget_ids(obj.content)
-    elif isinstance(obj, (RecordDict, ArrayRecord)):
-        for value in obj.values():
+    elif isinstance(obj, RecordDict):
+        for value in obj.values():  # records; an ArrayRecord's Arrays keep theirs
             _forget_ids(value)
 
 
@@ -136,24 +155,32 @@ def message_objects(msg: Message) -> dict[str, bytes]:
     return serialise(msg)[1]
 
 
+def wire_sizes(msgs: Iterable[Message | Any], cache: dict[str, int] | None = None) -> list[int]:
+    """Bytes of each of ``msgs`` (Messages, or records) on Flower's wire: the sum of its
+    unique serialised objects. An object shared by several (a broadcast model) is
+    serialised once; ``cache`` (object id -> size) carries that across calls."""
+    msgs = list(msgs)
+    for m in msgs:
+        _forget_ids(m)
+    sizes = {} if cache is None else cache
+    out = []
+    with no_object_id_recompute():
+        for m in msgs:
+            total = 0
+            for oid, obj in get_all_nested_objects(m).items():
+                n = sizes.get(oid)
+                if n is None:
+                    n = sizes[oid] = len(obj.deflate())
+                total += n
+            out.append(total)
+    return out
+
+
 def wire_size(msg: Message | Any, cache: dict[str, int] | None = None) -> int:
     """Bytes of ``msg`` (a Message, or one of its records) on Flower's wire: the sum of
-    its unique serialised objects.
-
-    ``cache`` maps object ids to sizes, so a model broadcast in ten messages is
-    serialised once for counting.
-    """
-    total = 0
-    with no_object_id_recompute():
-        for oid, obj in get_all_nested_objects(msg).items():
-            if cache is not None and oid in cache:
-                total += cache[oid]
-                continue
-            n = len(obj.deflate())
-            if cache is not None:
-                cache[oid] = n
-            total += n
-    return total
+    its unique serialised objects. ``cache`` maps object ids to sizes, so a model
+    broadcast in ten messages is serialised once for counting."""
+    return wire_sizes([msg], cache)[0]
 
 
 def message_from_objects(root_id: str, objects: dict[str, bytes]) -> Message:

@@ -27,7 +27,7 @@ import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fededge import keys
-from fededge.arrays import from_torch, record_from_torch, record_to_torch
+from fededge.arrays import from_torch, record_from_torch, record_to_torch, to_numpy
 from fededge.compress import build_codec, decode_any
 from fededge.compress.bundle import pack_bundle, unpack_bundle
 from fededge.compress.update import decode_update
@@ -50,7 +50,7 @@ def bundle_record(payloads: dict[str, bytes]) -> ArrayRecord:
 
 def bundle_payloads(record: ArrayRecord) -> dict[str, bytes]:
     """The payloads :func:`bundle_record` packed."""
-    return unpack_bundle(record[keys.BUNDLE].numpy().tobytes())
+    return unpack_bundle(to_numpy(record[keys.BUNDLE]).tobytes())
 
 
 def decode_update_record(record: ArrayRecord, *, max_elements: int) -> dict[str, torch.Tensor]:

@@ -272,7 +272,7 @@ class InProcessGrid(Grid):
         return list(self._index)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
+        messages = list(messages)
         for msg in messages:
             dst = msg.metadata.dst_node_id
             if dst not in self._index:
@@ -280,12 +280,14 @@ class InProcessGrid(Grid):
             if msg.metadata.reply_to_message_id:
                 raise ValueError("push_messages takes instruction messages, not replies")
             fi.set_run_id(msg, self._run.run_id)
-            # The SuperLink's id for a message is its object id (HttpGrid does the same),
-            # so replies carry a 64-hex-char reply_to id, as on the real wire.
-            mid, objects = fi.serialise(msg)
+        ids = []
+        # The SuperLink's id for a message is its object id (HttpGrid does the same), so
+        # replies carry a 64-hex-char reply_to id, as on the real wire. A model the
+        # messages share is serialised once for all of them.
+        for msg, (mid, objects) in zip(messages, fi.serialise_all(messages)):
             if mid in self._pending or mid in self._replies:
                 raise ValueError(f"message {mid} was pushed twice")
-            self._pending[mid] = (dst, mid, objects)
+            self._pending[mid] = (msg.metadata.dst_node_id, mid, objects)
             ids.append(mid)
         return ids
 

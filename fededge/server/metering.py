@@ -32,7 +32,7 @@ from flwr.app import Error, Message
 from flwr.serverapp import Grid
 
 from fededge import keys
-from fededge._flwr_internals import wire_size
+from fededge._flwr_internals import wire_size, wire_sizes
 from fededge.errors import ConfigError
 from fededge.protocol import config_error_detail
 from fededge.strategies._replies import dropout_reason
@@ -143,8 +143,7 @@ class MeteredGrid(Grid):
         return self._traffic.setdefault(msg.metadata.group_id, RoundTraffic())
 
     def _count_down(self, messages: list[Message]) -> None:
-        cache: dict[str, int] = {}  # a model broadcast in one push is serialised once
-        sizes = [wire_size(m, cache) for m in messages]
+        sizes = wire_sizes(messages)  # a model broadcast in one push is serialised once
         with self._lock:
             for m, n in zip(messages, sizes):
                 t = self._group(m)

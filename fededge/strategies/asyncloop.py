@@ -74,7 +74,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
-from fededge._flwr_internals import is_deployment, runs_messages_in_order, wire_size
+from fededge._flwr_internals import is_deployment, runs_messages_in_order, wire_size, wire_sizes
 from fededge.algorithms.asyncfl import (
     ASYNC_ORDERS, AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue, LoopConfig,
 )
@@ -662,8 +662,7 @@ class _AsyncRun:
             msgs.append(Message(RecordDict({fl.arrayrecord_key: self.arrays[v], fl.configrecord_key: config}),
                                 dst_node_id=node, message_type=MessageType.TRAIN, group_id=f"a{d.seq}"))
             ds.append(d)
-        cache: dict[str, int] = {}
-        sizes = [wire_size(m, cache) for m in msgs]
+        sizes = wire_sizes(msgs)
         t0 = time.monotonic()
         for mid, d, size in zip(self.grid.push_messages(msgs), ds, sizes):
             self.inflight[mid] = (d, t0, size)

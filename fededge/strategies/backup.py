@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fededge._flwr_internals import wire_size
+from fededge._flwr_internals import wire_sizes
 from fededge.algorithms.asyncfl import LoopConfig, first_arrivals
 from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, Puller, resolve_order
 from fededge.strategies.resume import arrays_from_state, arrays_to_state
@@ -86,8 +86,7 @@ class BackupWorkers(AsyncLoop):
             msgs = list(self.configure_train(rnd, arrays, train_config, grid))
             for m in msgs:
                 m.metadata.group_id = str(rnd)
-            cache: dict[str, int] = {}
-            sizes = [wire_size(m, cache) for m in msgs]
+            sizes = wire_sizes(msgs)
             m_needed = len(msgs) - self.backups_for(len(msgs))
             ids = list(grid.push_messages(msgs))
             node_of = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs)}

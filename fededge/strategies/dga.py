@@ -45,7 +45,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
-from fededge._flwr_internals import aggregate_arrayrecords, runs_messages_in_order, wire_size
+from fededge._flwr_internals import aggregate_arrayrecords, runs_messages_in_order, wire_size, wire_sizes
 from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived, norm_statistics
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
@@ -395,8 +395,7 @@ class DGA(FedAvg):
             out.append(Message(RecordDict(records), dst_node_id=node, message_type=MessageType.TRAIN,
                                group_id=str(t)))
         if self._clock is not None:
-            cache: dict[str, int] = {}
-            self._bytes_down[t] = {m.metadata.dst_node_id: wire_size(m, cache) for m in out}
+            self._bytes_down[t] = {m.metadata.dst_node_id: n for m, n in zip(out, wire_sizes(out))}
             self._sent_as[t] = (preview, referred)  # for the clock: what round t's messages did
         return out
 
