@@ -128,6 +128,42 @@ def test_a_worker_that_dies_mid_message_gives_an_error_reply_and_the_run_goes_on
     assert _workers() == []
 
 
+def test_a_worker_holding_two_jobs_that_dies_loses_both_and_is_replaced_once():
+    """A worker holds the job it runs and the next one: when it dies, both come back
+    lost (the grid gives each an error reply) and one fresh worker takes its place."""
+    from flwr.app import Message
+
+    from fededge.server.workers import WorkerPool
+
+    pool = WorkerPool("tests.server.dying_app:app", run_id=1, run_config=userapp.RUN_CONFIG, size=1)
+    try:
+        with fi.task_identity(run_id=1, node_id=1, task_id=1):
+            msgs = [Message(RecordDict({"arrays": ArrayRecord(userapp.Net().state_dict())}), 100 + i, "train")
+                    for i in range(3)]
+        jobs = []
+        for i, msg in enumerate(msgs):
+            root, objects = fi.serialise(msg)
+            # Node 1 (partition 1) dies on its second message: its state says one call done.
+            state = fi.recorddict_to_objects(RecordDict({"calls": ConfigRecord({"n": 1})})) if i == 0 else None
+            jobs.append((root, 100 + i, root, objects, {"partition-id": 1 if i == 0 else 2}, state))
+        (worker,) = pool.free()[:1]
+        assert len(pool.free()) == 2  # room for the job it runs and the next
+        pool.submit(worker, jobs[0])
+        pool.submit(worker, jobs[1])
+        done = []
+        while pool.busy():
+            done += pool.collect(timeout=60)
+        assert [(job[1], result) for job, result in done] == [(100, None), (101, None)]
+        assert pool.restarts == 1
+        (fresh,) = set(pool.free())
+        pool.submit(fresh, jobs[2])  # the new worker runs the next job
+        ((job, result),) = pool.collect(timeout=60)
+        assert job[1] == 102 and result is not None and result[4] is None  # a reply, no failure
+    finally:
+        pool.close()
+    assert _workers() == []
+
+
 def test_a_worker_that_cannot_start_stops_the_run_before_round_one_with_its_error(tmp_path):
     from fededge.server.workers import WorkerStartError
 
