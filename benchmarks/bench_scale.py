@@ -10,6 +10,10 @@ IID. Columns:
 - ``floor``: the clients' own compute (their local SGD steps, ``compute_s`` summed over
   the round's clients) divided by the cores used (``--workers``): what a round cannot
   beat. ``ratio`` = s/round / floor.
+- ``clients``, ``eval``, ``server``: where a round's seconds go (in-process rows): the
+  clients' phase (the round's messages run on every worker, with the wire and the
+  states), the server's evaluation of the new model, and the server's other work
+  (sampling, serialising and metering the messages, decoding and aggregating).
 - ``RSS``: peak resident memory of the run's process, and ``RSS all`` that plus each
   worker's peak (an upper bound of the run's total: peaks need not coincide).
 - ``held``: clients holding a state at the end (a stateful compressor's residual).
@@ -42,6 +46,9 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 #: clients:model:compressor:rounds:workers:states[:dataset:samples]
@@ -98,6 +105,37 @@ def _ray_run(overrides: dict, clients: int, out: Path) -> tuple[Path, int]:
     return run_dir, peak[0]
 
 
+@contextmanager
+def _timed_phases() -> Iterator[dict[str, list[float]]]:
+    """Seconds of each call to the grid's delivery of a round's messages (``clients``:
+    the clients' phase, their messages on every worker, wire and states included) and to
+    the server's evaluation (``evaluate``). The rest of a round is the server's own work
+    (sampling, serialising, metering, aggregating)."""
+    from fededge.server.grid import InProcessGrid
+    from fededge.server.measure import Experiment
+
+    phases: dict[str, list[float]] = {"clients": [], "evaluate": []}
+    saved = [(InProcessGrid, "_run_batch", "clients"), (Experiment, "evaluate", "evaluate")]
+
+    def timed(fn, name):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name].append(time.perf_counter() - t0)
+        return call
+
+    originals = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in saved]
+    for (cls, attr, name), (_, _, fn) in zip(saved, originals):
+        setattr(cls, attr, timed(fn, name))
+    try:
+        yield phases
+    finally:
+        for cls, attr, fn in originals:
+            setattr(cls, attr, fn)
+
+
 def one(clients: int, model: str, compressor: str, rounds: int, workers: str, states: str, per_round: int,
         dataset: str, samples: int, local_steps: int, out: Path) -> dict:
     from fededge.server.inprocess import run_inprocess
@@ -112,7 +150,8 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
         run_dir, rss_kb = _ray_run(overrides, clients, out)
         cores, self_kb, all_kb = os.cpu_count() or 1, rss_kb, rss_kb
     else:
-        run_dir = run_inprocess(overrides, num_clients=clients, workers=int(workers))
+        with _timed_phases() as phases:
+            run_dir = run_inprocess(overrides, num_clients=clients, workers=int(workers))
         cores = int(workers)
         self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         all_kb = self_kb + (cores - 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -121,10 +160,25 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
     compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
     held = sorted({c["partition"] for r in lines[1:] for c in r["clients"]})
+    spent = {}
+    if workers != "ray":  # per round over rounds 2..R, as s/round
+        spent = {name: sum(times[-len(later):]) / len(later) for name, times in phases.items()}
     return {"clients": clients, "model": model, "compressor": compressor, "rounds": rounds, "workers": workers,
             "states": states, "dataset": dataset, "samples": samples, "round_s": round_s, "floor_s": compute / cores,
+            "clients_s": spent.get("clients"), "evaluate_s": spent.get("evaluate"),
             "rss_gb": self_kb / 2**20, "rss_all_gb": all_kb / 2**20,
             "held": len(held) if compressor != "none" else 0, "accuracy": lines[-1]["accuracy"]}
+
+
+def _phase(r: dict, key: str) -> str:
+    return "—" if r.get(key) is None else f"{r[key]:.3f}"
+
+
+def _server(r: dict) -> str:
+    """The rest of a round: the server's own work besides evaluating."""
+    if r.get("clients_s") is None:
+        return "—"
+    return f"{r['round_s'] - r['clients_s'] - r['evaluate_s']:.3f}"
 
 
 def main() -> int:
@@ -151,7 +205,8 @@ def main() -> int:
         return 0
     rows = []
     print(f"{'clients':>8} {'model':>5} {'compressor':>10} {'rounds':>6} {'workers':>7} {'states':>6} "
-          f"{'s/round':>8} {'floor':>7} {'ratio':>6} {'RSS GB':>7} {'RSS all':>8} {'held':>6} {'acc':>6}", flush=True)
+          f"{'s/round':>8} {'floor':>7} {'ratio':>6} {'clients':>8} {'eval':>6} {'server':>7} {'RSS GB':>7} "
+          f"{'RSS all':>8} {'held':>6} {'acc':>6}", flush=True)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}  # the data set, built once, mapped by every process
         datasets = {tuple(r.split(":")[6:8]) or ("synthetic", str(args.samples)) for r in args.rows.split(",")}
@@ -168,6 +223,7 @@ def main() -> int:
             rows.append(r)
             print(f"{r['clients']:>8} {r['model']:>5} {r['compressor']:>10} {r['rounds']:>6} {r['workers']:>7} "
                   f"{r['states']:>6} {r['round_s']:>8.3f} {r['floor_s']:>7.3f} {r['round_s'] / r['floor_s']:>6.2f} "
+                  f"{_phase(r, 'clients_s'):>8} {_phase(r, 'evaluate_s'):>6} {_server(r):>7} "
                   f"{r['rss_gb']:>7.2f} {r['rss_all_gb']:>8.2f} {r['held']:>6} {r['accuracy']:>6.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
