@@ -114,26 +114,26 @@ def _timed_phases() -> Iterator[dict[str, list[float]]]:
     from fededge.server.grid import InProcessGrid
     from fededge.server.measure import Experiment
 
-    phases: dict[str, list[float]] = {"clients": [], "evaluate": []}
-    saved = [(InProcessGrid, "_run_batch", "clients"), (Experiment, "evaluate", "evaluate")]
+    targets = {"clients": (InProcessGrid, "_run_batch"), "evaluate": (Experiment, "evaluate")}
+    originals = {name: getattr(cls, attr) for name, (cls, attr) in targets.items()}
+    phases: dict[str, list[float]] = {name: [] for name in targets}
 
-    def timed(fn, name):  # noqa: ANN001, ANN202
+    def timed(name: str):  # noqa: ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return originals[name](*args, **kwargs)
             finally:
                 phases[name].append(time.perf_counter() - t0)
         return call
 
-    originals = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in saved]
-    for (cls, attr, name), (_, _, fn) in zip(saved, originals):
-        setattr(cls, attr, timed(fn, name))
+    for name, (cls, attr) in targets.items():
+        setattr(cls, attr, timed(name))
     try:
         yield phases
     finally:
-        for cls, attr, fn in originals:
-            setattr(cls, attr, fn)
+        for name, (cls, attr) in targets.items():
+            setattr(cls, attr, originals[name])
 
 
 def one(clients: int, model: str, compressor: str, rounds: int, workers: str, states: str, per_round: int,

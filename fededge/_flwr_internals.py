@@ -111,19 +111,26 @@ def serialise_all(objs: Iterable[Message | Any]) -> list[tuple[str, dict[str, by
     Flower trusts a cached id that another object of the tree also has, which a record
     changed since (a ConfigRecord tracks no changes) could otherwise carry. Nothing may
     change ``objs`` meanwhile (the call holds no lock)."""
+    return _deflated(objs, {}, sizes=False)
+
+
+def _deflated(objs: Iterable[Any], done: dict[str, Any], *, sizes: bool) -> list[tuple[str, dict[str, Any]]]:
+    """:func:`serialise_all`, or with each object's size instead of its bytes
+    (``sizes``); ``done`` (object id -> bytes or size) is filled and reused: equal ids,
+    equal bytes."""
     objs = list(objs)
     for obj in objs:
         _forget_ids(obj)
-    done: dict[str, bytes] = {}  # object id -> bytes: equal ids, equal bytes
     out = []
     with no_object_id_recompute():
         for obj in objs:
             objects = {}
             for oid, o in get_all_nested_objects(obj).items():
-                data = done.get(oid)
-                if data is None:
-                    data = done[oid] = o.deflate()
-                objects[oid] = data
+                value = done.get(oid)
+                if value is None:
+                    data = o.deflate()
+                    value = done[oid] = len(data) if sizes else data
+                objects[oid] = value
             out.append((obj.object_id, objects))
     return out
 
@@ -159,21 +166,7 @@ def wire_sizes(msgs: Iterable[Message | Any], cache: dict[str, int] | None = Non
     """Bytes of each of ``msgs`` (Messages, or records) on Flower's wire: the sum of its
     unique serialised objects. An object shared by several (a broadcast model) is
     serialised once; ``cache`` (object id -> size) carries that across calls."""
-    msgs = list(msgs)
-    for m in msgs:
-        _forget_ids(m)
-    sizes = {} if cache is None else cache
-    out = []
-    with no_object_id_recompute():
-        for m in msgs:
-            total = 0
-            for oid, obj in get_all_nested_objects(m).items():
-                n = sizes.get(oid)
-                if n is None:
-                    n = sizes[oid] = len(obj.deflate())
-                total += n
-            out.append(total)
-    return out
+    return [sum(objects.values()) for _, objects in _deflated(msgs, {} if cache is None else cache, sizes=True)]
 
 
 def wire_size(msg: Message | Any, cache: dict[str, int] | None = None) -> int:

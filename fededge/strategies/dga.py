@@ -335,8 +335,8 @@ class DGA(FedAvg):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         self._local_steps = int(train_config[keys.LOCAL_STEPS]) if keys.LOCAL_STEPS in train_config else None
-        # BatchNorm's running statistics decay by (1 - 0.1)^K over a round's K steps (torch's
-        # default momentum); without K in the train config the server takes their average.
+        # BatchNorm's running statistics decay by (1 - norm_momentum)^K over a round's K steps;
+        # without K in the train config the server takes their average.
         self._server = DGAServer(self.config, dict(record_to_torch(initial_arrays)),
                                  statistics=norm_statistics(list(initial_arrays.keys())),
                                  statistics_decay=(1 - self.norm_momentum) ** self._local_steps
