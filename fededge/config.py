@@ -118,6 +118,7 @@ OWNED: dict[str, tuple[type, str]] = {
     "progress": (ResultsConfig, "progress"),
     "save-model": (ResultsConfig, "save_model"),
     "checkpoint-every": (ResultsConfig, "checkpoint_every"),
+    "evaluate-every": (ResultsConfig, "evaluate_every"),
     "resume-from": (ResultsConfig, "resume_from"),
 }
 
@@ -305,6 +306,7 @@ class RunConfig:
     run_name: str = ResultsConfig.run_name
     save_model: bool = ResultsConfig.save_model
     checkpoint_every: int = ResultsConfig.checkpoint_every
+    evaluate_every: int = ResultsConfig.evaluate_every
     resume_from: str = ResultsConfig.resume_from
     client_states: str = "memory"
     server_lr: float = 0.0

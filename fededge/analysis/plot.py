@@ -77,7 +77,8 @@ class RunData:
     rounds : numpy.ndarray of int64
         Round numbers, strictly increasing; round 0 is the initial evaluation if logged.
     accuracy, loss : numpy.ndarray of float64
-        Evaluation accuracy in [0, 1] (NaN allowed) and loss.
+        Evaluation accuracy in [0, 1] and loss; NaN for a round not evaluated
+        (``null`` in metrics.jsonl: ``evaluate-every``).
     wall_s, sim_s : numpy.ndarray of float64
         Cumulative wall-clock and simulated seconds since the start of the run.
     bytes_up, bytes_down : numpy.ndarray of int64
@@ -158,8 +159,10 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
                     f"{path}, line {lineno}: missing key(s) {', '.join(map(repr, missing))}; "
                     f"every line needs {', '.join(_REQUIRED)}"
                 )
+            unevaluated = row["accuracy"] is None and row["loss"] is None  # evaluate-every: NaN
             for key, kind in _REQUIRED.items():
-                _check_value(path, lineno, key, kind, row[key])
+                if not (unevaluated and key in ("accuracy", "loss")):
+                    _check_value(path, lineno, key, kind, row[key])
             rnd = int(row["round"])
             if prev_round is not None and rnd <= prev_round[0]:
                 raise ValueError(
@@ -245,7 +248,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunData:
     rows = _read_metrics(metrics_path)
 
     def column(key: str, dtype: type) -> np.ndarray:
-        return np.asarray([row[key] for row in rows], dtype=dtype)
+        return np.asarray([np.nan if row[key] is None else row[key] for row in rows], dtype=dtype)
 
     bytes_up = column("bytes_up", np.int64)
     bytes_down = column("bytes_down", np.int64)
@@ -396,9 +399,11 @@ def plot_runs(
             "linewidth": 1.5,
             "label": label,
         }
-        handles.extend(ax_round.plot(run.rounds, run.accuracy, **style))
-        ax_time.plot(run.sim_s, run.accuracy, **style)
-        sent = run.cum_bytes_up > 0
+        # Only the evaluated rounds: NaN rounds (evaluate-every) would break the line.
+        seen = ~np.isnan(run.accuracy)
+        handles.extend(ax_round.plot(run.rounds[seen], run.accuracy[seen], **style))
+        ax_time.plot(run.sim_s[seen], run.accuracy[seen], **style)
+        sent = seen & (run.cum_bytes_up > 0)
         ax_bytes.plot(run.cum_bytes_up[sent] / factor, run.accuracy[sent], **style)
 
     ax_round.set_xlabel("round")

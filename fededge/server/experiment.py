@@ -167,7 +167,7 @@ def run_experiment(
         evaluate_fn=evaluate_fn, results_dir=cfg.results_dir, run_id=run_id or new_run_id(cfg.run_name),
         netem=cfg.netem, netem_file=cfg.netem_file, compute_speed=cfg.compute_speed, sim_step_s=cfg.sim_step_s,
         message_overhead_s=cfg.message_overhead_s, nodes_pull=cfg.nodes_pull, seed=cfg.seed, target_accuracy=cfg.target_accuracy, progress=cfg.progress, save_model=cfg.save_model,
-        checkpoint_every=cfg.checkpoint_every,
+        checkpoint_every=cfg.checkpoint_every, evaluate_every=cfg.evaluate_every,
         min_nodes=max(needed, cfg.min_available_nodes), config=cfg.to_mapping(),
         metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
                   **({"inprocess_nodes": len(list(grid.get_node_ids()))} if isinstance(grid, InProcessGrid) else {}),

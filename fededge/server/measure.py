@@ -66,7 +66,7 @@ from fededge.strategies.resume import (
 #: change what is recorded or how long it goes on, not what a round computes.
 RESUME_MAY_CHANGE = frozenset({
     "num-rounds", "progress", "checkpoint-every", "save-model", "target-accuracy", "results-dir",
-    "run-name", "round-timeout", "resume-from",
+    "run-name", "round-timeout", "resume-from", "evaluate-every",
 })
 
 __all__ = [
@@ -151,9 +151,10 @@ class Experiment:
         ``loss`` (Flower's ``evaluate_fn``): called on the global model after every round,
         and on each node's model for decentralised strategies. Other metrics it returns
         are written to ``metrics.jsonl`` too, under their own names.
-    results_dir, run_name, target_accuracy, progress, save_model, checkpoint_every
+    results_dir, run_name, target_accuracy, progress, save_model, checkpoint_every, evaluate_every
         :class:`fededge.server.results.ResultsConfig`'s knobs (defaults, checks and
-        meaning declared there, once). With ``checkpoint_every = k > 0`` a checkpoint of
+        meaning declared there, once). With ``evaluate_every = k > 1``, ``evaluate_fn``
+        runs before round 1, after every k-th round and after the last one only. With ``checkpoint_every = k > 0`` a checkpoint of
         the whole run (model, strategy, random generators, clock, recorder and, on
         fededge's in-process runtime, every client's ``context.state``) is written after
         every k-th round; :meth:`run` with ``resume_from`` continues from it.
@@ -208,6 +209,7 @@ class Experiment:
         progress: str = ResultsConfig.progress,
         save_model: bool = ResultsConfig.save_model,
         checkpoint_every: int = ResultsConfig.checkpoint_every,
+        evaluate_every: int = ResultsConfig.evaluate_every,
         min_nodes: int = 1,
         config: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -217,7 +219,8 @@ class Experiment:
             raise ValueError(f"evaluate_fn must be a callable (server_round, arrays) -> MetricRecord, "
                              f"got {evaluate_fn!r}")
         ResultsConfig(results_dir=str(results_dir), run_name=run_name, target_accuracy=target_accuracy,
-                      progress=progress, save_model=save_model, checkpoint_every=checkpoint_every)  # checks them
+                      progress=progress, save_model=save_model, checkpoint_every=checkpoint_every,
+                      evaluate_every=evaluate_every)  # checks them
         if min_nodes < 0:
             raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
         self.clock_settings = {"netem": netem, "netem_file": netem_file, "compute_speed": compute_speed,
@@ -233,6 +236,7 @@ class Experiment:
         self.progress = progress
         self.save_model = save_model
         self.checkpoint_every = checkpoint_every
+        self.evaluate_every = evaluate_every
         self.min_nodes = min_nodes
         self.config = dict(config or {})
         self.metadata = dict(metadata or {})
@@ -303,6 +307,7 @@ class Experiment:
         clock = RunClock(**self.clock_settings, run_dir=None if checkpoint is not None else recorder.run_dir)
         rounds = _Rounds(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout)
         rounds.final = initial_arrays
+        rounds.num_rounds = num_rounds
         attach_clock(strategy, clock)
         own_loop = attach_checkpoint(strategy, rounds)
         if not own_loop and type(strategy).start is not Strategy.start:
@@ -374,6 +379,7 @@ class _Rounds:
         self.progress = progress
         self.timeout = timeout
         self.final: ArrayRecord | None = None
+        self.num_rounds = 0  # the run's last round: always evaluated
         self.summary: dict[str, Any] = {}
         self.resumed = 0  # the checkpoint's round: rounds up to it are recorded already
         self.uncheckpointable: str | None = None  # why no checkpoint can be written, if so
@@ -477,20 +483,28 @@ class _Rounds:
         else:
             self.progress.note(text)
 
-    def close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord:
-        """Evaluate round ``rnd``'s model, take its traffic and report, write its line;
-        write a checkpoint when one is due and the strategy runs on Flower's loop."""
+    def evaluates(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s model is evaluated: before round 1, after every
+        ``evaluate_every``-th round, and after the last."""
+        every = self.exp.evaluate_every
+        return every <= 1 or rnd <= 0 or rnd % every == 0 or rnd >= self.num_rounds
+
+    def close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Evaluate round ``rnd``'s model (when due), take its traffic and report, write
+        its line; write a checkpoint when one is due and the strategy runs on Flower's
+        loop. None (Flower records nothing) for a round not evaluated."""
         if 0 < self.resumed and rnd <= self.resumed:  # a resumed run's round recorded already (Flower's loop re-evaluates it)
             rec = next(r for r in self.recorder.records if r.round == rnd)
-            return MetricRecord({"accuracy": rec.accuracy, "loss": rec.loss})
+            return None if rec.accuracy is None else MetricRecord({"accuracy": rec.accuracy, "loss": rec.loss})
         metrics = self._close(rnd, arrays)
         if self.due(rnd) and getattr(self.strategy, "attach_checkpoint", None) is None:
             self.save(rnd)  # Flower's loop: nothing is in flight between rounds
         return metrics
 
-    def _close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord:
+    def _close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
         self.final = arrays
-        acc, loss, others = self.exp.evaluate(rnd, arrays)
+        evaluated = self.evaluates(rnd)
+        acc, loss, others = self.exp.evaluate(rnd, arrays) if evaluated else (None, None, {})
         report = report_of(self.strategy, rnd)
         traffic = self.traffic(report)
         for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
@@ -501,7 +515,7 @@ class _Rounds:
             self.progress.note(note)
         extra = {k: v for k, v in others.items() if k not in RoundRecord.__dataclass_fields__}
         extra |= report.metrics
-        if report.node_models is not None:
+        if report.node_models is not None and evaluated:
             extra |= self.node_metrics(rnd, report.node_models)
         dropped = report.dropped if report.dropped is not None else [
             self.metered.partition_of.get(n, n) for n in traffic.dropped]
@@ -536,7 +550,7 @@ class _Rounds:
                 f"round {rnd}: no client update could be used ({traffic.failures} of "
                 f"{traffic.replies} replies failed, {rec.rejected} rejected); first error: {first}"
             )
-        return MetricRecord({"accuracy": acc, "loss": loss, **others})
+        return MetricRecord({"accuracy": acc, "loss": loss, **others}) if evaluated else None
 
     def traffic(self, report: RoundReport) -> RoundTraffic:
         """The round's metered messages: all since the last round, or the report's groups."""

@@ -63,6 +63,14 @@ class ResultsConfig:
         states it holds too (BENCHMARKS.md, "What a checkpoint costs"), so the default,
         every 5 rounds, keeps the cost under 4 % there, and lower wherever rounds are
         longer (real devices, real networks, larger local work).
+    evaluate_every : int
+        [evaluate-every] The server evaluates the global model after every this many
+        rounds, and always before round 1 and after the last round (1, the default:
+        after every round). The rounds between are recorded with ``accuracy`` and
+        ``loss`` null in ``metrics.jsonl``, and ``summary.json``'s figures "to target"
+        count evaluated rounds only, so a target is seen at the first evaluation at or
+        after the round that reached it. For runs whose evaluation costs more than a
+        round: K = 1 runs of a CNN, or a large test set with many small rounds.
     resume_from : str
         [resume-from] A run directory to continue from its newest intact checkpoint
         instead of starting a new run (``fededge resume`` sets it). The run config must
@@ -77,6 +85,7 @@ class ResultsConfig:
     progress: str = "auto"
     save_model: bool = True
     checkpoint_every: int = 5
+    evaluate_every: int = 1
     resume_from: str = ""
 
     def __post_init__(self) -> None:
@@ -92,6 +101,10 @@ class ResultsConfig:
                 or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be an integer >= 0 (rounds; 0: no checkpoints), "
                              f"got {self.checkpoint_every!r}")
+        if isinstance(self.evaluate_every, bool) or not isinstance(self.evaluate_every, int) \
+                or self.evaluate_every < 1:
+            raise ValueError(f"evaluate_every must be an integer >= 1 (rounds; 1: after every round), "
+                             f"got {self.evaluate_every!r}")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
 
@@ -136,8 +149,8 @@ class RoundRecord:
     """One line of metrics.jsonl."""
 
     round: int
-    accuracy: float
-    loss: float
+    accuracy: Optional[float]  # None: not evaluated this round (evaluate-every)
+    loss: Optional[float]
     bytes_up: int
     bytes_down: int
     wall_s: float
@@ -268,8 +281,8 @@ class RunRecorder:
         self,
         rnd: int,
         *,
-        accuracy: float,
-        loss: float,
+        accuracy: float | None,
+        loss: float | None,
         bytes_up: int,
         bytes_down: int,
         round_sim_s: float,
@@ -281,7 +294,8 @@ class RunRecorder:
         mismatched: int = 0,
     ) -> RoundRecord:
         """Append one round; ``round_sim_s`` is that round's simulated duration;
-        ``mismatched``, of the ``rejected``, the updates refused for their codec."""
+        ``mismatched``, of the ``rejected``, the updates refused for their codec;
+        ``accuracy`` and ``loss`` None for a round the server did not evaluate."""
         self._cum_up += bytes_up
         self._cum_down += bytes_down
         self._sim_s += round_sim_s
@@ -300,14 +314,16 @@ class RunRecorder:
     def summary(self) -> dict[str, Any]:
         """The figures of summary.json, computed from the recorded rounds."""
         recs = self.records
-        hit = next((r for r in recs if r.accuracy >= self.target_accuracy), None)
+        evaluated = [r for r in recs if r.accuracy is not None]
+        hit = next((r for r in evaluated if r.accuracy >= self.target_accuracy), None)
         last = recs[-1] if recs else None
+        final = evaluated[-1] if evaluated else None  # the last round is always evaluated
         return {
             "run_id": self.run_id,
             "rounds": last.round if last else 0,
-            "final_accuracy": last.accuracy if last else None,
-            "final_loss": last.loss if last else None,
-            "best_accuracy": max((r.accuracy for r in recs), default=None),
+            "final_accuracy": final.accuracy if final else None,
+            "final_loss": final.loss if final else None,
+            "best_accuracy": max((r.accuracy for r in evaluated), default=None),
             "target_accuracy": self.target_accuracy,
             "rounds_to_target": hit.round if hit else None,
             "wall_s_to_target": hit.wall_s if hit else None,
@@ -386,12 +402,19 @@ class Progress:
     def update(self, rec: RoundRecord) -> None:
         if self.mode == "off":
             return
-        acc, up, sim = f"{rec.accuracy:.4f}", human_bytes(rec.cum_bytes_up), f"{rec.sim_s:.1f}s"
+        if rec.accuracy is None:
+            acc, loss = "-", "-"  # not evaluated this round
+        else:
+            acc, loss = f"{rec.accuracy:.4f}", f"{rec.loss:.4f}"
+        up, sim = human_bytes(rec.cum_bytes_up), f"{rec.sim_s:.1f}s"
         if self._bar is not None:
-            self._bar.update(self._task, completed=rec.round, acc=acc, up=up, sim=sim)
+            if rec.accuracy is None:
+                self._bar.update(self._task, completed=rec.round, up=up, sim=sim)  # keeps the last accuracy
+            else:
+                self._bar.update(self._task, completed=rec.round, acc=acc, up=up, sim=sim)
             return
         print(
-            f"[fededge] round {rec.round:>4}/{self.total}  acc {acc}  loss {rec.loss:.4f}  "
+            f"[fededge] round {rec.round:>4}/{self.total}  acc {acc}  loss {loss}  "
             f"up {up}  down {human_bytes(rec.cum_bytes_down)}  clients {rec.num_clients}  "
             f"sim {sim}  wall {rec.wall_s:.1f}s",
             file=self.stream, flush=True,

@@ -215,6 +215,7 @@ def _run_with_lines(tmp_path: Path, lines: list[str]) -> Path:
         (json.dumps(_row(3, 0.9, 1.5, 1, 3.0)), "'bytes_up' must be a non-negative integer"),
         (json.dumps(_row(3, 0.9, 1, 1, "3s")), "'sim_s' must be a number of seconds"),
         (json.dumps({**_row(3, 0.9, 1, 1, 3.0), "loss": None}), "'loss' must be a number"),
+        (json.dumps({**_row(3, 0.9, 1, 1, 3.0), "accuracy": None}), "'accuracy' must be a fraction"),
         (json.dumps(_row(2, 0.9, 1, 1, 3.0)), "round 2 does not follow round 2 (line 3)"),
     ],
 )

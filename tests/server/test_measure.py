@@ -448,3 +448,42 @@ def test_a_users_run_replays_to_its_own_sim_s(tmp_path, name):
     assert replay_sim_s(run) == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
     # Under an ideal network the same record is compute (and per-message overhead) only.
     assert replay_sim_s(run, netem="")[-1] < lines[-1]["sim_s"] - 0.5
+
+
+@pytest.mark.parametrize("over", [{}, {"strategy": "dga", "dga-delay": 1}, {"strategy": "gossip", "topology": "ring"}],
+                         ids=["fedavg", "dga", "gossip"])
+def test_evaluate_every_skips_evaluations_and_changes_nothing_else(tmp_path, over):
+    """``evaluate-every = 3`` over 7 rounds: the server evaluates rounds 0, 3, 6 and 7
+    (the last) only; the rounds between are null, and what was evaluated, the bytes and
+    the final model equal the run that evaluates every round, bit for bit. For Flower's
+    loop and the strategies that run their own (DGA, gossip)."""
+    mapping = {**BASE, "num-rounds": 7, **over}
+    every = run_inprocess({**mapping, "results-dir": str(tmp_path / "every")}, num_clients=NODES)
+    some = run_inprocess({**mapping, "evaluate-every": 3, "results-dir": str(tmp_path / "some")}, num_clients=NODES)
+    a, b = _without_wall_clock(_lines(every)), _without_wall_clock(_lines(some))
+    assert [r["round"] for r in b if r["accuracy"] is not None] == [0, 3, 6, 7]
+    assert all(r["loss"] is None for r in b if r["accuracy"] is None)
+    skipped = {"accuracy", "loss"} | {k for k in a[0] if k.startswith("node_")}
+    for x, y in zip(a, b, strict=True):
+        if y["accuracy"] is None:
+            assert {k: v for k, v in x.items() if k not in skipped} == \
+                {k: v for k, v in y.items() if k not in skipped}
+        else:
+            assert x == y
+    sa, sb = _summary(every), _summary(some)
+    assert sb["final_accuracy"] == sa["final_accuracy"] and sb["total_bytes_up"] == sa["total_bytes_up"]
+    ma, mb = torch.load(every / "model.pt"), torch.load(some / "model.pt")
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_plot_draws_a_run_with_rounds_not_evaluated(tmp_path):
+    import numpy as np
+
+    from fededge.analysis.plot import load_run, plot_runs
+
+    run = run_inprocess({**BASE, "num-rounds": 4, "evaluate-every": 2, "results-dir": str(tmp_path)},
+                        num_clients=NODES)
+    data = load_run(run)
+    assert list(np.isnan(data.accuracy)) == [False, True, False, True, False]
+    out = plot_runs([run], tmp_path / "runs.png")
+    assert out.is_file() and out.stat().st_size > 0

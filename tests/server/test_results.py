@@ -69,3 +69,39 @@ def test_progress_lines(tmp_path, capsys):
 @pytest.mark.parametrize(("n", "text"), [(999, "999 B"), (1500, "1.50 kB"), (2_500_000, "2.50 MB"), (3e9, "3.00 GB")])
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+def test_rounds_not_evaluated_are_null_and_the_summary_counts_evaluated_rounds_only(tmp_path):
+    r = _rec(tmp_path)
+    r.record_round(0, accuracy=0.1, loss=2.3, bytes_up=0, bytes_down=0, round_sim_s=0.0, num_clients=0)
+    r.record_round(1, accuracy=None, loss=None, bytes_up=100, bytes_down=200, round_sim_s=1.0, num_clients=2)
+    r.record_round(2, accuracy=0.9, loss=0.4, bytes_up=100, bytes_down=200, round_sim_s=1.0, num_clients=2)
+    r.record_round(3, accuracy=None, loss=None, bytes_up=100, bytes_down=200, round_sim_s=1.0, num_clients=2)
+    r.record_round(4, accuracy=0.85, loss=0.5, bytes_up=100, bytes_down=200, round_sim_s=1.0, num_clients=2)
+    summ = r.close()
+    lines = [json.loads(x) for x in (tmp_path / "run-a" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["accuracy"] for x in lines] == [0.1, None, 0.9, None, 0.85]
+    assert [x["loss"] for x in lines][1::2] == [None, None]
+    assert summ["rounds"] == 4 and summ["final_accuracy"] == 0.85 and summ["final_loss"] == 0.5
+    assert summ["best_accuracy"] == 0.9
+    assert summ["rounds_to_target"] == 2 and summ["bytes_up_to_target"] == 200
+
+
+def test_progress_line_of_a_round_not_evaluated(tmp_path):
+    import io
+
+    buf = io.StringIO()
+    p = Progress("lines", 3, stream=buf)
+    r = _rec(tmp_path)
+    p.update(r.record_round(1, accuracy=None, loss=None, bytes_up=1, bytes_down=1, round_sim_s=1.0, num_clients=1))
+    p.close()
+    r.close()
+    assert "round    1/3  acc -  loss -" in buf.getvalue()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_evaluate_every_must_be_a_positive_integer(bad):
+    from fededge.server.results import ResultsConfig
+
+    with pytest.raises(ValueError, match="evaluate_every"):
+        ResultsConfig(evaluate_every=bad)
