@@ -137,13 +137,14 @@ def _timed_phases() -> Iterator[dict[str, list[float]]]:
 
 
 def one(clients: int, model: str, compressor: str, rounds: int, workers: str, states: str, per_round: int,
-        dataset: str, samples: int, local_steps: int, out: Path) -> dict:
+        dataset: str, samples: int, local_steps: int, out: Path, evaluate_every: int = 1) -> dict:
     from fededge.server.inprocess import run_inprocess
 
     overrides = {"dataset": dataset, "synthetic-samples": samples, "partition": "iid", "local-steps": local_steps,
                  "clients-per-round": per_round, "num-rounds": rounds, "model": model, "progress": "off",
                  "results-dir": str(out / "results"), "save-model": False, "checkpoint-every": 0,
-                 "min-partition-size": 1, "client-threads": 1, "client-states": states}
+                 "min-partition-size": 1, "client-threads": 1, "client-states": states,
+                 "evaluate-every": evaluate_every}
     if compressor != "none":
         overrides |= {"compressor": compressor, "error-feedback": True}
     if workers == "ray":
@@ -162,7 +163,9 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
     held = sorted({c["partition"] for r in lines[1:] for c in r["clients"]})
     spent = {}
     if workers != "ray":  # per round over rounds 2..R, as s/round
-        spent = {name: sum(times[-len(later):]) / len(later) for name, times in phases.items()}
+        calls = {"clients": len(later), "evaluate": sum(r["accuracy"] is not None for r in later)}  # evaluate-every
+        spent = {name: sum(times[-calls[name]:]) / len(later) if calls[name] else 0.0
+                 for name, times in phases.items()}
     return {"clients": clients, "model": model, "compressor": compressor, "rounds": rounds, "workers": workers,
             "states": states, "dataset": dataset, "samples": samples, "round_s": round_s, "floor_s": compute / cores,
             "clients_s": spent.get("clients"), "evaluate_s": spent.get("evaluate"),
@@ -186,6 +189,9 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="clients:model:compressor:rounds:workers:states,...")
     p.add_argument("--per-round", type=int, default=100)
     p.add_argument("--samples", type=int, default=500_000, help="synthetic-samples")
+    p.add_argument("--evaluate-every", type=int, default=1,
+                   help="the server evaluates every N rounds (and after the last): how much of a round "
+                        "is the evaluation of a large test set")
     p.add_argument("--json", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -201,7 +207,8 @@ def main() -> int:
         dataset, samples = (data[0], int(data[1])) if data else ("synthetic", args.samples)
         steps = int(data[2]) if len(data) > 2 else 20
         with tempfile.TemporaryDirectory() as tmp:
-            print(json.dumps(one(int(c), m, comp, int(r), w, s, args.per_round, dataset, samples, steps, Path(tmp))))
+            print(json.dumps(one(int(c), m, comp, int(r), w, s, args.per_round, dataset, samples, steps, Path(tmp),
+                                 args.evaluate_every)))
         return 0
     rows = []
     print(f"{'clients':>8} {'model':>5} {'compressor':>10} {'rounds':>6} {'workers':>7} {'states':>6} "
@@ -214,7 +221,7 @@ def main() -> int:
             subprocess.run([sys.executable, __file__, "--one", f"prebuild:{dataset}:{samples}"], env=env, check=True)
         for row in args.rows.split(","):
             proc = subprocess.run([sys.executable, __file__, "--one", row, "--per-round", str(args.per_round),
-                                   "--samples", str(args.samples)], capture_output=True, text=True, env=env,
+                                   "--samples", str(args.samples), "--evaluate-every", str(args.evaluate_every)], capture_output=True, text=True, env=env,
                                   check=False)
             if proc.returncode != 0:
                 print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
