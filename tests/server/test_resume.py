@@ -248,3 +248,17 @@ def test_resume_keeps_an_lr_schedule_on_its_rounds_and_reads_older_run_configs(t
     check_resumable(run_dir(old), RunConfig.from_mapping({}))
     with pytest.raises(ConfigError, match="lr-schedule='step' \\(the run had 'constant'\\)"):
         check_resumable(run_dir(old), RunConfig.from_mapping({"lr-schedule": "step"}))
+
+
+def test_a_run_evaluating_every_few_rounds_resumes_to_the_uninterrupted_run(tmp_path):
+    """``evaluate-every = 4``: killed after round 3 (not evaluated), resumed, the run is
+    the uninterrupted one, nulls included; a resume may change ``evaluate-every``."""
+    over = {**BASE, **RUNS["fedavg-ef"], "evaluate-every": 4}
+    whole = run_inprocess({**over, "results-dir": str(tmp_path / "whole")}, num_clients=4)
+    run_dir = _killed_run(tmp_path, "between", 3, over)
+    assert cli_main(["resume", str(run_dir)]) == 0
+    _assert_same_run(run_dir, whole)
+    assert [r["round"] for r in _lines(whole) if r["accuracy"] is not None] == [0, 4, 6]
+    again = _killed_run(tmp_path / "again", "between", 3, over)
+    run_inprocess({**over, "evaluate-every": 1, "resume-from": str(again)}, num_clients=4)
+    assert [r["round"] for r in _lines(again) if r["accuracy"] is not None] == [0, 4, 5, 6]
