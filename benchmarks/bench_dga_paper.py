@@ -34,6 +34,7 @@ Examples
     python benchmarks/bench_dga_paper.py --steps 60 --seeds 0 --delays 0 5 --k 1 5 --jobs 2   # a smoke run
     python benchmarks/bench_dga_paper.py --plot docs/figures/dga-paper.png --json /tmp/dga-paper.json
     python benchmarks/bench_dga_paper.py --k 1 --momentum-state keep --set model=cnn-bn --set lr-schedule=cosine
+    python benchmarks/bench_dga_paper.py --k 1 5 --momentum-state keep --from-json k1.json k5.json --plot both.png
 """
 
 from __future__ import annotations
@@ -256,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
+                    help="tabulate and plot the runs of earlier --json files (merged) instead of running; "
+                         "--k, --delays and the other options say what to show")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.set = dict(args.set)
@@ -267,9 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.evaluate_every_steps < 0 or (args.warmup_steps is not None and args.warmup_steps < 0):
         ap.error("--evaluate-every-steps and --warmup-steps must be >= 0")
     t0 = time.perf_counter()
-    results = _run_all(_specs(args), args.jobs)
+    if args.from_json:
+        results = [r for f in args.from_json for r in json.loads(f.read_text())]
+    else:
+        results = _run_all(_specs(args), args.jobs)
     print(_tables(results, args))
-    print(f"\n{len(results)} runs, {time.perf_counter() - t0:.0f} s wall")
+    print(f"\n{len(results)} runs, " + (f"from {' '.join(map(str, args.from_json))}" if args.from_json
+                                        else f"{time.perf_counter() - t0:.0f} s wall"))
     if args.json:
         args.json.write_text(json.dumps(results))
     if args.plot:
