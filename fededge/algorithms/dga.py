@@ -62,7 +62,7 @@ import torch
 from fededge.netem.clock import ClientRound, SimClock
 
 __all__ = ["NORM_STATISTICS", "PIPELINE_MODES", "DGAConfig", "DGAClient", "DGAServer", "DGAStateError", "DGATimeline",
-           "average", "last_arrived", "norm_statistics", "round_delta"]
+           "average", "inflight_prefix", "last_arrived", "norm_statistics", "round_delta"]
 
 Weights = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -252,7 +252,7 @@ class DGAClient:
     def state_dict(self) -> Weights:
         out = {f"model/{k}": v for k, v in self.model.items()}
         for rnd, d in self.in_flight.items():
-            out.update({f"{_inflight(rnd)}{k}": v for k, v in d.items()})
+            out.update({f"{inflight_prefix(rnd)}{k}": v for k, v in d.items()})
         out["meta/global_round"] = torch.tensor(self.global_round, dtype=torch.int64)
         return out
 
@@ -275,7 +275,8 @@ class DGAClient:
         return cls(config, model, in_flight, global_round)
 
 
-def _inflight(rnd: int) -> str:
+def inflight_prefix(rnd: int) -> str:
+    """The prefix of round ``rnd``'s update in flight in :meth:`DGAClient.state_dict`."""
     return f"inflight/{rnd}/"
 
 
@@ -287,7 +288,7 @@ def round_delta(state: Mapping[str, T], rnd: int) -> dict[str, T]:
     A compressor of DGA's replies encodes this: the reply is ``G(g) + Δ(rnd)``, and the
     server, which holds ``G(g)``, needs only ``Δ(rnd)``.
     """
-    prefix = _inflight(rnd)
+    prefix = inflight_prefix(rnd)
     return {k[len(prefix):]: state[k] for k in state.keys() if k.startswith(prefix)}
 
 

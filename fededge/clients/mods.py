@@ -46,7 +46,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable
-from fededge.algorithms.dga import DGAClient, DGAConfig, round_delta
+from fededge.algorithms.dga import DGAClient, DGAConfig, inflight_prefix, round_delta
 from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,
 )
@@ -253,8 +253,9 @@ class DGAMod:
         if conf is None or keys.DGA_GLOBAL_ROUND not in conf:
             return call_next(msg, context)
         config = DGAConfig(correction=bool(conf.get(keys.DGA_CORRECTION, True)))
-        if keys.STATE_DGA in context.state:
-            dga = DGAClient.from_state_dict(config, record_to_torch(context.state[keys.STATE_DGA]))
+        kept = context.state[keys.STATE_DGA] if keys.STATE_DGA in context.state else None
+        if kept is not None:
+            dga = DGAClient.from_state_dict(config, record_to_torch(kept))
         else:
             dga = DGAClient(config, {}, global_round=-1)  # holds nothing yet: the first message must bring G(g)
         arrays = msg.content[keys.ARRAYS] if keys.ARRAYS in msg.content else ArrayRecord()
@@ -269,12 +270,27 @@ class DGAMod:
         if reply.has_error():
             return reply
         trained = _trained(reply, "DGAMod")
+        fresh = None
         if trained is not None:
-            reply.content[keys.ARRAYS] = record_from_torch(dga.train_round(int(conf[keys.SERVER_ROUND]), trained))
+            fresh = int(conf[keys.SERVER_ROUND])
+            reply.content[keys.ARRAYS] = record_from_torch(dga.train_round(fresh, trained))
             _metrics(reply)[keys.DGA_STALENESS] = staleness
         # Also after a reply without weights (a dropout): the client did receive G(g).
-        context.state[keys.STATE_DGA] = record_from_torch(dga.state_dict())
+        context.state[keys.STATE_DGA] = record_from_torch(_unchanged_kept(dga.state_dict(), kept, fresh))
         return reply
+
+
+def _unchanged_kept(state: dict[str, torch.Tensor], kept: ArrayRecord | None,
+                    fresh: int | None) -> dict[str, Any]:
+    """``state`` with each update in flight that ``kept`` (the stored state) already holds
+    as its stored ``Array``: an update never changes once recorded, so only the model,
+    the round just trained (``fresh``) and the counter are encoded again, not D + 1
+    models a message. The record's bytes are the same."""
+    if kept is None:
+        return state
+    new = inflight_prefix(fresh) if fresh is not None else None
+    return {k: kept[k] if k.startswith("inflight/") and k in kept and (new is None or not k.startswith(new)) else v
+            for k, v in state.items()}
 
 
 @dataclass

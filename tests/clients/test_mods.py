@@ -165,3 +165,28 @@ def test_fededge_app_and_the_pieces_assembled_by_hand_train_the_same_model(tmp_p
     built = run_inprocess({**over, "results-dir": str(tmp_path / "hand")}, num_clients=3, client_app=hand)
     a, b = torch.load(own / "model.pt"), torch.load(built / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dga_mod_keeps_its_updates_in_flight_as_stored_and_writes_the_same_state():
+    """Three rounds in flight (the global model of round 0 only): each message encodes the
+    model and its own round's update again, and keeps the earlier updates as the very
+    ``Array`` objects stored before. The state is what encoding all of it would give."""
+    from fededge.algorithms.dga import DGAClient, DGAConfig
+    from fededge.arrays import record_from_torch, record_to_torch
+
+    context = None
+    stored = []
+    for rnd in (1, 2, 3):
+        content = {keys.CONFIG: _config({**DGA_CONFIG, keys.SERVER_ROUND: rnd})}
+        if rnd == 1:
+            content[keys.ARRAYS] = initial_arrays()
+        reply, context = _call([DGAMod()], content, context=context)
+        assert reply.content[keys.METRICS][keys.DGA_STALENESS] == rnd - 1
+        stored.append(context.state[keys.STATE_DGA])
+    first, last = stored[0], stored[-1]
+    kept = [k for k in first if k.startswith("inflight/1/")]
+    assert kept and all(last[k] is first[k] for k in kept)
+    assert all(last[k] is not stored[1].get(k) for k in last if k.startswith(("inflight/3/", "model/")))
+    again = record_from_torch(DGAClient.from_state_dict(DGAConfig(), record_to_torch(last)).state_dict())
+    assert list(again.keys()) == list(last.keys())
+    assert again.object_id == last.object_id
