@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -209,8 +210,8 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
                 if pts:
                     ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], ls=style,
                                 marker="o", capsize=3, label=f"K={k}, {'with' if corr else 'without'} correction")
-        ax.set_title(f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}{_settings(args)}",
-                     fontsize=9)
+        title = f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}{_settings(args)}"
+        ax.set_title(textwrap.fill(title, 80), fontsize=8)
         ax.set_xlabel("delay D (local iterations)")
         ax.set_ylabel("final test accuracy (%)")
         ax.grid(alpha=0.3)
