@@ -45,7 +45,7 @@ def _per_message(model: str, shape: tuple[int, ...], delay: int, *, every_model:
 
     original = mods._unchanged_kept
     if every_model:
-        mods._unchanged_kept = lambda state, kept, fresh: state
+        mods._unchanged_kept = lambda dga, kept, fresh: dga.state_dict()
     try:
         initial = record_from_torch(build_model(model, input_shape=shape, num_classes=10, seed=0).state_dict())
 

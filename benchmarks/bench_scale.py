@@ -221,8 +221,8 @@ def main() -> int:
             subprocess.run([sys.executable, __file__, "--one", f"prebuild:{dataset}:{samples}"], env=env, check=True)
         for row in args.rows.split(","):
             proc = subprocess.run([sys.executable, __file__, "--one", row, "--per-round", str(args.per_round),
-                                   "--samples", str(args.samples), "--evaluate-every", str(args.evaluate_every)], capture_output=True, text=True, env=env,
-                                  check=False)
+                                   "--samples", str(args.samples), "--evaluate-every", str(args.evaluate_every)],
+                                  capture_output=True, text=True, env=env, check=False)
             if proc.returncode != 0:
                 print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
                 continue

@@ -276,21 +276,20 @@ class DGAMod:
             reply.content[keys.ARRAYS] = record_from_torch(dga.train_round(fresh, trained))
             _metrics(reply)[keys.DGA_STALENESS] = staleness
         # Also after a reply without weights (a dropout): the client did receive G(g).
-        context.state[keys.STATE_DGA] = record_from_torch(_unchanged_kept(dga.state_dict(), kept, fresh))
+        context.state[keys.STATE_DGA] = record_from_torch(_unchanged_kept(dga, kept, fresh))
         return reply
 
 
-def _unchanged_kept(state: dict[str, torch.Tensor], kept: ArrayRecord | None,
-                    fresh: int | None) -> dict[str, Any]:
-    """``state`` with each update in flight that ``kept`` (the stored state) already holds
-    as its stored ``Array``: an update never changes once recorded, so only the model,
-    the round just trained (``fresh``) and the counter are encoded again, not D + 1
-    models a message. The record's bytes are the same."""
+def _unchanged_kept(dga: DGAClient, kept: ArrayRecord | None, fresh: int | None) -> dict[str, Any]:
+    """``dga``'s state, with each update in flight but round ``fresh``'s (just trained)
+    taken as the ``Array`` that ``kept`` (the stored state) already holds: an update
+    never changes once recorded, so only the model, the new update and the counter are
+    encoded again, not D + 1 models a message. The record's bytes are the same."""
+    state = dga.state_dict()
     if kept is None:
         return state
-    new = inflight_prefix(fresh) if fresh is not None else None
-    return {k: kept[k] if k.startswith("inflight/") and k in kept and (new is None or not k.startswith(new)) else v
-            for k, v in state.items()}
+    stored = tuple(inflight_prefix(r) for r in dga.in_flight if r != fresh)
+    return {k: kept[k] if k.startswith(stored) and k in kept else v for k, v in state.items()}
 
 
 @dataclass

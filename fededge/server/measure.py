@@ -154,8 +154,8 @@ class Experiment:
     results_dir, run_name, target_accuracy, progress, save_model, checkpoint_every, evaluate_every
         :class:`fededge.server.results.ResultsConfig`'s knobs (defaults, checks and
         meaning declared there, once). With ``evaluate_every = k > 1``, ``evaluate_fn``
-        runs before round 1, after every k-th round and after the last one only. With ``checkpoint_every = k > 0`` a checkpoint of
-        the whole run (model, strategy, random generators, clock, recorder and, on
+        runs before round 1, after every k-th round and after the last one only. With
+        ``checkpoint_every = k > 0`` a checkpoint of the whole run (model, strategy, random generators, clock, recorder and, on
         fededge's in-process runtime, every client's ``context.state``) is written after
         every k-th round; :meth:`run` with ``resume_from`` continues from it.
     run_id : str, optional
@@ -305,9 +305,8 @@ class Experiment:
                       + (f"resumed after round {done} from {path.name}; " if checkpoint is not None else "")
                       + f"results in {recorder.run_dir.resolve()}")
         clock = RunClock(**self.clock_settings, run_dir=None if checkpoint is not None else recorder.run_dir)
-        rounds = _Rounds(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout)
+        rounds = _Rounds(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout, num_rounds)
         rounds.final = initial_arrays
-        rounds.num_rounds = num_rounds
         attach_clock(strategy, clock)
         own_loop = attach_checkpoint(strategy, rounds)
         if not own_loop and type(strategy).start is not Strategy.start:
@@ -370,7 +369,7 @@ class _Rounds:
     """One run's state between rounds: Flower calls :meth:`close` after every round."""
 
     def __init__(self, exp: Experiment, strategy: Strategy, metered: MeteredGrid, clock: RunClock,
-                 recorder: RunRecorder, progress: Progress, timeout: float) -> None:
+                 recorder: RunRecorder, progress: Progress, timeout: float, num_rounds: int) -> None:
         self.exp = exp
         self.strategy = strategy
         self.metered = metered
@@ -379,7 +378,7 @@ class _Rounds:
         self.progress = progress
         self.timeout = timeout
         self.final: ArrayRecord | None = None
-        self.num_rounds = 0  # the run's last round: always evaluated
+        self.num_rounds = num_rounds  # the run's last round: always evaluated
         self.summary: dict[str, Any] = {}
         self.resumed = 0  # the checkpoint's round: rounds up to it are recorded already
         self.uncheckpointable: str | None = None  # why no checkpoint can be written, if so
@@ -486,8 +485,7 @@ class _Rounds:
     def evaluates(self, rnd: int) -> bool:
         """Whether round ``rnd``'s model is evaluated: before round 1, after every
         ``evaluate_every``-th round, and after the last."""
-        every = self.exp.evaluate_every
-        return every <= 1 or rnd <= 0 or rnd % every == 0 or rnd >= self.num_rounds
+        return rnd <= 0 or rnd % self.exp.evaluate_every == 0 or rnd >= self.num_rounds
 
     def close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Evaluate round ``rnd``'s model (when due), take its traffic and report, write

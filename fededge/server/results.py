@@ -407,11 +407,9 @@ class Progress:
         else:
             acc, loss = f"{rec.accuracy:.4f}", f"{rec.loss:.4f}"
         up, sim = human_bytes(rec.cum_bytes_up), f"{rec.sim_s:.1f}s"
-        if self._bar is not None:
-            if rec.accuracy is None:
-                self._bar.update(self._task, completed=rec.round, up=up, sim=sim)  # keeps the last accuracy
-            else:
-                self._bar.update(self._task, completed=rec.round, acc=acc, up=up, sim=sim)
+        if self._bar is not None:  # a round not evaluated keeps the last accuracy shown
+            self._bar.update(self._task, completed=rec.round, up=up, sim=sim,
+                             **({} if rec.accuracy is None else {"acc": acc}))
             return
         print(
             f"[fededge] round {rec.round:>4}/{self.total}  acc {acc}  loss {loss}  "
