@@ -38,6 +38,7 @@ Internals used (checked against flwr 1.41):
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -62,6 +63,8 @@ __all__ = [
     "is_flower_simulation",
     "runs_messages_in_order",
     "sample_nodes",
+    "note_wire_size",
+    "take_noted_wire_size",
     "wire_size",
     "wire_sizes",
 ]
@@ -174,6 +177,22 @@ def wire_size(msg: Message | Any, cache: dict[str, int] | None = None) -> int:
     its unique serialised objects. ``cache`` maps object ids to sizes, so a model
     broadcast in ten messages is serialised once for counting."""
     return wire_sizes([msg], cache)[0]
+
+
+# message -> its size on the wire, noted by whoever serialised it (the in-process grid)
+_noted_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_wire_size(msg: Message, size: int) -> None:
+    """Note that ``msg`` is ``size`` bytes on the wire (its serialised objects were just
+    made or read), so that whoever counts it next (the meter) need not serialise it
+    again. The note is taken once (:func:`take_noted_wire_size`)."""
+    _noted_sizes[msg] = size
+
+
+def take_noted_wire_size(msg: Message) -> int | None:
+    """The size :func:`note_wire_size` noted for ``msg`` (and forget it), or None."""
+    return _noted_sizes.pop(msg, None)
 
 
 def message_from_objects(root_id: str, objects: dict[str, bytes]) -> Message:

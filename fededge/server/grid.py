@@ -288,6 +288,7 @@ class InProcessGrid(Grid):
             if mid in self._pending or mid in self._replies:
                 raise ValueError(f"message {mid} was pushed twice")
             self._pending[mid] = (msg.metadata.dst_node_id, mid, objects)
+            fi.note_wire_size(msg, sum(map(len, objects.values())))  # for the meter
             ids.append(mid)
         return ids
 
@@ -340,7 +341,7 @@ class InProcessGrid(Grid):
                 mid, nid, root, objects = item
                 running.add(nid)
                 self.messages_run += 1
-                pool.submit(worker, (mid, nid, root, objects, self.node_config(nid), self.states.take_objects(nid)))
+                pool.submit(worker, (mid, nid, root, objects, self.node_config(nid), self.states.take_bytes(nid)))
             item = next_job()
             if item is not None:
                 # This process is a worker too, with the workers' threads.
@@ -363,8 +364,8 @@ class InProcessGrid(Grid):
         if result is None:  # the worker died: an error reply, the node keeps its last state
             reason = "the in-process worker running this message died (see the log)"
             return over_the_wire(error_reply(received(root, dict(objects), mid), reason))
-        _, reply_root, reply_objects, state_objects, failure = result
-        self.states.put_objects(nid, state_objects)
+        _, reply_root, reply_objects, state_bytes, failure = result
+        self.states.put_bytes(nid, state_bytes)
         if failure is not None:
             self._log_failure(nid, *failure)
         return received(reply_root, reply_objects, reply_root)

@@ -32,7 +32,7 @@ from flwr.app import Error, Message
 from flwr.serverapp import Grid
 
 from fededge import keys
-from fededge._flwr_internals import wire_size, wire_sizes
+from fededge._flwr_internals import take_noted_wire_size, wire_size, wire_sizes
 from fededge.errors import ConfigError
 from fededge.protocol import config_error_detail
 from fededge.strategies._replies import dropout_reason
@@ -94,6 +94,16 @@ class RoundTraffic:
             mine.replied = mine.replied or n.replied
 
 
+def _sizes(messages: list[Message]) -> list[int]:
+    """Each message's bytes on the wire: as the grid noted them when it serialised the
+    message (the in-process grid does), else serialised here (a model broadcast in one
+    push once)."""
+    noted = [take_noted_wire_size(m) for m in messages]
+    missing = [m for m, n in zip(messages, noted) if n is None]
+    counted = iter(wire_sizes(missing) if missing else [])
+    return [next(counted) if n is None else n for n in noted]
+
+
 class MeteredGrid(Grid):
     """A Grid that counts the bytes of every message it pushes and pulls.
 
@@ -143,7 +153,7 @@ class MeteredGrid(Grid):
         return self._traffic.setdefault(msg.metadata.group_id, RoundTraffic())
 
     def _count_down(self, messages: list[Message]) -> None:
-        sizes = wire_sizes(messages)  # a model broadcast in one push is serialised once
+        sizes = _sizes(messages)
         with self._lock:
             for m, n in zip(messages, sizes):
                 t = self._group(m)
@@ -163,8 +173,7 @@ class MeteredGrid(Grid):
         out = []
         config_errors: list[str] = []
         now = time.monotonic()
-        for r in replies:
-            n = wire_size(r)
+        for r, n in zip(replies, _sizes(replies)):
             with self._lock:
                 pushed = self._pushed_at.pop(r.metadata.reply_to_message_id, sent_at)
                 t = self._group(r)
@@ -229,8 +238,8 @@ class MeteredGrid(Grid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
-        self._count_down(messages)
         ids = list(self.inner.push_messages(messages))
+        self._count_down(messages)  # after: a grid that serialised them noted their sizes
         now = time.monotonic()
         with self._lock:
             self._pushed_at.update((mid, now) for mid in ids)
@@ -241,9 +250,10 @@ class MeteredGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
-        self._count_down(messages)
         sent_at = time.monotonic()
-        replies = self._count_up(list(self.inner.send_and_receive(messages, timeout=timeout)), sent_at)
+        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+        self._count_down(messages)  # after: a grid that serialised them noted their sizes
+        replies = self._count_up(replies, sent_at)
         answered = {r.metadata.src_node_id for r in replies}
         with self._lock:  # no reply at all within the timeout: the node dropped out
             for m in messages:

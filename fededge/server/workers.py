@@ -1,7 +1,8 @@
 """Worker processes for the in-process runtime: the clients' work on every core.
 
 One message to one node is one job: the message as Flower's serialised objects, the
-node's config and its ``context.state`` as serialised objects. :func:`run_message` runs
+node's config and its ``context.state`` as bytes
+(:func:`~fededge.server.nodestates.state_to_bytes`). :func:`run_message` runs
 a job, in this process or in a worker, and gives back the reply (again as the bytes that
 cross the wire) and the node's new state. The grid (:mod:`fededge.server.grid`) keeps
 every node's state and its messages' order; a worker holds nothing between jobs but the
@@ -9,7 +10,7 @@ ClientApp and the caches the ClientApp keeps itself (data, model), so any worker
 any node's message and the results do not depend on which one did, nor on how many
 there are.
 
-A worker is a fresh interpreter (``python -m fededge.server.workers``, never a ``fork``:
+A worker is a fresh interpreter (this module run as ``__main__``, never a ``fork``:
 the parent holds torch's thread pools and Flower's state), talking over a socket pair
 with :mod:`multiprocessing.connection`'s framing. It imports the ClientApp by reference
 (``"module:attribute"``, as Flower's ``clientapp`` setting names it) with the parent's
@@ -40,9 +41,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fededge import _flwr_internals as fi
+from fededge.server.nodestates import state_from_bytes, state_to_bytes
 
 __all__ = ["ENV_WORKER", "Job", "JobResult", "SUPERLINK_NODE_ID", "WorkerPool", "WorkerStartError", "error_reply",
-           "load_client_app", "over_the_wire", "received", "run_message"]
+           "load_client_app", "over_the_wire", "received", "run_message", "run_message_objects"]
 
 SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID
 #: Set to "1" in a worker process's environment.
@@ -50,10 +52,10 @@ ENV_WORKER = "FEDEDGE_INPROCESS_WORKER"
 
 log = logging.getLogger("fededge.server.inprocess")
 
-# (message id, node id, root object id, message objects, node config, state objects or None)
-Job = tuple[str, int, str, dict[str, bytes], dict[str, Any], "dict[str, Any] | None"]
-# (message id, reply root id, reply objects, new state objects or None, (reason, traceback) or None)
-JobResult = tuple[str, str, dict[str, bytes], "dict[str, Any] | None", "tuple[str, str] | None"]
+# (message id, node id, root object id, message objects, node config, state bytes or None)
+Job = tuple[str, int, str, dict[str, bytes], dict[str, Any], "bytes | None"]
+# (message id, reply root id, reply objects, new state bytes or None, (reason, traceback) or None)
+JobResult = tuple[str, str, dict[str, bytes], "bytes | None", "tuple[str, str] | None"]
 
 
 def load_client_app(ref: str) -> Any:
@@ -70,9 +72,13 @@ def load_client_app(ref: str) -> Any:
 
 def received(root: str, objects: dict[str, bytes], mid: str) -> Any:
     """The Message that ``objects`` (its serialised objects, consumed) stand for, with
-    the id the SuperLink gives it."""
+    the id the SuperLink gives it and its size on the wire noted
+    (:func:`fededge._flwr_internals.noted_wire_size`: the meter need not serialise it
+    again)."""
+    size = sum(map(len, objects.values()))
     msg = fi.message_from_objects(root, objects)
     fi.set_message_id(msg, mid)
+    fi.note_wire_size(msg, size)
     return msg
 
 
@@ -97,6 +103,17 @@ def run_message(client_app: Any, run_id: int, run_config: Mapping[str, Any], nod
     RecordDict). Returns ``(reply message as it arrives over the wire, the Context's
     state afterwards, (reason, traceback) if the ClientApp raised, else None)``. An
     exception becomes an error reply, as in Flower's runtimes."""
+    reply_root, reply_objects, new_state, failure = run_message_objects(
+        client_app, run_id, run_config, node_id, mid, root, objects, node_config, state)
+    return received(reply_root, reply_objects, reply_root), new_state, failure  # the reply crosses the wire too
+
+
+def run_message_objects(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_id: int, mid: str,
+                        root: str, objects: dict[str, bytes], node_config: Mapping[str, Any],
+                        state: Any) -> tuple[str, dict[str, bytes], Any, Any]:
+    """:func:`run_message` with the reply as it travels: ``(its root object id, its
+    serialised objects, state, failure)`` (a worker sends those; nothing rebuilds it
+    on this side)."""
     from flwr.app import Context
 
     msg = received(root, objects, mid)
@@ -108,7 +125,7 @@ def run_message(client_app: Any, run_id: int, run_config: Mapping[str, Any], nod
     except Exception as err:  # noqa: BLE001 - becomes an error reply, as in Flower
         failure = (f"{type(err).__name__}: {err}", traceback.format_exc())
         reply = error_reply(msg, failure[0])
-    return over_the_wire(reply), ctx.state, failure  # the reply crosses the wire too
+    return (*fi.serialise(reply), ctx.state, failure)
 
 
 def _worker_main(conn: Connection) -> None:
@@ -130,13 +147,12 @@ def _worker_main(conn: Connection) -> None:
             return
         if job is None:
             return
-        mid, node_id, root, objects, node_config, state_objects = job
-        state = fi.recorddict_from_objects(state_objects) if state_objects is not None else _empty()
+        mid, node_id, root, objects, node_config, state_bytes = job
+        state = state_from_bytes(state_bytes) if state_bytes is not None else _empty()
         with fi.task_identity(run_id=run_id, node_id=SUPERLINK_NODE_ID, task_id=run_id):
-            back, new_state, failure = run_message(app, run_id, run_config, node_id, mid, root, objects,
-                                                   node_config, state)
-        conn.send((mid, *fi.serialise(back),
-                   fi.recorddict_to_objects(new_state) if len(new_state) else None, failure))
+            reply_root, reply_objects, new_state, failure = run_message_objects(
+                app, run_id, run_config, node_id, mid, root, objects, node_config, state)
+        conn.send((mid, reply_root, reply_objects, state_to_bytes(new_state) if len(new_state) else None, failure))
 
 
 def _empty() -> Any:
@@ -147,6 +163,13 @@ def _empty() -> Any:
 
 class WorkerStartError(RuntimeError):
     """A worker process could not start (its ClientApp did not import, ...)."""
+
+
+# ``python -m`` would put the working directory first on the worker's path, where a
+# directory named like a package (a checkout of fededge, the user's own app) would
+# shadow what this process imported: the worker's path is this process's, and only it.
+_START = ("import sys; del sys.path[0]; import runpy; "
+          "runpy.run_module('fededge.server.workers', run_name='__main__', alter_sys=True)")
 
 
 class _Worker:
@@ -166,7 +189,7 @@ class _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), ENV_WORKER: "1"}
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - this interpreter, this module
-                [sys.executable, "-m", "fededge.server.workers", str(theirs.fileno())],
+                [sys.executable, "-c", _START, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()

@@ -118,6 +118,8 @@ def test_bytes_up_equals_serialized_reply_size():
     up_expected = sum(sum(map(len, fi.message_objects(r).values())) for r in replies)
     assert t.bytes_up == up_expected
     assert t.bytes_down == sum(down_expected)
+    # The grid noted each size as it serialised the message; the meter took the notes.
+    assert all(fi.take_noted_wire_size(m) is None for m in [*msgs, *replies])
     # Independent check against Flower's protobuf of the whole message: the object
     # tree adds only small per-object headers, never a second copy of the arrays.
     from flwr.common.serde import message_to_proto
@@ -129,6 +131,46 @@ def test_bytes_up_equals_serialized_reply_size():
         assert 0 < wire_size(m) - proto <= 200 * n_objects
     # 12 float32 arrays per reply: at least the raw bytes must be there.
     assert t.bytes_up > 2 * 16 * 4
+
+
+def test_the_grid_notes_the_wire_size_of_what_it_serialises_and_the_meter_counts_the_same_without_notes():
+    grid = InProcessGrid(fixed_client, num_nodes=3, run_config={})
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        model = _rec({"w": np.arange(600, dtype=np.float32).reshape(60, 10)})
+        msgs = [Message(RecordDict({"arrays": model, "config": ConfigRecord({"i": i})}), nid, "train")
+                for i, nid in enumerate(grid.get_node_ids())]
+    ids = list(grid.push_messages(msgs))
+    assert [fi.take_noted_wire_size(m) for m in msgs] == [wire_size(m) for m in msgs]
+    replies = list(grid.pull_messages(ids))
+    assert [fi.take_noted_wire_size(r) for r in replies] == [wire_size(r) for r in replies]
+    assert all(fi.take_noted_wire_size(m) is None for m in [*msgs, *replies])  # taken once
+    # Through the meter, with notes and without (a grid that notes nothing): the same bytes.
+    counted = []
+    for noting in (True, False):
+        metered = MeteredGrid(InProcessGrid(fixed_client, num_nodes=3, run_config={}))
+        if not noting:
+            metered.inner.push_messages = _forgetting(metered.inner.push_messages)
+            metered.inner.pull_messages = _forgetting(metered.inner.pull_messages)
+        with fi.task_identity(run_id=1, node_id=1, task_id=1):
+            again = [Message(RecordDict({"arrays": model}), nid, "train", group_id="1")
+                     for nid in metered.get_node_ids()]
+        list(metered.pull_messages(list(metered.push_messages(again))))
+        t = metered.take()
+        counted.append((t.bytes_down, t.bytes_up))
+    assert counted[0] == counted[1] and counted[0][0] > 3 * 600 * 4
+
+
+def _forgetting(call):  # noqa: ANN001, ANN202
+    """``call`` (a grid's push or pull), dropping the size notes of what it sent or got."""
+    def wrapped(arg):  # noqa: ANN001, ANN202
+        arg = list(arg)
+        out = call(arg)
+        out = list(out)
+        for m in [*arg, *out]:
+            if isinstance(m, Message):
+                fi.take_noted_wire_size(m)
+        return out
+    return wrapped
 
 
 def test_serialise_gives_flowers_own_objects_and_sees_a_changed_message():

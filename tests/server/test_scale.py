@@ -17,7 +17,7 @@ from flwr.serverapp.strategy import FedAvg
 from fededge import _flwr_internals as fi
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.server.inprocess import run_inprocess
-from fededge.server.nodestates import DiskStates, MemoryStates, make_states
+from fededge.server.nodestates import DiskStates, MemoryStates, make_states, state_from_bytes, state_to_bytes
 from tests.clients import userapp
 
 BASE = {"num-rounds": 3, "local-steps": 3, "model": "mlp", "progress": "off", "netem": "4g:0.5,3g:0.5",
@@ -69,6 +69,28 @@ def test_a_state_spilled_to_disk_and_read_back_equals_the_state_kept_in_memory(t
         disk.take(5)
     with pytest.raises(ValueError, match="'memory' or on 'disk'"):
         make_states("ram")
+
+
+def test_a_state_as_bytes_reads_back_bit_for_bit_and_rows_of_flowers_objects_still_read(tmp_path):
+    import pickle
+
+    for i in range(3):
+        state = _state(i)
+        back = state_from_bytes(state_to_bytes(state))
+        assert back.object_id == state.object_id and _same(back, state)
+        assert [type(r) for r in back.values()] == [ArrayRecord, ConfigRecord, MetricRecord]
+        assert back["sampler"]["perm"] == [3, 1, 2] and isinstance(back["m"]["loss"], float)
+    # A row as fededge stored states before (Flower's serialised objects, pickled) reads.
+    disk = DiskStates(tmp_path)
+    try:
+        disk.put_bytes(7, pickle.dumps(fi.recorddict_to_objects(_state(2))))
+        assert _same(disk.take(7), _state(2)) and disk.take_objects(7) == fi.recorddict_to_objects(_state(2))
+        disk.put(8, _state(1))  # written now: the new format, handed to a worker untouched
+        assert state_from_bytes(disk.take_bytes(8)).object_id == _state(1).object_id
+    finally:
+        disk.close()
+    with pytest.raises(ValueError, match="'fededge-state/9'.*does not read"):
+        state_from_bytes(pickle.dumps(("fededge-state/9", [])))
 
 
 def _workers() -> list[int]:
@@ -171,6 +193,18 @@ def test_a_worker_that_cannot_start_stops_the_run_before_round_one_with_its_erro
         run_inprocess({**BASE, "results-dir": str(tmp_path)}, num_clients=4, workers=3,
                       client_app="tests.server.broken_in_workers:app")
     assert _workers() == [] and not any(tmp_path.iterdir())
+
+
+def test_a_worker_imports_what_this_process_imported_not_a_package_in_the_working_directory(tmp_path, monkeypatch):
+    from fededge.server.workers import WorkerPool
+
+    shadow = tmp_path / "fededge"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the fededge in the working directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = WorkerPool("tests.server.dying_app:app", run_id=1, run_config=userapp.RUN_CONFIG, size=1)
+    pool.close()  # it started: the ClientApp and fededge.server.workers came from this process's path
+    assert _workers() == []
 
 
 def test_workers_need_the_client_app_by_reference():
