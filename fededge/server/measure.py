@@ -50,6 +50,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.netem.clock import ClientRound, synchronous_round
 from fededge.netem.runclock import ClockConfig, RunClock
@@ -325,7 +326,7 @@ class Experiment:
             clock.check(connected)  # an unknown profile stops the run before any training
             if before_start is not None:
                 before_start(grid)
-            with seeded_sampling(self.seed):
+            with seeded_sampling(self.seed), fi.fast_average():  # Flower's average, bit for bit, faster
                 runner: Strategy = strategy
                 if checkpoint is not None:
                     initial_arrays = rounds.restore(checkpoint)

@@ -45,7 +45,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
-from fededge._flwr_internals import aggregate_arrayrecords, runs_messages_in_order, wire_size, wire_sizes
+from fededge._flwr_internals import average_arrayrecords, runs_messages_in_order, wire_size, wire_sizes
 from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived, norm_statistics
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
@@ -515,7 +515,7 @@ class DGA(FedAvg):
             info.staleness_max = max(stale)
         if valid:
             contents = [r.content for r in valid]
-            ybar = aggregate_arrayrecords(contents, self.weighted_by_key)
+            ybar = average_arrayrecords(contents, self.weighted_by_key)
             new = self._server.advance(t, record_to_torch(ybar))
             # g = t - 1: G(t) is ȳ itself, FedAvg's own ArrayRecord (bit for bit)
             arrays = ybar if last_arrived(self.config, t) == t - 1 else record_from_torch(

@@ -247,6 +247,30 @@ def test_a_changed_aggregation_is_named(monkeypatch):
         fi.check()
 
 
+def test_fededge_s_average_is_flowers_bit_for_bit_and_a_run_uses_it_only_while_it_runs():
+    from flwr.serverapp.strategy import fedavg
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    rng = np.random.default_rng(3)
+    records = [RecordDict({"arrays": ArrayRecord({
+        "w": Array(rng.standard_normal((7, 5)).astype(np.float32)),
+        "f": Array(np.asfortranarray(rng.standard_normal((3, 4)))),  # float64, Fortran order
+        "n": Array(rng.integers(0, 9, size=6))}),
+        "metrics": MetricRecord({"num-examples": int(w)})}) for w in rng.integers(1, 50, size=9)]
+    ours, theirs = fi.average_arrayrecords(records, "num-examples"), aggregate_arrayrecords(records, "num-examples")
+    assert list(ours) == list(theirs) == ["w", "f", "n"]
+    assert all(vars(ours[k]) == vars(theirs[k]) for k in ours) and ours.object_id == theirs.object_id
+    flower = fedavg.aggregate_arrayrecords
+    with fi.fast_average():
+        with fi.fast_average():  # nested (or another thread's run): put back after the last
+            pass
+        assert fedavg.aggregate_arrayrecords is fi.average_arrayrecords
+    assert fedavg.aggregate_arrayrecords is flower is aggregate_arrayrecords
+    with pytest.raises(RuntimeError), fi.fast_average():
+        raise RuntimeError("a failed run")
+    assert fedavg.aggregate_arrayrecords is flower
+
+
 def test_a_moved_internal_module_is_named_at_import():
     code = ("import sys; sys.modules['flwr.supercore.inflatable.inflatable_utils'] = None\n"
             "import fededge._flwr_internals\n")
