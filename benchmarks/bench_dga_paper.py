@@ -35,6 +35,10 @@ Examples
     python benchmarks/bench_dga_paper.py --plot docs/figures/dga-paper.png --json /tmp/dga-paper.json
     python benchmarks/bench_dga_paper.py --k 1 --momentum-state keep --set model=cnn-bn --set lr-schedule=cosine
     python benchmarks/bench_dga_paper.py --k 1 5 --momentum-state keep --from-json k1.json k5.json --plot both.png
+    python benchmarks/bench_dga_paper.py --k 1 --momentum-state keep --from-json k1.json --curves curves.png
+
+``Δ`` columns: the mean over seeds of each run's final accuracy minus its own seed's
+FedAvg run, ± the standard deviation of those differences.
 """
 
 from __future__ import annotations
@@ -153,6 +157,17 @@ def _cell(runs: list[dict]) -> str:
     return f"{statistics.mean(final):.1f} ± {sd:.1f}"
 
 
+def _paired(runs: list[dict], fedavg: list[dict]) -> str:
+    """Mean ± sd over seeds of each run's final accuracy minus its own seed's FedAvg run
+    (same data split and initial model): most of the seeds' spread cancels."""
+    base = {r["seed"]: r["acc"][-1] for r in fedavg}
+    diffs = [(r["acc"][-1] - base[r["seed"]]) * 100 for r in runs if r["seed"] in base]
+    if not diffs:
+        return "—"
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    return f"{statistics.mean(diffs):+.1f} ± {sd:.1f}"
+
+
 def _best(runs: list[dict]) -> str:
     return "—" if not runs else f"{statistics.mean(max(r['acc']) * 100 for r in runs):.1f}"
 
@@ -177,15 +192,18 @@ def _tables(results: list[dict], args: argparse.Namespace) -> str:
             out.append(f"\n#### K = {k}, momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}"
                        f" ({args.steps} local steps, seeds {' '.join(map(str, args.seeds))}{_settings(args)})\n")
             stats = any(r.get("acc_rs") is not None for r in rows)
-            out.append("| D (iterations) | D (rounds) | with correction | without | best, with | best, without |"
+            out.append("| D (iterations) | D (rounds) | with correction | without | Δ with | Δ without "
+                       "| best, with | best, without |"
                        + (" with, BN statistics recomputed | without, recomputed |" if stats else ""))
-            out.append("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if stats else ""))
+            out.append("|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if stats else ""))
+            fedavg = [r for r in rows if r["d"] == 0]
             for d in args.delays:
                 if d % k:
                     continue
                 w = [r for r in rows if r["d"] == d and r["correction"]]
                 wo = [r for r in rows if r["d"] == d and (not r["correction"] or d == 0)]
-                out.append(f"| {d} | {d // k} | {_cell(w)} | {_cell(wo)} | {_best(w)} | {_best(wo)} |"
+                dw, dwo = ("—", "—") if d == 0 else (_paired(w, fedavg), _paired(wo, fedavg))
+                out.append(f"| {d} | {d // k} | {_cell(w)} | {_cell(wo)} | {dw} | {dwo} | {_best(w)} | {_best(wo)} |"
                            + (f" {_recomputed(w)} | {_recomputed(wo)} |" if stats else ""))
     return "\n".join(out)
 
@@ -216,6 +234,39 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
         ax.set_ylabel("final test accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def _plot_curves(results: list[dict], args: argparse.Namespace, path: Path) -> None:
+    """Test accuracy against local steps, mean over seeds, one line per (K, D, correction):
+    where the runs part, not only where they end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for state in args.momentum_state:
+        for k in args.k:
+            for d in args.delays:
+                for corr in ([True] if d == 0 else [True, False]):
+                    runs = [r for r in results if r["state"] == state and r["k"] == k and r["d"] == d
+                            and (r["correction"] == corr or d == 0) and "acc_round" in r]
+                    if not runs:
+                        continue
+                    common = set.intersection(*(set(r["acc_round"]) for r in runs))
+                    rounds = sorted(common)
+                    mean = [statistics.mean(r["acc"][r["acc_round"].index(t)] * 100 for r in runs) for t in rounds]
+                    label = f"K={k}, " + ("FedAvg (D=0)" if d == 0 else f"D={d} {'with' if corr else 'without'}")
+                    ax.plot([t * k for t in rounds], mean, ls="-" if corr else "--", label=f"{label} ({len(runs)})")
+    title = f"mean over seeds (runs in brackets){_settings(args)}"
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
+    ax.set_xlabel("local steps")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -256,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--correction", nargs="+", default=["with", "without"], choices=["with", "without"],
                     help="which columns to run for D > 0")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--plot", type=Path, help="final accuracy against D")
+    ap.add_argument("--curves", type=Path, help="accuracy against local steps, mean over seeds, per D")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
                     help="tabulate and plot the runs of earlier --json files (merged) instead of running; "
@@ -284,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(results, args, args.plot)
         print(f"plot: {args.plot}")
+    if args.curves:
+        _plot_curves(results, args, args.curves)
+        print(f"curves: {args.curves}")
     return 0
 
 
