@@ -200,7 +200,7 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
 
     from fededge.arrays import from_numpy, to_numpy
 
-    weights = [float(next(iter(r.metric_records.values()))[weighting_metric_name]) for r in records]
+    weights = [next(iter(r.metric_records.values()))[weighting_metric_name] for r in records]  # as Flower: raw
     total = sum(weights)
     factors = [w / total for w in weights]
     out: dict[str, Any] = {}
@@ -220,20 +220,22 @@ _fast_users = 0
 
 @contextmanager
 def fast_average() -> Iterator[None]:
-    """For the length of the block, FedAvg (and every Flower strategy built on it)
-    averages with :func:`average_arrayrecords`; Flower's own function is put back when
-    the last such block (of any thread) ends, whatever happens. The results are the same
-    bit for bit; only the time differs."""
+    """For the length of the block, FedAvg (and the Flower strategies built on it that
+    call its name: FedAdam, FedProx, ...) averages with :func:`average_arrayrecords`;
+    Flower's own function is put back when the last such block (of any thread) ends,
+    whatever happens. Where the name is someone else's patch, it is left alone. The
+    results are the same bit for bit; only the time differs."""
     global _fast_users
     with _fast_lock:
         _fast_users += 1
-        _fedavg_module.aggregate_arrayrecords = average_arrayrecords
+        if _fedavg_module.aggregate_arrayrecords is _flower_fedavg_average:  # not someone else's patch
+            _fedavg_module.aggregate_arrayrecords = average_arrayrecords
     try:
         yield
     finally:
         with _fast_lock:
             _fast_users -= 1
-            if not _fast_users:
+            if not _fast_users and _fedavg_module.aggregate_arrayrecords is average_arrayrecords:
                 _fedavg_module.aggregate_arrayrecords = _flower_fedavg_average
 
 

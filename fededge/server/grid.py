@@ -97,6 +97,10 @@ class InProcessGrid(Grid):
     #: Each node's messages run one at a time, in push order (checked by strategies
     #: that push rounds ahead; see ``fededge._flwr_internals.runs_messages_in_order``).
     runs_messages_in_order = True
+    #: The grid notes each message's size on the wire as it serialises it (pushed
+    #: messages and replies): :class:`~fededge.server.metering.MeteredGrid` then counts
+    #: after the push and serialises nothing again (``fi.take_noted_wire_size``).
+    notes_wire_sizes = True
 
     def __init__(
         self,
@@ -248,7 +252,7 @@ class InProcessGrid(Grid):
                 disk.load_file(path, str(state["states_sha256"]))
                 if disk is not self.states:  # a grid that keeps its states in memory
                     for nid in disk.nodes():
-                        self.states.put_objects(nid, disk.take_objects(nid))
+                        self.states.put_bytes(nid, disk.take_bytes(nid))
             finally:
                 if disk is not self.states:
                     disk.close()

@@ -163,7 +163,8 @@ class MeteredGrid(Grid):
                     node = t.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
                     node.bytes_down += n
 
-    def _count_up(self, replies: list[Message], sent_at: float | None = None) -> list[Message]:
+    def _count_up(self, replies: list[Message], sent_at: float | None = None,
+                  received_at: float | None = None) -> list[Message]:
         """Count the replies; return them with simulated dropouts turned into errors.
         ``sent_at``: when their messages were pushed, if not recorded per message.
 
@@ -172,7 +173,7 @@ class MeteredGrid(Grid):
         """
         out = []
         config_errors: list[str] = []
-        now = time.monotonic()
+        now = time.monotonic() if received_at is None else received_at
         for r, n in zip(replies, _sizes(replies)):
             with self._lock:
                 pushed = self._pushed_at.pop(r.metadata.reply_to_message_id, sent_at)
@@ -236,11 +237,22 @@ class MeteredGrid(Grid):
     def get_nodes(self):  # noqa: ANN201
         return self.inner.get_nodes()
 
+    def _counts_after(self) -> bool:
+        """Whether the inner grid notes the sizes of what it serialises (the in-process
+        grid): then messages are counted after it pushed them, from its notes. Any other
+        grid is counted before, as it may hand the messages to threads of its own (Flower's
+        simulation) that must not see them serialised meanwhile."""
+        return bool(getattr(self.inner, "notes_wire_sizes", False))
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
+        after = self._counts_after()
+        if not after:
+            self._count_down(messages)
         ids = list(self.inner.push_messages(messages))
-        self._count_down(messages)  # after: a grid that serialised them noted their sizes
         now = time.monotonic()
+        if after:
+            self._count_down(messages)
         with self._lock:
             self._pushed_at.update((mid, now) for mid in ids)
         return ids
@@ -250,10 +262,15 @@ class MeteredGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
+        after = self._counts_after()
+        if not after:
+            self._count_down(messages)
         sent_at = time.monotonic()
         replies = list(self.inner.send_and_receive(messages, timeout=timeout))
-        self._count_down(messages)  # after: a grid that serialised them noted their sizes
-        replies = self._count_up(replies, sent_at)
+        received_at = time.monotonic()
+        if after:
+            self._count_down(messages)
+        replies = self._count_up(replies, sent_at, received_at)
         answered = {r.metadata.src_node_id for r in replies}
         with self._lock:  # no reply at all within the timeout: the node dropped out
             for m in messages:

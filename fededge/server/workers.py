@@ -73,7 +73,7 @@ def load_client_app(ref: str) -> Any:
 def received(root: str, objects: dict[str, bytes], mid: str) -> Any:
     """The Message that ``objects`` (its serialised objects, consumed) stand for, with
     the id the SuperLink gives it and its size on the wire noted
-    (:func:`fededge._flwr_internals.noted_wire_size`: the meter need not serialise it
+    (:func:`fededge._flwr_internals.note_wire_size`: the meter need not serialise it
     again)."""
     size = sum(map(len, objects.values()))
     msg = fi.message_from_objects(root, objects)
@@ -167,8 +167,9 @@ class WorkerStartError(RuntimeError):
 
 # ``python -m`` would put the working directory first on the worker's path, where a
 # directory named like a package (a checkout of fededge, the user's own app) would
-# shadow what this process imported: the worker's path is this process's, and only it.
-_START = ("import sys; del sys.path[0]; import runpy; "
+# shadow what this process imported: the worker's path is this process's, and only it
+# (its working directory where this process has one on its path: a notebook, ``python -``).
+_START = ("import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; import runpy; "
           "runpy.run_module('fededge.server.workers', run_name='__main__', alter_sys=True)")
 
 
@@ -186,7 +187,8 @@ class _Worker:
 
     def __init__(self, setup: tuple[Any, ...], results: queue.SimpleQueue, start_timeout: float) -> None:
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), ENV_WORKER: "1"}
+        path = os.pathsep.join(os.getcwd() if p == "" else p for p in sys.path)  # "": this process's cwd
+        env = {**os.environ, "PYTHONPATH": path, ENV_WORKER: "1"}
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - this interpreter, this module
                 [sys.executable, "-c", _START, str(theirs.fileno())],

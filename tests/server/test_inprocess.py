@@ -269,6 +269,38 @@ def test_fededge_s_average_is_flowers_bit_for_bit_and_a_run_uses_it_only_while_i
     with pytest.raises(RuntimeError), fi.fast_average():
         raise RuntimeError("a failed run")
     assert fedavg.aggregate_arrayrecords is flower
+    # Someone else's patch of the name is left alone, during and after.
+    def theirs_patch(records, key):  # noqa: ANN001, ANN202
+        return aggregate_arrayrecords(records, key)
+
+    fedavg.aggregate_arrayrecords = theirs_patch
+    try:
+        with fi.fast_average():
+            assert fedavg.aggregate_arrayrecords is theirs_patch
+        assert fedavg.aggregate_arrayrecords is theirs_patch
+    finally:
+        fedavg.aggregate_arrayrecords = flower
+
+
+def test_the_meter_counts_a_grid_that_notes_no_sizes_before_it_pushes():
+    """Flower's simulation hands pushed messages to threads of its own: the meter must not
+    serialise them after the push (it would change their cached ids meanwhile)."""
+    class Plain(InProcessGrid):
+        notes_wire_sizes = False
+
+        def push_messages(self, messages):  # noqa: ANN001, ANN202
+            seen.append(sum(t.bytes_down for t in metered._traffic.values()))
+            return super().push_messages(messages)
+
+    seen: list[int] = []
+    metered = MeteredGrid(Plain(fixed_client, num_nodes=2, run_config={}))
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        msgs = [Message(RecordDict({"arrays": _rec({"w": np.ones(8, np.float32)})}), nid, "train", group_id="1")
+                for nid in metered.get_node_ids()]
+    expected = sum(wire_size(m) for m in msgs)
+    list(metered.send_and_receive(msgs))
+    list(metered.pull_messages(list(metered.push_messages(msgs))))
+    assert seen == [expected, 2 * expected]  # each time counted before the push
 
 
 def test_a_moved_internal_module_is_named_at_import():

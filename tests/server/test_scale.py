@@ -207,6 +207,21 @@ def test_a_worker_imports_what_this_process_imported_not_a_package_in_the_workin
     assert _workers() == []
 
 
+def test_a_worker_finds_an_app_in_the_working_directory_when_this_process_has_it_on_its_path(tmp_path, monkeypatch):
+    """A notebook or ``python -`` has "" (its working directory) on its path: its own app
+    module there is the workers' too."""
+    import sys
+
+    from fededge.server.workers import WorkerPool
+
+    (tmp_path / "notebook_app_21.py").write_text("from tests.server.dying_app import app  # noqa: F401\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    pool = WorkerPool("notebook_app_21:app", run_id=1, run_config=userapp.RUN_CONFIG, size=1)
+    pool.close()
+    assert _workers() == []
+
+
 def test_workers_need_the_client_app_by_reference():
     with pytest.raises(ValueError, match="module:attribute"):
         InProcessGrid(userapp.client_app(), num_nodes=2, run_config=userapp.RUN_CONFIG, workers=2)
