@@ -220,8 +220,7 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
             for corr, style in ((True, "-"), (False, "--")):
                 pts = []
                 for d in args.delays:
-                    runs = [r for r in results if r["state"] == state and r["k"] == k and r["d"] == d
-                            and (r["correction"] == corr or d == 0)]
+                    runs = _runs(results, state, k, d, corr)
                     if runs:
                         final = [r["acc"][-1] * 100 for r in runs]
                         pts.append((d, statistics.mean(final), statistics.stdev(final) if len(final) > 1 else 0))
@@ -229,11 +228,25 @@ def _plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
                     ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], ls=style,
                                 marker="o", capsize=3, label=f"K={k}, {'with' if corr else 'without'} correction")
         title = f"momentum {'kept across rounds' if state == 'keep' else 'restarted each round'}{_settings(args)}"
-        ax.set_title(textwrap.fill(title, 80), fontsize=8)
-        ax.set_xlabel("delay D (local iterations)")
-        ax.set_ylabel("final test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _label(ax, textwrap.fill(title, 80), "delay D (local iterations)", "final test accuracy (%)", legend_size=8)
+    _save(fig, path)
+
+
+def _runs(results: list[dict], state: str, k: int, d: int, corr: bool) -> list[dict]:
+    """The runs of one cell: D = 0 (FedAvg) serves both correction columns."""
+    return [r for r in results if r["state"] == state and r["k"] == k and r["d"] == d
+            and (r["correction"] == corr or d == 0)]
+
+
+def _label(ax, title: str, xlabel: str, ylabel: str, legend_size: int) -> None:  # noqa: ANN001
+    ax.set_title(title, fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(fig, path: Path) -> None:  # noqa: ANN001
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -252,8 +265,7 @@ def _plot_curves(results: list[dict], args: argparse.Namespace, path: Path) -> N
         for k in args.k:
             for d in args.delays:
                 for corr in ([True] if d == 0 else [True, False]):
-                    runs = [r for r in results if r["state"] == state and r["k"] == k and r["d"] == d
-                            and (r["correction"] == corr or d == 0) and "acc_round" in r]
+                    runs = [r for r in _runs(results, state, k, d, corr) if "acc_round" in r]
                     if not runs:
                         continue
                     common = set.intersection(*(set(r["acc_round"]) for r in runs))
@@ -262,14 +274,8 @@ def _plot_curves(results: list[dict], args: argparse.Namespace, path: Path) -> N
                     label = f"K={k}, " + ("FedAvg (D=0)" if d == 0 else f"D={d} {'with' if corr else 'without'}")
                     ax.plot([t * k for t in rounds], mean, ls="-" if corr else "--", label=f"{label} ({len(runs)})")
     title = f"mean over seeds (runs in brackets){_settings(args)}"
-    ax.set_title(textwrap.fill(title, 90), fontsize=8)
-    ax.set_xlabel("local steps")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    _label(ax, textwrap.fill(title, 90), "local steps", "test accuracy (%)", legend_size=7)
+    _save(fig, path)
 
 
 def _setting(text: str) -> tuple[str, object]:

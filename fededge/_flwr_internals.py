@@ -42,10 +42,10 @@ Internals used (checked against flwr 1.41):
 from __future__ import annotations
 
 import importlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-import threading
 from typing import Any
 
 import numpy as np

@@ -156,9 +156,9 @@ class Experiment:
         :class:`fededge.server.results.ResultsConfig`'s knobs (defaults, checks and
         meaning declared there, once). With ``evaluate_every = k > 1``, ``evaluate_fn``
         runs before round 1, after every k-th round and after the last one only. With
-        ``checkpoint_every = k > 0`` a checkpoint of the whole run (model, strategy, random generators, clock, recorder and, on
-        fededge's in-process runtime, every client's ``context.state``) is written after
-        every k-th round; :meth:`run` with ``resume_from`` continues from it.
+        ``checkpoint_every = k > 0`` a checkpoint of the whole run (model, strategy, random
+        generators, clock, recorder and, on fededge's in-process runtime, every client's
+        ``context.state``) is written after every k-th round; :meth:`run` with ``resume_from`` continues from it.
     run_id : str, optional
         The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
         existing one is never overwritten (``-2``, ``-3``, ... are appended).

@@ -100,7 +100,7 @@ def _sizes(messages: list[Message]) -> list[int]:
     push once)."""
     noted = [take_noted_wire_size(m) for m in messages]
     missing = [m for m, n in zip(messages, noted) if n is None]
-    counted = iter(wire_sizes(missing) if missing else [])
+    counted = iter(wire_sizes(missing))
     return [next(counted) if n is None else n for n in noted]
 
 

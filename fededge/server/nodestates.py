@@ -56,8 +56,7 @@ def state_to_bytes(state: RecordDict) -> bytes:
     items: list[tuple[str, str, Any]] = []
     for key, rec in state.items():
         if type(rec) is ArrayRecord:
-            items.append((key, "a", [(k, a.dtype, a.shape, a.stype, a.data if type(a.data) is bytes else bytes(a.data))
-                                       for k, a in rec.items()]))
+            items.append((key, "a", [(k, a.dtype, a.shape, a.stype, bytes(a.data)) for k, a in rec.items()]))
         elif type(rec) is ConfigRecord:
             items.append((key, "c", dict(rec)))
         elif type(rec) is MetricRecord:

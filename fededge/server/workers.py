@@ -169,8 +169,10 @@ class WorkerStartError(RuntimeError):
 # directory named like a package (a checkout of fededge, the user's own app) would
 # shadow what this process imported: the worker's path is this process's, and only it
 # (its working directory where this process has one on its path: a notebook, ``python -``).
-_START = ("import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; import runpy; "
-          "runpy.run_module('fededge.server.workers', run_name='__main__', alter_sys=True)")
+_START = ("import sys, runpy\n"
+          "if sys.path[:1] == ['']:\n"
+          "    del sys.path[0]\n"
+          "runpy.run_module('fededge.server.workers', run_name='__main__', alter_sys=True)\n")
 
 
 class _Worker:
