@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,8 +133,12 @@ def _specs(args: argparse.Namespace) -> list[dict]:
     return specs
 
 
-def _run_all(specs: list[dict], jobs: int) -> list[dict]:
+def _run_all(specs: list[dict], jobs: int, json_path: Path | None = None) -> list[dict]:
+    """Every run, ``jobs`` at a time, in the order of ``specs``. With ``json_path`` the runs
+    finished so far are written there as each one ends, so a batch stopped part-way keeps them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done: list[dict] = []
+    lock = threading.Lock()
 
     def sub(spec: dict) -> dict:
         proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
@@ -143,6 +148,10 @@ def _run_all(specs: list[dict], jobs: int) -> list[dict]:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"  K={r['k']} D={r['d']} {'corr' if r['correction'] else 'no-corr'} {r['state']} seed {r['seed']}: "
               f"final {r['acc'][-1]:.4f}, {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        if json_path is not None:
+            with lock:
+                done.append(r)
+                json_path.write_text(json.dumps(done))
         return r
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -315,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--plot", type=Path, help="final accuracy against D")
     ap.add_argument("--curves", type=Path, help="accuracy against local steps, mean over seeds, per D")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the runs here (as each finishes, and all at the end)")
     ap.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
                     help="tabulate and plot the runs of earlier --json files (merged) instead of running; "
                          "--k, --delays and the other options say what to show")
@@ -333,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         results = [r for f in args.from_json for r in json.loads(f.read_text())]
     else:
-        results = _run_all(_specs(args), args.jobs)
+        results = _run_all(_specs(args), args.jobs, args.json)
     print(_tables(results, args))
     print(f"\n{len(results)} runs, " + (f"from {' '.join(map(str, args.from_json))}" if args.from_json
                                         else f"{time.perf_counter() - t0:.0f} s wall"))
