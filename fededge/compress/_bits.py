@@ -23,7 +23,7 @@ from fededge.compress.wire import DTYPES, Header, MalformedPayloadError
 __all__ = [
     "flat32", "local_generator", "codec_header", "read_params", "check_body_size",
     "bf16_bytes", "bf16_values", "finite_f32s", "pack_uints", "unpack_uints", "unpack_bools",
-    "pack_bools", "as_output", "varint_lengths", "pack_varints", "read_varint", "read_varints",
+    "signed_scalars", "pack_bools", "as_output", "varint_lengths", "pack_varints", "read_varint", "read_varints",
 ]
 
 
@@ -116,6 +116,27 @@ def unpack_bools(data: bytes, n: int, what: str) -> np.ndarray:
     """``n`` one-bit fields (see :func:`unpack_uints`) as booleans (a view of the 0/1
     bits: no widening to uint32 and back)."""
     return _unpacked_bits(data, n, 1, what).view(np.bool_)
+
+
+# _BYTE_BITS[b, j]: bit j (least significant first) of the byte b.
+_BYTE_BITS = ((np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(np.bool_)
+
+
+def signed_scalars(data: bytes, n: int, s: np.floating, what: str) -> np.ndarray:
+    """``n`` one-bit fields (see :func:`unpack_uints`) as float32 values, ``-s`` where the
+    bit is set and ``s`` where not: ``np.where(unpack_bools(data, n, what), -s, s)``, bit
+    for bit (negative zero included), with the same checks.
+
+    One lookup per byte (a table of the 256 bytes' eight values) instead of widening the
+    bits to booleans and selecting: about 4 times as fast on large tensors (a server
+    decodes every client's signs every round)."""
+    if len(data) != (n + 7) // 8:
+        raise MalformedPayloadError(f"{what}: {len(data)} bytes for {n} x 1 bits")
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if n % 8 and raw[-1] >> (n % 8):
+        raise MalformedPayloadError(f"{what}: padding bits after the last field are not zero")
+    s = np.float32(s)
+    return np.where(_BYTE_BITS, -s, s)[raw].reshape(-1)[:n]
 
 
 def pack_bools(bits: np.ndarray) -> bytes:

@@ -25,7 +25,7 @@ import torch
 from fededge.compress._bits import (
     as_output, bf16_bytes, bf16_values, check_body_size, codec_header, finite_f32s, flat32,
     local_generator, pack_bools, pack_uints, pack_varints, read_params, read_varint, read_varints,
-    unpack_bools, unpack_uints, varint_lengths,
+    signed_scalars, unpack_bools, unpack_uints, varint_lengths,
 )
 from fededge.compress.codec import CodecConfig, ConfiguredCodec, register
 from fededge.compress.wire import Header, MalformedPayloadError, pack
@@ -557,8 +557,7 @@ class SignSGD(ConfiguredCodec):
         s = finite_f32s(body[:4], "signsgd scale")[0]
         if s < 0:
             raise MalformedPayloadError(f"signsgd scale {s} is negative")
-        neg = unpack_bools(body[4:], d, "signsgd signs")
-        return as_output(np.where(neg, -s, s), header)
+        return as_output(signed_scalars(body[4:], d, s, "signsgd signs"), header)
 
 
 @register
@@ -595,9 +594,8 @@ class Threshold(ConfiguredCodec):
         d = header.numel
         idx, off = decode_index_set(body, d, "threshold")
         check_body_size(header, body, off + (idx.size + 7) // 8)
-        neg = unpack_bools(body[off:], idx.size, "threshold signs")
         out = np.zeros(d, dtype=np.float32)
-        out[idx] = np.where(neg, -np.float32(tau), np.float32(tau))
+        out[idx] = signed_scalars(body[off:], idx.size, tau, "threshold signs")
         return as_output(out, header)
 
 

@@ -572,3 +572,26 @@ def test_vectors_cover_every_codec_and_stay_small():
     names = {v["codec"] for v in _vectors()}
     assert names == set(CODECS)
     assert sum(f.stat().st_size for f in VECTORS.iterdir()) < 200_000
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 40_001])
+@pytest.mark.parametrize("s", [0.0123, 0.0, 3.0e38])
+def test_signed_scalars_is_the_select_of_the_unpacked_signs_bit_for_bit(n, s):
+    from fededge.compress._bits import pack_bools, signed_scalars, unpack_bools
+
+    bits = np.random.default_rng(n).random(n) < 0.5
+    data = pack_bools(bits)
+    want = np.where(unpack_bools(data, n, "x"), -np.float32(s), np.float32(s))
+    got = signed_scalars(data, n, np.float32(s), "x")
+    assert got.dtype == np.float32 and got.shape == (n,) and got.flags.writeable
+    assert got.tobytes() == want.tobytes()  # -0.0 where the bit is set and s is 0
+
+
+def test_signed_scalars_checks_length_and_padding_like_unpack_bools():
+    from fededge.compress._bits import signed_scalars
+
+    with pytest.raises(MalformedPayloadError, match="signs: 3 bytes for 9 x 1 bits"):
+        signed_scalars(b"\x00\x00\x00", 9, np.float32(1), "signs")
+    with pytest.raises(MalformedPayloadError, match="padding bits"):
+        signed_scalars(b"\x00\x02", 9, np.float32(1), "signs")
+    assert signed_scalars(b"\x00\x01", 9, np.float32(1), "signs")[-1] == -1
