@@ -4,7 +4,10 @@ Both sides of a compressed or decentralized run agree on more than names: a comp
 update is one ``uint8`` array holding a bundle of wire payloads (docs/wire-format.md), a
 cast downlink model travels as such a bundle plus the tensors that were not cast, and a
 client whose configuration cannot work answers with an error whose reason starts with a
-marker. This module holds those record formats: the client mods
+marker. This module holds those record formats (and the bytes a node's
+``context.state`` is stored as, :func:`recorddict_to_bytes`, which the in-process
+runtime's state stores and the clients' :class:`~fededge.clients.statestore.StateSpillMod`
+share): the client mods
 (:mod:`fededge.clients.mods`) and the strategies (:mod:`fededge.strategies`) both import
 it, and neither imports the other.
 
@@ -22,10 +25,15 @@ tensor([1., 1., 1.])
 
 from __future__ import annotations
 
+import io
+import pickle
+from typing import Any
+
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.arrays import from_torch, record_from_torch, record_to_torch, to_numpy
 from fededge.compress import build_codec, decode_any
@@ -35,6 +43,7 @@ from fededge.compress.update import decode_update
 __all__ = [
     "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "bundle_record", "cast_downlink",
     "config_error_detail", "config_error_reason", "decode_downlink", "decode_update_record",
+    "recorddict_from_bytes", "recorddict_to_bytes",
 ]
 
 #: ``flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (not public API): the
@@ -120,3 +129,63 @@ def config_error_detail(reason: str) -> str | None:
     if not reason.startswith(keys.CONFIG_ERROR):
         return None
     return reason.removeprefix(keys.CONFIG_ERROR).removeprefix(": ")
+
+
+# -- a RecordDict (a node's context.state) as bytes ------------------------------------
+_STATE_FORMAT = "fededge-state/1"
+
+
+def recorddict_to_bytes(state: RecordDict) -> bytes:
+    """``state`` (a node's ``context.state``) as bytes that :func:`recorddict_from_bytes`
+    turns back into an equal RecordDict, bit for bit (the same object id).
+
+    Each record's plain fields (an Array's dtype, shape, stype and bytes; a config or
+    metric record's values), pickled: about a tenth of the cost of Flower's own
+    serialisation, which hashes every object for its id and wraps every array in
+    protobuf. A record of a kind this does not know is kept as Flower's serialised
+    objects instead. Only plain values are pickled (no class is named), so reading
+    needs no trust in the bytes."""
+    items: list[tuple[str, str, Any]] = []
+    for key, rec in state.items():
+        if type(rec) is ArrayRecord:
+            items.append((key, "a", [(k, a.dtype, a.shape, a.stype, bytes(a.data)) for k, a in rec.items()]))
+        elif type(rec) is ConfigRecord:
+            items.append((key, "c", dict(rec)))
+        elif type(rec) is MetricRecord:
+            items.append((key, "m", dict(rec)))
+        else:
+            return pickle.dumps(fi.recorddict_to_objects(state), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((_STATE_FORMAT, items), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Tuples, lists, dicts, strings, bytes, numbers, booleans and None; nothing that
+    names a class or a function (what :func:`recorddict_to_bytes` writes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a record dict's bytes name {module}.{name}: only plain values may be read")
+
+
+def recorddict_from_bytes(blob: bytes) -> RecordDict:
+    """The RecordDict :func:`recorddict_to_bytes` wrote (or a pickled dict of Flower's
+    serialised objects, as fededge stored states before 2026-11-25).
+
+    Raises ``pickle.UnpicklingError`` for bytes that name any class (not written here),
+    ``ValueError`` for another format's."""
+    saved = _PlainUnpickler(io.BytesIO(blob)).load()
+    if isinstance(saved, dict):
+        return fi.recorddict_from_objects(saved)
+    fmt, items = saved
+    if fmt != _STATE_FORMAT:
+        raise ValueError(f"a client state in format {fmt!r}, which this fededge does not read "
+                         f"(it reads {_STATE_FORMAT!r})")
+    state = RecordDict()
+    for key, kind, body in items:
+        if kind == "a":
+            rec = ArrayRecord()
+            for k, dtype, shape, stype, data in body:
+                rec[k] = Array(dtype=dtype, shape=tuple(shape), stype=stype, data=data)
+            state[key] = rec
+        else:
+            state[key] = ConfigRecord(body) if kind == "c" else MetricRecord(body)
+    return state

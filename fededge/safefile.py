@@ -48,9 +48,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_file(path: str | os.PathLike[str], payload: dict[str, Any]) -> tuple[int, float]:
+def write_file(path: str | os.PathLike[str], payload: dict[str, Any], *, durable: bool = True) -> tuple[int, float]:
     """Write ``payload`` to ``path`` atomically; return its size in bytes and the seconds
-    it took (serialising, hashing, the write and both fsyncs)."""
+    it took (serialising, hashing, the write and both fsyncs).
+
+    ``durable=False`` leaves out the two fsyncs: the file is still replaced atomically
+    (a process that dies leaves the old file or the new one), but a power loss may leave
+    either missing or, if the machine crashes before the data reaches the disk, one that
+    :func:`read_file` refuses as corrupt. For a file that only has to outlive this
+    process's next message (a spilled client state), not the machine."""
     t0 = time.perf_counter()
     path = Path(path)
     buf = io.BytesIO()
@@ -61,9 +67,11 @@ def write_file(path: str | os.PathLike[str], payload: dict[str, Any]) -> tuple[i
         f.write(MAGIC + hashlib.sha256(body).digest() + len(body).to_bytes(8, "big"))
         f.write(body)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
     return _HEAD + len(body), time.perf_counter() - t0
 
 

@@ -82,16 +82,19 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fededge import keys
-from fededge._flwr_internals import ClientAppCallable, recorddict_from_objects, recorddict_to_objects
+from fededge._flwr_internals import ClientAppCallable, recorddict_from_objects
+from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 from fededge.safefile import SafeFileError, read_file, write_file
 
 __all__ = ["ENV_STATE_DIR", "StateSpillMod", "StateStoreMod", "default_state_dir"]
@@ -102,6 +105,7 @@ ENV_STATE_DIR = "FEDEDGE_STATE_DIR"
 _NAME = re.compile(r"round-(\d{6,})\.([0-9A-Za-z_-]+)\.state")
 _SAFE = re.compile(r"[^0-9A-Za-z._-]")
 SPILL = "spill"  # <root>/spill/<run id>/: StateSpillMod's, never a StateStoreMod run's
+STATE_BYTES = "state-bytes"  # a state file's state (before 2026-11-26: "state", Flower's serialised objects)
 
 
 def default_state_dir() -> Path | None:
@@ -141,12 +145,25 @@ def _collect(parent: Path, mine: Path, max_age_days: float, what: str, skip: tup
             log.info("%s of run %s deleted: not written for %g days", what, run.name, max_age_days)
 
 
+def _state_payload(state: RecordDict) -> torch.Tensor:
+    """``state`` as the file holds it: :func:`fededge.protocol.recorddict_to_bytes` in a
+    uint8 tensor (stored raw; bytes in a ``torch.save`` pickle would be re-encoded)."""
+    return torch.frombuffer(bytearray(recorddict_to_bytes(state)), dtype=torch.uint8)
+
+
 def _read_state(path: Path) -> RecordDict | None:
     """The ``context.state`` saved in ``path``; None, with a warning naming the file, if
-    it cannot be used (the node then starts again from an empty state)."""
+    it cannot be used (the node then starts again from an empty state). Reads the files
+    of fededge before 2026-11-26 too (the state as Flower's serialised objects)."""
     try:
         saved = read_file(path, what="client state")
-        state: RecordDict = recorddict_from_objects(saved["state"])
+        if STATE_BYTES in saved:
+            try:
+                state: RecordDict = recorddict_from_bytes(saved[STATE_BYTES].numpy().tobytes())
+            except (pickle.UnpicklingError, ValueError, TypeError, EOFError) as err:
+                raise SafeFileError(f"client state {path}: unreadable state: {type(err).__name__}: {err}") from err
+        else:
+            state = recorddict_from_objects(saved["state"])
     except (SafeFileError, KeyError) as err:
         log.warning("%s; this node starts again from an empty state (the protocol resynchronises it)", err)
         return None
@@ -227,7 +244,7 @@ class StateStoreMod:
         if not reply.has_error():
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_file(d / f"round-{t:06d}.{_SAFE.sub('_', attempt)}.state",
-                       {"round": t, "key": key, "state": recorddict_to_objects(context.state)})
+                       {"round": t, "key": key, STATE_BYTES: _state_payload(context.state)})
             self._prune(d, keep_from(resumed, every, t))
         return reply
 
@@ -321,7 +338,7 @@ class StateSpillMod:
         if len(context.state) > 0:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # in case another run collected it
             write_file(path, {"run": str(context.run_id), "node": str(context.node_id),
-                              "state": recorddict_to_objects(context.state)})
+                              STATE_BYTES: _state_payload(context.state)}, durable=False)
         else:
             path.unlink(missing_ok=True)
         _replace_state(context, RecordDict())

@@ -11,7 +11,8 @@ ResNet-18, although only the clients of one round (a hundred) need theirs at a t
   SQLite file in a private temporary directory (removed by :meth:`DiskStates.close`).
   Peak memory then follows the clients per round, not the clients.
 
-A state travels and rests as :func:`state_to_bytes`: each record's plain fields (an
+A state travels and rests as :func:`state_to_bytes`
+(:func:`fededge.protocol.recorddict_to_bytes`): each record's plain fields (an
 Array's dtype, shape, stype and bytes; a config or metric record's values) pickled.
 It reads back equal bit for bit (the same Flower serialisation, the same object id), at
 a tenth of the cost of Flower's own serialisation, which hashes every object for its id
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import shutil
 import sqlite3
 import tempfile
@@ -38,53 +38,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import RecordDict
 
 from fededge import _flwr_internals as fi
 from fededge.config import CLIENT_STATES
+from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 
 __all__ = ["CLIENT_STATES", "DiskStates", "MemoryStates", "NodeStates", "make_states", "state_from_bytes",
            "state_to_bytes"]
 
-_FORMAT = "fededge-state/1"
+#: A node's state as bytes and back (:func:`fededge.protocol.recorddict_to_bytes`; the
+#: clients' :class:`~fededge.clients.statestore.StateSpillMod` writes the same).
+state_to_bytes = recorddict_to_bytes
+state_from_bytes = recorddict_from_bytes
 
 
-def state_to_bytes(state: RecordDict) -> bytes:
-    """``state`` as bytes that :func:`state_from_bytes` turns back into an equal
-    RecordDict (bit for bit: the same object id). A record of a kind this does not know
-    is kept as Flower's serialised objects instead."""
-    items: list[tuple[str, str, Any]] = []
-    for key, rec in state.items():
-        if type(rec) is ArrayRecord:
-            items.append((key, "a", [(k, a.dtype, a.shape, a.stype, bytes(a.data)) for k, a in rec.items()]))
-        elif type(rec) is ConfigRecord:
-            items.append((key, "c", dict(rec)))
-        elif type(rec) is MetricRecord:
-            items.append((key, "m", dict(rec)))
-        else:
-            return pickle.dumps(fi.recorddict_to_objects(state), protocol=pickle.HIGHEST_PROTOCOL)
-    return pickle.dumps((_FORMAT, items), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def state_from_bytes(blob: bytes) -> RecordDict:
-    """The RecordDict :func:`state_to_bytes` wrote (or a row of Flower's serialised
-    objects, as fededge stored states before)."""
-    saved = pickle.loads(blob)  # noqa: S301 - this run's own store and workers (or its checkpoint's file)
-    if isinstance(saved, dict):
-        return fi.recorddict_from_objects(saved)
-    fmt, items = saved
-    if fmt != _FORMAT:
-        raise ValueError(f"a client state in format {fmt!r}, which this fededge does not read (it reads {_FORMAT!r})")
-    state = RecordDict()
-    for key, kind, body in items:
-        if kind == "a":
-            rec = ArrayRecord()
-            for k, dtype, shape, stype, data in body:
-                rec[k] = Array(dtype=dtype, shape=tuple(shape), stype=stype, data=data)
-            state[key] = rec
-        else:
-            state[key] = ConfigRecord(body) if kind == "c" else MetricRecord(body)
-    return state
 
 class MemoryStates:
     """Every node's state on the heap, as the live ``RecordDict`` the ClientApp left."""

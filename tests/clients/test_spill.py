@@ -15,10 +15,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 
 from fededge import keys
-from fededge._flwr_internals import recorddict_from_objects, recorddict_to_objects, task_identity
+from fededge import safefile
+from fededge._flwr_internals import recorddict_to_objects, task_identity
 from fededge.api import CompressionMod, StateSpillMod, StateStoreMod, config_error_mod
+from fededge.clients.statestore import STATE_BYTES
 from fededge.config import ConfigError, RunConfig
-from fededge.safefile import read_file
+from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
+from fededge.safefile import read_file, write_file
 
 RUN, NODE = 5, 7
 
@@ -142,6 +145,63 @@ def test_a_corrupt_file_is_refused_by_name_and_the_node_starts_empty(tmp_path, c
     assert reply.content[keys.METRICS]["n"] == 1 and train.seen == [{}]
     assert str(f) in caplog.text and "truncated" in caplog.text and "empty state" in caplog.text
     assert mod(_msg(4), ctx, Stateful()).content[keys.METRICS]["n"] == 2  # the file written again is good
+
+
+def test_a_file_written_before_2026_11_26_still_reads(tmp_path):
+    """Older fededge wrote the state as Flower's serialised objects under "state"."""
+    first = Stateful()
+    mem = _ctx()
+    first(_msg(1), mem)
+    f = _file(tmp_path)
+    f.parent.mkdir(parents=True)
+    write_file(f, {"run": str(RUN), "node": str(NODE), "state": recorddict_to_objects(mem.state)})
+    train = Stateful()
+    assert StateSpillMod(tmp_path)(_msg(2), _ctx(), train).content[keys.METRICS]["n"] == 2
+    assert train.seen == [recorddict_to_objects(mem.state)]
+    assert STATE_BYTES in read_file(f)  # written back in the new form
+
+
+def test_a_state_that_names_a_class_is_refused_and_never_loaded(tmp_path, caplog):
+    """The state's bytes are read as plain values only (as torch.load(weights_only=True)
+    reads the rest of the file): a pickle that would call something is refused."""
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    f = _file(tmp_path)
+    f.parent.mkdir(parents=True)
+    evil = torch.frombuffer(bytearray(pickle.dumps(("fededge-state/1", [("k", "c", Boom())]))), dtype=torch.uint8)
+    write_file(f, {"run": str(RUN), "node": str(NODE), STATE_BYTES: evil})
+    train = Stateful()
+    with caplog.at_level(logging.WARNING, logger="fededge"):
+        assert StateSpillMod(tmp_path)(_msg(), _ctx(), train).content[keys.METRICS]["n"] == 1
+    assert train.seen == [{}] and not (tmp_path / "pwned").exists()
+    assert str(f) in caplog.text and "only plain values" in caplog.text and "empty state" in caplog.text
+
+
+def test_spilled_states_are_not_fsynced_and_the_resume_store_is(tmp_path, monkeypatch):
+    """A spilled state only has to outlive the process's next message; a state kept for a
+    resume has to outlive the machine."""
+    synced = []
+    real = safefile.os.fsync
+    monkeypatch.setattr(safefile.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    StateSpillMod(tmp_path)(_msg(), _ctx(), Stateful())
+    assert synced == [] and _file(tmp_path).is_file()
+    store_msg = Message(RecordDict({keys.CONFIG: ConfigRecord({
+        keys.SERVER_ROUND: 1, keys.STATE_KEY: "k", keys.STATE_ATTEMPT: "a", keys.STATE_RESUMED_FROM: 0,
+        keys.STATE_EVERY: 1})}), dst_node_id=NODE, message_type="train")
+    StateStoreMod(tmp_path)(store_msg, _ctx(), Stateful())
+    assert len(synced) == 2  # the file and its directory
+
+
+def test_a_record_dicts_bytes_round_trip_bit_for_bit():
+    ctx = _ctx()
+    for t in (1, 2):
+        Stateful()(_msg(t), ctx)
+    back = recorddict_from_bytes(recorddict_to_bytes(ctx.state))
+    assert recorddict_to_objects(back) == recorddict_to_objects(ctx.state)
 
 
 def test_root_from_the_node_config_and_the_environment(tmp_path, monkeypatch):
@@ -287,6 +347,7 @@ def test_a_run_trains_the_same_model_with_idle_states_on_disk(tmp_path):
     assert memory == disk and [r["round"] for r in disk] == [0, 1, 2, 3]
     files = list(spill.rglob("*.state"))
     assert 3 <= len(files) <= 6  # every client that trained left its residual there
-    assert all(keys.STATE_COMPRESS in recorddict_from_objects(read_file(f)["state"]) for f in files)
+    assert all(keys.STATE_COMPRESS in recorddict_from_bytes(read_file(f)[STATE_BYTES].numpy().tobytes())
+               for f in files)
     c, _ = run("forgetful", forget)  # the residuals matter within these 3 rounds
     assert not all(torch.equal(a[k], c[k]) for k in a)
