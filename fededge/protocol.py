@@ -144,18 +144,35 @@ def recorddict_to_bytes(state: RecordDict) -> bytes:
     serialisation, which hashes every object for its id and wraps every array in
     protobuf. A record of a kind this does not know is kept as Flower's serialised
     objects instead. Only plain values are pickled (no class is named), so reading
-    needs no trust in the bytes."""
+    needs no trust in the bytes: a value of a subclass Flower's records accept (a numpy
+    float64, an IntEnum) is stored as its plain type, as Flower's own serialisation
+    turns it into one (the object id is the same)."""
     items: list[tuple[str, str, Any]] = []
     for key, rec in state.items():
         if type(rec) is ArrayRecord:
-            items.append((key, "a", [(k, a.dtype, a.shape, a.stype, bytes(a.data)) for k, a in rec.items()]))
-        elif type(rec) is ConfigRecord:
-            items.append((key, "c", dict(rec)))
-        elif type(rec) is MetricRecord:
-            items.append((key, "m", dict(rec)))
+            items.append((str(key), "a", [(str(k), str(a.dtype), tuple(int(n) for n in a.shape), str(a.stype),
+                                           bytes(a.data)) for k, a in rec.items()]))
+        elif type(rec) is ConfigRecord or type(rec) is MetricRecord:
+            items.append((str(key), "c" if type(rec) is ConfigRecord else "m",
+                          {str(k): _plain(v) for k, v in rec.items()}))
         else:
             return pickle.dumps(fi.recorddict_to_objects(state), protocol=pickle.HIGHEST_PROTOCOL)
     return pickle.dumps((_STATE_FORMAT, items), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_PLAIN = (bool, int, float, str, bytes)
+
+
+def _plain(value: Any) -> Any:
+    """A config or metric record's value as the plain type Flower serialises it as."""
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    for t in _PLAIN:  # bool first: it is an int too
+        if isinstance(value, t):
+            return t(value)
+    raise TypeError(f"a record value of type {type(value).__name__} ({value!r}), which Flower's records do not hold")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -168,24 +185,31 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def recorddict_from_bytes(blob: bytes) -> RecordDict:
     """The RecordDict :func:`recorddict_to_bytes` wrote (or a pickled dict of Flower's
-    serialised objects, as fededge stored states before 2026-11-25).
+    serialised objects, as the in-process runtime stored states before 2026-11-25).
 
     Raises ``pickle.UnpicklingError`` for bytes that name any class (not written here),
-    ``ValueError`` for another format's."""
+    ``ValueError`` for another format's or a malformed one's."""
     saved = _PlainUnpickler(io.BytesIO(blob)).load()
     if isinstance(saved, dict):
         return fi.recorddict_from_objects(saved)
+    if not (isinstance(saved, tuple) and len(saved) == 2 and isinstance(saved[1], list)):
+        raise ValueError(f"a client state's bytes hold a {type(saved).__name__}, not ({_STATE_FORMAT!r}, records)")
     fmt, items = saved
     if fmt != _STATE_FORMAT:
         raise ValueError(f"a client state in format {fmt!r}, which this fededge does not read "
                          f"(it reads {_STATE_FORMAT!r})")
     state = RecordDict()
-    for key, kind, body in items:
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 3 and item[1] in ("a", "c", "m")):
+            raise ValueError(f"a client state's record is not (name, 'a' | 'c' | 'm', body): {str(item)[:80]}")
+        key, kind, body = item
         if kind == "a":
             rec = ArrayRecord()
             for k, dtype, shape, stype, data in body:
                 rec[k] = Array(dtype=dtype, shape=tuple(shape), stype=stype, data=data)
             state[key] = rec
         else:
+            if not isinstance(body, dict):
+                raise ValueError(f"a client state's record {key!r} holds a {type(body).__name__}, not a dict")
             state[key] = ConfigRecord(body) if kind == "c" else MetricRecord(body)
     return state

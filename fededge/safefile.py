@@ -11,6 +11,9 @@ clients' saved state (:mod:`fededge.clients.statestore`)::
 :func:`write_file` writes a temporary file in the same directory, flushes and fsyncs it,
 renames it over its final name and fsyncs the directory: a crash at any moment leaves
 the old file or the new one complete, never a half-written file under the final name.
+With ``durable=False`` (a file that only has to outlive this process's next use) it
+skips both fsyncs: a process that dies still leaves the old file or the new one, but
+after a power loss the file may be the old one, missing, or refused as corrupt.
 :func:`read_file` refuses, by name, a file that is truncated, corrupt or of another
 format, and reads the body with ``torch.load(weights_only=True)`` (plain values and
 tensors only, no arbitrary objects).
@@ -50,7 +53,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 def write_file(path: str | os.PathLike[str], payload: dict[str, Any], *, durable: bool = True) -> tuple[int, float]:
     """Write ``payload`` to ``path`` atomically; return its size in bytes and the seconds
-    it took (serialising, hashing, the write and both fsyncs).
+    it took (serialising, hashing, the write and, unless ``durable=False``, both fsyncs).
 
     ``durable=False`` leaves out the two fsyncs: the file is still replaced atomically
     (a process that dies leaves the old file or the new one), but a power loss may leave

@@ -65,8 +65,9 @@ the ``spill/<run id>`` directories of other runs not written for ``max_age_days`
 (default 1): a run's last states stay until then, since a node cannot know that a run
 has ended.
 
-The cost: one file write (serialise, sha256, write; no fsync: the file has to outlive
-the process's next message, not the machine) and one read (sha256, load) per message.
+The cost: one file write (serialise, sha256, write; no fsync unless ``durable=True``:
+the file has to outlive the process's next message, not the machine) and one read
+(sha256, load) per message.
 The state is stored as its records' plain fields
 (:func:`fededge.protocol.recorddict_to_bytes`, what the in-process runtime's store uses),
 read back with an unpickler that refuses anything naming a class: about 1.3 ms a message
@@ -86,7 +87,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
@@ -162,9 +162,12 @@ def _read_state(path: Path) -> RecordDict | None:
     try:
         saved = read_file(path, what="client state")
         if STATE_BYTES in saved:
+            t = saved[STATE_BYTES]
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+                raise SafeFileError(f"client state {path}: its '{STATE_BYTES}' is not a 1-D uint8 tensor")
             try:
-                state: RecordDict = recorddict_from_bytes(saved[STATE_BYTES].numpy().tobytes())
-            except (pickle.UnpicklingError, ValueError, TypeError, EOFError) as err:
+                state: RecordDict = recorddict_from_bytes(t.numpy().tobytes())
+            except Exception as err:  # noqa: BLE001 - whatever the bytes do wrong, the file is refused by name
                 raise SafeFileError(f"client state {path}: unreadable state: {type(err).__name__}: {err}") from err
         else:
             state = recorddict_from_objects(saved["state"])
@@ -297,6 +300,12 @@ class StateSpillMod:
     max_age_days : float
         Other runs' spilled states not written for this long are deleted when a run
         first spills here.
+    durable : bool
+        fsync every file written (default False). A spilled state has to outlive this
+        process's next message, not the machine: without fsync a power loss can leave a
+        node's file holding an older state (or none), which it would then continue
+        from. Under Flower's simulation a power loss ends the run (a new run has new
+        files); on a SuperNode that must carry on after one, set ``durable=True``.
 
     Examples
     --------
@@ -304,11 +313,13 @@ class StateSpillMod:
     >>> app = ClientApp(mods=[StateSpillMod()])  # doctest: +SKIP
     """
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, *, max_age_days: float = 1.0) -> None:
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, max_age_days: float = 1.0,
+                 durable: bool = False) -> None:
         if not max_age_days > 0:
             raise ValueError(f"max_age_days must be > 0, got {max_age_days!r}")
         self.root = root
         self.max_age_days = max_age_days
+        self.durable = durable
         self._said_off = False
 
     def path(self, context: Context) -> Path | None:
@@ -342,7 +353,7 @@ class StateSpillMod:
         if len(context.state) > 0:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # in case another run collected it
             write_file(path, {"run": str(context.run_id), "node": str(context.node_id),
-                              STATE_BYTES: _state_payload(context.state)}, durable=False)
+                              STATE_BYTES: _state_payload(context.state)}, durable=self.durable)
         else:
             path.unlink(missing_ok=True)
         _replace_state(context, RecordDict())

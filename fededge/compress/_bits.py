@@ -122,7 +122,7 @@ def unpack_bools(data: bytes, n: int, what: str) -> np.ndarray:
 _BYTE_BITS = ((np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(np.bool_)
 
 
-def signed_scalars(data: bytes, n: int, s: np.floating, what: str) -> np.ndarray:
+def signed_scalars(data: bytes, n: int, s: float, what: str) -> np.ndarray:
     """``n`` one-bit fields (see :func:`unpack_uints`) as float32 values, ``-s`` where the
     bit is set and ``s`` where not: ``np.where(unpack_bools(data, n, what), -s, s)``, bit
     for bit (negative zero included), with the same checks.

@@ -53,7 +53,6 @@ state_to_bytes = recorddict_to_bytes
 state_from_bytes = recorddict_from_bytes
 
 
-
 class MemoryStates:
     """Every node's state on the heap, as the live ``RecordDict`` the ClientApp left."""
 

@@ -189,6 +189,9 @@ def test_spilled_states_are_not_fsynced_and_the_resume_store_is(tmp_path, monkey
     monkeypatch.setattr(safefile.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
     StateSpillMod(tmp_path)(_msg(), _ctx(), Stateful())
     assert synced == [] and _file(tmp_path).is_file()
+    StateSpillMod(tmp_path, durable=True)(_msg(), _ctx(), Stateful())  # a SuperNode that must survive a power loss
+    assert len(synced) == 2
+    synced.clear()
     store_msg = Message(RecordDict({keys.CONFIG: ConfigRecord({
         keys.SERVER_ROUND: 1, keys.STATE_KEY: "k", keys.STATE_ATTEMPT: "a", keys.STATE_RESUMED_FROM: 0,
         keys.STATE_EVERY: 1})}), dst_node_id=NODE, message_type="train")
@@ -197,11 +200,50 @@ def test_spilled_states_are_not_fsynced_and_the_resume_store_is(tmp_path, monkey
 
 
 def test_a_record_dicts_bytes_round_trip_bit_for_bit():
+    import enum
+
+    import numpy as np
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Name(str):
+        pass
+
     ctx = _ctx()
     for t in (1, 2):
         Stateful()(_msg(t), ctx)
+    # Values of subclasses Flower's records accept, stored as the plain types Flower's
+    # serialisation makes of them (same object id); bool stays bool.
+    ctx.state["odd"] = MetricRecord({"mean": np.float64(0.1), "level": Level.HIGH, "xs": [np.float64(1.5), np.float64(2.0)]})
+    ctx.state["conf"] = ConfigRecord({"who": Name("a"), "flag": True, "big": 2**62, "flags": [True, False]})
     back = recorddict_from_bytes(recorddict_to_bytes(ctx.state))
     assert recorddict_to_objects(back) == recorddict_to_objects(ctx.state)
+    assert type(back["odd"]["mean"]) is float and type(back["odd"]["level"]) is int
+    assert type(back["conf"]["flag"]) is bool and type(back["conf"]["flags"][0]) is bool
+
+
+@pytest.mark.parametrize("what", ["str", "int", "float tensor", "2-D tensor", "list body", "unknown kind",
+                                  "not a tuple", "truncated pickle"])
+def test_a_state_file_whose_state_is_malformed_is_refused_and_rewritten(tmp_path, caplog, what):
+    import pickle
+
+    def blob(obj) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    bad = {"str": "x", "int": 3, "float tensor": torch.zeros(4), "2-D tensor": torch.zeros(2, 2, dtype=torch.uint8),
+           "list body": blob(("fededge-state/1", [("k", "c", [1])])),
+           "unknown kind": blob(("fededge-state/1", [("k", "z", {})])),
+           "not a tuple": blob([1, 2]),
+           "truncated pickle": blob(("fededge-state/1", [("k", "c", {"a": 1})]))[:-3]}[what]
+    f = _file(tmp_path)
+    f.parent.mkdir(parents=True)
+    write_file(f, {"run": str(RUN), "node": str(NODE), STATE_BYTES: bad})
+    mod, ctx, train = StateSpillMod(tmp_path), _ctx(), Stateful()
+    with caplog.at_level(logging.WARNING, logger="fededge"):
+        assert mod(_msg(), ctx, train).content[keys.METRICS]["n"] == 1
+    assert train.seen == [{}] and str(f) in caplog.text and "empty state" in caplog.text
+    assert mod(_msg(2), ctx, Stateful()).content[keys.METRICS]["n"] == 2  # the file written again is good
 
 
 def test_root_from_the_node_config_and_the_environment(tmp_path, monkeypatch):
