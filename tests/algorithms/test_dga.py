@@ -503,3 +503,32 @@ def test_uncorrected_running_statistics_continue_one_workers_average_and_stay_st
         assert _ema_statistic_run(c, stats, rounds=60, decay=0.9) == _ema_statistic_run(c, frozenset(), rounds=60)
     with pytest.raises(ValueError, match="statistics_decay must be in"):
         DGAServer(cfg, {"w": torch.zeros(1)}, statistics_decay=1.0)
+
+
+def test_stale_stability_limit_matches_the_closed_forms_and_bounds_a_real_run():
+    import math
+
+    from fededge.algorithms.dga import stale_stability_limit
+
+    for m in (0.0, 0.5, 0.9):
+        assert stale_stability_limit(0, m) == pytest.approx(2 * (1 + m), abs=1e-9)  # synchronous heavy ball
+    for d in (1, 2, 5, 10, 20):
+        assert stale_stability_limit(d) == pytest.approx(2 * math.sin(math.pi / (2 * (2 * d + 1))), abs=1e-9)
+    assert stale_stability_limit(10, 0.9) == pytest.approx(0.0114, abs=5e-5)
+    assert stale_stability_limit(20, 0.9) < stale_stability_limit(10, 0.9) < stale_stability_limit(5, 0.9)
+
+    def run(a: float, d: int, m: float, steps: int = 20_000) -> float:
+        """The stale-only recursion itself, from w = 1: |w| at the end."""
+        w = [1.0] * (d + 2)
+        for _ in range(steps):
+            w.append(w[-1] + m * (w[-1] - w[-2]) - a * w[-1 - d])
+            w.pop(0)
+        return abs(w[-1])
+
+    for d, m in ((0, 0.9), (5, 0.0), (10, 0.9), (20, 0.9)):
+        limit = stale_stability_limit(d, m)
+        for a in (0.5 * limit, 0.9 * limit):  # the whole interval below the limit converges
+            assert run(a, d, m) < 1e-3
+        assert not run(1.05 * limit, d, m) < 1e3  # just above it diverges (inf or nan: also not < 1e3)
+    with pytest.raises(ValueError, match="momentum"):
+        stale_stability_limit(3, 1.0)
