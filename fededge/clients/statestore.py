@@ -99,7 +99,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, recorddict_from_objects
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
-from fededge.safefile import SafeFileError, read_file, write_file
+from fededge.safefile import SafeFileError, bytes_from_tensor, read_file, tensor_of_bytes, write_file
 
 __all__ = ["ENV_STATE_DIR", "StateSpillMod", "StateStoreMod", "default_state_dir"]
 
@@ -151,8 +151,8 @@ def _collect(parent: Path, mine: Path, max_age_days: float, what: str, skip: tup
 
 def _state_payload(state: RecordDict) -> torch.Tensor:
     """``state`` as the file holds it: :func:`fededge.protocol.recorddict_to_bytes` in a
-    uint8 tensor (stored raw; bytes in a ``torch.save`` pickle would be re-encoded)."""
-    return torch.frombuffer(bytearray(recorddict_to_bytes(state)), dtype=torch.uint8)
+    uint8 tensor (:func:`fededge.safefile.tensor_of_bytes`)."""
+    return tensor_of_bytes(recorddict_to_bytes(state))
 
 
 def _read_state(path: Path) -> RecordDict | None:
@@ -162,11 +162,9 @@ def _read_state(path: Path) -> RecordDict | None:
     try:
         saved = read_file(path, what="client state")
         if STATE_BYTES in saved:
-            t = saved[STATE_BYTES]
-            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
-                raise SafeFileError(f"client state {path}: its '{STATE_BYTES}' is not a 1-D uint8 tensor")
+            blob = bytes_from_tensor(saved[STATE_BYTES], f"client state {path}: its '{STATE_BYTES}'")
             try:
-                state: RecordDict = recorddict_from_bytes(t.numpy().tobytes())
+                state: RecordDict = recorddict_from_bytes(blob)
             except Exception as err:  # noqa: BLE001 - whatever the bytes do wrong, the file is refused by name
                 raise SafeFileError(f"client state {path}: unreadable state: {type(err).__name__}: {err}") from err
         else:

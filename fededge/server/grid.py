@@ -48,6 +48,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fededge import _flwr_internals as fi
 from fededge import keys
+from fededge.safefile import bytes_from_tensor, tensor_of_bytes
 from fededge.server.nodestates import DiskStates, NodeStates, make_states
 from fededge.server.workers import (SUPERLINK_NODE_ID, Job, WorkerPool, error_reply, load_client_app, over_the_wire,
                                     received, run_message)
@@ -212,8 +213,9 @@ class InProcessGrid(Grid):
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self, states_file: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Every node's ``context.state`` (error-feedback residuals, PowerSGD's Q, DGA's
-        and gossip's client state, batch-sampler positions), serialised as Flower would
-        store it, for a checkpoint. Taken between rounds: a message still pending (pushed,
+        and gossip's client state, batch-sampler positions), for a checkpoint: under
+        ``state_bytes``, node id -> its :func:`~fededge.server.nodestates.state_to_bytes`
+        as a uint8 tensor (:func:`fededge.safefile.tensor_of_bytes`; the file stores it raw). Taken between rounds: a message still pending (pushed,
         not yet run) would be lost, so it raises instead.
 
         With ``client_states="disk"`` and a ``states_file``, the states go to that file
@@ -228,13 +230,15 @@ class InProcessGrid(Grid):
             out["states_file"] = Path(states_file).name
             out["states_sha256"] = self.states.save_file(states_file)
         else:
-            out["states"] = {nid: self.states.take_objects(nid) for nid in self.states.nodes()}
+            blobs = ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes())
+            out["state_bytes"] = {nid: tensor_of_bytes(blob) for nid, blob in blobs if blob is not None}
         return out
 
     def load_state_dict(self, state: Mapping[str, Any], states_dir: str | os.PathLike[str] | None = None) -> None:
         """Give every node the ``context.state`` of :meth:`state_dict` (same node ids:
         the grid's are seeded, so the same ``seed`` and ``num_nodes`` give them); a states
-        file is looked for in ``states_dir``."""
+        file is looked for in ``states_dir``. A checkpoint of fededge before 2026-11-26
+        holds the states as Flower's serialised objects (``states``): it reads too."""
         if list(state["nodes"]) != list(self._index):
             raise ValueError("the checkpoint's in-process nodes are not this grid's: build the grid with the "
                              "same num_nodes and seed as the run that wrote it")
@@ -256,6 +260,9 @@ class InProcessGrid(Grid):
             finally:
                 if disk is not self.states:
                     disk.close()
+        elif "state_bytes" in state:
+            for nid, blob in state["state_bytes"].items():
+                self.states.put_bytes(int(nid), bytes_from_tensor(blob, f"the checkpoint's state of node {nid}"))
         else:
             for nid, saved in state["states"].items():
                 self.states.put_objects(int(nid), saved)

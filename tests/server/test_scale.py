@@ -277,3 +277,35 @@ def test_a_checkpoint_keeps_the_disk_states_in_a_side_file_pruned_with_it(tmp_pa
             grid.load_state_dict(grid_state, states_dir=run_dir / "checkpoints")
     finally:
         grid.close()
+
+
+def test_a_checkpoint_keeps_memory_states_as_raw_bytes_and_reads_the_older_flower_objects(tmp_path):
+    """States in memory go into the checkpoint as state_to_bytes in uint8 tensors (stored
+    raw); a checkpoint written before, with Flower's serialised objects, reads the same."""
+    from fededge.safefile import SafeFileError
+    from fededge.server.checkpoint import checkpoint_files, read_checkpoint
+
+    run_dir = run_inprocess({**BASE, **RUNS["fedavg-signsgd-ef"], "num-rounds": 2, "checkpoint-every": 1,
+                             "results-dir": str(tmp_path)}, num_clients=6)
+    grid_state = read_checkpoint(checkpoint_files(run_dir)[-1])["grid"]
+    assert "states" not in grid_state and len(grid_state["state_bytes"]) >= 4
+    assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in grid_state["state_bytes"].values())
+    old = {**{k: v for k, v in grid_state.items() if k != "state_bytes"},
+           "states": {nid: fi.recorddict_to_objects(state_from_bytes(t.numpy().tobytes()))
+                      for nid, t in grid_state["state_bytes"].items()}}
+    loaded = []
+    for saved in (grid_state, old):
+        grid = InProcessGrid("fededge.clients.app:app", num_nodes=6, run_config={})
+        try:
+            grid.load_state_dict(saved)
+            loaded.append({nid: grid.states.take_objects(nid) for nid in grid.states.nodes()})
+        finally:
+            grid.close()
+    assert loaded[0] == loaded[1] and len(loaded[0]) == len(grid_state["state_bytes"])
+    bad = {**grid_state, "state_bytes": {**grid_state["state_bytes"], next(iter(grid_state["state_bytes"])): "x"}}
+    grid = InProcessGrid("fededge.clients.app:app", num_nodes=6, run_config={})
+    try:
+        with pytest.raises(SafeFileError, match="the checkpoint's state of node .* is a str, not the 1-D uint8"):
+            grid.load_state_dict(bad)
+    finally:
+        grid.close()
