@@ -22,8 +22,9 @@ fededge before 2026-11-25, a states file in an older checkpoint) still read.
 
 Both stores speak three dialects: live ``RecordDict`` (:meth:`take`/:meth:`put`, for a
 message run in this process), those bytes (:meth:`take_bytes`/:meth:`put_bytes`, for a
-message run by a worker process: the disk store hands its rows over untouched) and
-Flower's serialised objects (:meth:`take_objects`/:meth:`put_objects`, for checkpoints).
+message run by a worker process, and for checkpoints: the disk store hands its rows over
+untouched) and Flower's serialised objects (:meth:`take_objects`/:meth:`put_objects`,
+for checkpoints written before 2026-11-26, which held those).
 Nothing here knows Flower's message flow or the grid: pure storage.
 """
 
