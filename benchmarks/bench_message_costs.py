@@ -22,7 +22,6 @@ Example
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import tempfile
 import time
@@ -30,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_scale import timed_calls  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     from fededge import _flwr_internals as fi
     from fededge.server.inprocess import run_inprocess
 
-    total: collections.Counter = collections.Counter()
-    calls: collections.Counter = collections.Counter()
     rows = [  # (label, owner, attribute)
         ("a message, end to end (grid)", grid.InProcessGrid, "_execute"),
         ("  the ClientApp (mods and train)", ClientApp, "__call__"),
@@ -79,32 +79,18 @@ def main(argv: list[str] | None = None) -> int:
         ("server: pushing a round (per message)", grid.InProcessGrid, "push_messages"),
     ]
 
-    def timed(label: str, f):  # noqa: ANN001, ANN202
-        def g(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                total[label] += time.perf_counter() - t
-                calls[label] += 1
-        return g
-
-    saved = [(owner, attr, getattr(owner, attr)) for _, owner, attr in rows]
-    for label, owner, attr in rows:
-        setattr(owner, attr, timed(label, getattr(owner, attr)))
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            t0 = time.perf_counter()
-            run_inprocess({"dataset": "synthetic", "synthetic-samples": 500_000, "partition": "iid",
-                           "local-steps": args.local_steps, "clients-per-round": args.per_round,
-                           "num-rounds": args.rounds, "model": "mlp", "progress": "off", "results-dir": out,
-                           "save-model": False, "checkpoint-every": 0, "min-partition-size": 1, "client-threads": 1,
-                           "evaluate-every": 10, "client-states": args.states, "compressor": "signsgd",
-                           "error-feedback": True}, num_clients=args.clients, workers=1)
-            wall = time.perf_counter() - t0
-    finally:
-        for owner, attr, f in saved:
-            setattr(owner, attr, f)
+    with timed_calls({label: (owner, attr) for label, owner, attr in rows}) as times, \
+            tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        run_inprocess({"dataset": "synthetic", "synthetic-samples": 500_000, "partition": "iid",
+                       "local-steps": args.local_steps, "clients-per-round": args.per_round,
+                       "num-rounds": args.rounds, "model": "mlp", "progress": "off", "results-dir": out,
+                       "save-model": False, "checkpoint-every": 0, "min-partition-size": 1, "client-threads": 1,
+                       "evaluate-every": 10, "client-states": args.states, "compressor": "signsgd",
+                       "error-feedback": True}, num_clients=args.clients, workers=1)
+        wall = time.perf_counter() - t0
+    total = {label: sum(t) for label, t in times.items()}
+    calls = {label: len(t) for label, t in times.items()}
     n = calls[rows[0][0]]
     print(f"{n} messages, {wall:.1f} s wall; ms per message (rows nest: read top-down)\n")
     print(f"| {'where':<46} | {'ms/message':>10} | {'calls':>6} |")

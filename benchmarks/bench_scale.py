@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 #: clients:model:compressor:rounds:workers:states[:dataset:samples]
@@ -106,17 +106,12 @@ def _ray_run(overrides: dict, clients: int, out: Path) -> tuple[Path, int]:
 
 
 @contextmanager
-def _timed_phases() -> Iterator[dict[str, list[float]]]:
-    """Seconds of each call to the grid's delivery of a round's messages (``clients``:
-    the clients' phase, their messages on every worker, wire and states included) and to
-    the server's evaluation (``evaluate``). The rest of a round is the server's own work
-    (sampling, serialising, metering, aggregating)."""
-    from fededge.server.grid import InProcessGrid
-    from fededge.server.measure import Experiment
-
-    targets = {"clients": (InProcessGrid, "_run_batch"), "evaluate": (Experiment, "evaluate")}
-    originals = {name: getattr(cls, attr) for name, (cls, attr) in targets.items()}
-    phases: dict[str, list[float]] = {name: [] for name in targets}
+def timed_calls(targets: dict[str, tuple[object, str]]) -> Iterator[dict[str, list[float]]]:
+    """Within the block, each ``targets`` entry ``name: (owner, attribute)`` is wrapped in
+    a timer: the dict yielded collects the seconds of every call under ``name``. The
+    originals are put back on the way out (bench_message_costs.py uses it too)."""
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in targets.items()}
+    calls: dict[str, list[float]] = {name: [] for name in targets}
 
     def timed(name: str):  # noqa: ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -124,16 +119,27 @@ def _timed_phases() -> Iterator[dict[str, list[float]]]:
             try:
                 return originals[name](*args, **kwargs)
             finally:
-                phases[name].append(time.perf_counter() - t0)
+                calls[name].append(time.perf_counter() - t0)
         return call
 
-    for name, (cls, attr) in targets.items():
-        setattr(cls, attr, timed(name))
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, timed(name))
     try:
-        yield phases
+        yield calls
     finally:
-        for name, (cls, attr) in targets.items():
-            setattr(cls, attr, originals[name])
+        for name, (owner, attr) in targets.items():
+            setattr(owner, attr, originals[name])
+
+
+def _timed_phases() -> AbstractContextManager[dict[str, list[float]]]:
+    """Seconds of each call to the grid's delivery of a round's messages (``clients``:
+    the clients' phase, their messages on every worker, wire and states included) and to
+    the server's evaluation (``evaluate``). The rest of a round is the server's own work
+    (sampling, serialising, metering, aggregating)."""
+    from fededge.server.grid import InProcessGrid
+    from fededge.server.measure import Experiment
+
+    return timed_calls({"clients": (InProcessGrid, "_run_batch"), "evaluate": (Experiment, "evaluate")})
 
 
 def one(clients: int, model: str, compressor: str, rounds: int, workers: str, states: str, per_round: int,

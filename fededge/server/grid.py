@@ -215,8 +215,9 @@ class InProcessGrid(Grid):
         """Every node's ``context.state`` (error-feedback residuals, PowerSGD's Q, DGA's
         and gossip's client state, batch-sampler positions), for a checkpoint: under
         ``state_bytes``, node id -> its :func:`~fededge.server.nodestates.state_to_bytes`
-        as a uint8 tensor (:func:`fededge.safefile.tensor_of_bytes`; the file stores it raw). Taken between rounds: a message still pending (pushed,
-        not yet run) would be lost, so it raises instead.
+        as a uint8 tensor (:func:`fededge.safefile.tensor_of_bytes`; the file stores it
+        raw). Taken between rounds: a message still pending (pushed, not yet run) would
+        be lost, so it raises instead.
 
         With ``client_states="disk"`` and a ``states_file``, the states go to that file
         instead (a copy of the grid's SQLite file, :meth:`DiskStates.save_file`) and the

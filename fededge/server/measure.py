@@ -158,7 +158,8 @@ class Experiment:
         runs before round 1, after every k-th round and after the last one only. With
         ``checkpoint_every = k > 0`` a checkpoint of the whole run (model, strategy, random
         generators, clock, recorder and, on fededge's in-process runtime, every client's
-        ``context.state``) is written after every k-th round; :meth:`run` with ``resume_from`` continues from it.
+        ``context.state``) is written after every k-th round; :meth:`run` with
+        ``resume_from`` continues from it.
     run_id : str, optional
         The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
         existing one is never overwritten (``-2``, ``-3``, ... are appended).
