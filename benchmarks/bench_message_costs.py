@@ -12,11 +12,19 @@ the wire and the states around it, then the server's decoding.
 The default configuration is the goal row of bench_scale.py (``10000:mlp:signsgd``,
 20 local steps, states on disk, evaluation every 10 rounds) over ``--rounds`` rounds.
 
+A second table (``--contract-only`` prints it alone) times what any ClientApp pays for
+the same message under Flower's Message API, whatever it does inside: rebuild the
+instruction from its serialised objects, read its arrays, build a reply that carries a
+payload of the signSGD update's size and the train metrics, serialise it, and rebuild
+it on the server. That is the part of a message's cost that is Flower's, not fededge's:
+a lower bound for any in-process runtime that keeps Flower's wire.
+
 Example
 -------
 ::
 
     python benchmarks/bench_message_costs.py --rounds 20
+    python benchmarks/bench_message_costs.py --contract-only
 """
 
 from __future__ import annotations
@@ -41,10 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-round", type=int, default=100)
     ap.add_argument("--local-steps", type=int, default=20)
     ap.add_argument("--states", choices=["memory", "disk"], default="disk")
+    ap.add_argument("--contract-only", action="store_true", help="only the table of Flower's own costs")
+    ap.add_argument("--repeat", type=int, default=2000, help="messages timed for that table")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
+    if args.contract_only:
+        contract(args.repeat)
+        return 0
     import fededge.clients.app as app
     import fededge.clients.mods as mods
     import fededge.compress.update as update
@@ -101,8 +114,60 @@ def main(argv: list[str] | None = None) -> int:
     around = total[rows[0][0]] - total[rows[1][0]]
     print(f"\nthe ClientApp beyond its compute: {1e3 * inside / n:.3f} ms/message; "
           f"the wire and the state around it: {1e3 * around / n:.3f} ms/message; "
-          f"compute: {1e3 * (total[rows[2][0]] + total[rows[3][0]]) / n:.3f} ms/message")
+          f"compute: {1e3 * (total[rows[2][0]] + total[rows[3][0]]) / n:.3f} ms/message\n")
+    contract(args.repeat)
     return 0
+
+
+def contract(repeat: int) -> None:
+    """Print what Flower's Message API costs a message of the goal row's model, apart
+    from anything fededge does: the lower bound of the table above's wire rows."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fededge import _flwr_internals as fi
+    from fededge.models.zoo import build_model
+    from fededge.server.workers import received
+
+    model = build_model("mlp", input_shape=(32,), num_classes=10, seed=0)  # synthetic: 32 features
+    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    weights = sum(a.size for a in arrays.values())
+    payload = np.zeros((weights + 7) // 8 + 16 * len(arrays), dtype=np.uint8)  # a sign bit a weight, headers
+    metrics = {"train-loss": 0.5, "num-examples": 50, "compute-s": 0.006, "local-steps-done": 20,
+               "partition-id": 7, "num-partitions": 10_000}
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        instruction = Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                                          "config": ConfigRecord({"server-round": 3, "local-steps": 20,
+                                                                  "local-lr": 0.05, "momentum": 0.9})}),
+                              dst_node_id=5, message_type="train")
+        fi.set_run_id(instruction, 1)
+        root, objects = fi.serialise(instruction)
+
+        def client_side() -> tuple[str, dict[str, bytes]]:
+            msg = received(root, dict(objects), root)
+            _ = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+            reply = Message(RecordDict({"compressed": ArrayRecord({"bundle": Array(payload)}),
+                                        "metrics": MetricRecord(metrics)}), reply_to=msg)
+            return fi.serialise(reply)
+
+        steps = {"client: the instruction rebuilt, its arrays read, the reply built and serialised": client_side}
+        reply_root, reply_objects = client_side()
+        steps["server: the reply rebuilt"] = lambda: received(reply_root, dict(reply_objects), reply_root)
+        print(f"Flower's Message API alone, the MLP ({weights:,} weights, a {payload.size:,}-byte reply "
+              f"payload), ms per message, {repeat} messages:\n")
+        print(f"| {'where':<84} | {'ms/message':>10} |")
+        print(f"|{'-' * 86}|{'-' * 11}:|")
+        total = 0.0
+        for label, step in steps.items():
+            for _ in range(min(repeat, 50)):  # warm
+                step()
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                step()
+            ms = 1e3 * (time.perf_counter() - t0) / repeat
+            total += ms
+            print(f"| {label:<84} | {ms:>10.3f} |")
+        print(f"| {'both':<84} | {total:>10.3f} |")
 
 
 if __name__ == "__main__":
