@@ -9,7 +9,11 @@ ResNet-18, although only the clients of one round (a hundred) need theirs at a t
   copy, no serialisation; the right choice for tens or hundreds of clients.
 - :class:`DiskStates` keeps the state of every node that is not running on disk, in one
   SQLite file in a private temporary directory (removed by :meth:`DiskStates.close`).
-  Peak memory then follows the clients per round, not the clients.
+  Peak memory then follows the clients per round, not the clients. A process that is
+  killed cannot remove its directory (as large as all its nodes' states: about 2 GB
+  for 10,000 MLP residuals): the directory holds a lock for as long as its store is
+  open, and the next store made in the same place removes every such directory whose
+  lock nobody holds.
 
 A state travels and rests as :func:`state_to_bytes`
 (:func:`fededge.protocol.recorddict_to_bytes`): each record's plain fields (an
@@ -31,6 +35,7 @@ Nothing here knows Flower's message flow or the grid: pure storage.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sqlite3
@@ -39,14 +44,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; a killed run's directory stays
+    fcntl = None  # type: ignore[assignment]
+
 from flwr.app import RecordDict
 
 from fededge import _flwr_internals as fi
 from fededge.config import CLIENT_STATES
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 
-__all__ = ["CLIENT_STATES", "DiskStates", "MemoryStates", "NodeStates", "make_states", "state_from_bytes",
-           "state_to_bytes"]
+__all__ = ["CLIENT_STATES", "OWNER_LOCK", "PREFIX", "DiskStates", "MemoryStates", "NodeStates", "collect_orphans",
+           "make_states", "state_from_bytes", "state_to_bytes"]
 
 #: A node's state as bytes and back (:func:`fededge.protocol.recorddict_to_bytes`; the
 #: clients' :class:`~fededge.clients.statestore.StateSpillMod` writes the same).
@@ -117,7 +127,9 @@ class DiskStates:
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="fededge-states-", dir=directory))
+        collect_orphans(Path(directory) if directory is not None else Path(tempfile.gettempdir()))
+        self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=directory))
+        self._lock = _hold_lock(self.dir)
         self.path = self.dir / "states.sqlite"
         # One writer (the grid), temporary data: no journal, no fsync.
         self._db: sqlite3.Connection | None = sqlite3.connect(self.path, isolation_level=None)
@@ -218,6 +230,9 @@ class DiskStates:
             self._db.close()
             self._db = None
         shutil.rmtree(self.dir, ignore_errors=True)
+        if getattr(self, "_lock", None) is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def __del__(self) -> None:  # a grid that was never closed leaves no file behind
         try:
@@ -227,6 +242,58 @@ class DiskStates:
 
 
 NodeStates = MemoryStates | DiskStates
+
+#: The name of a :class:`DiskStates` directory starts with this.
+PREFIX = "fededge-states-"
+#: The file whose lock a :class:`DiskStates` holds while open.
+OWNER_LOCK = "owner.lock"
+
+log = logging.getLogger(__name__)
+
+
+def _hold_lock(d: Path) -> int | None:
+    """Lock ``d``'s :data:`OWNER_LOCK` for as long as the returned descriptor is open.
+    The file gets its name only once locked, so that no other process can find it
+    unlocked while this one starts."""
+    if fcntl is None:
+        return None
+    tmp = d / f".{OWNER_LOCK}.{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(tmp, d / OWNER_LOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def collect_orphans(parent: Path) -> list[Path]:
+    """Remove every :class:`DiskStates` directory in ``parent`` whose lock no process
+    holds (its store's process was killed); return them. A directory without the lock
+    file (one being made, or written by fededge before 2026-11-26) or not this user's is
+    left alone."""
+    if fcntl is None:
+        return []
+    removed = []
+    for d in parent.glob(f"{PREFIX}*"):
+        try:
+            fd = os.open(d / OWNER_LOCK, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its store is open
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d node-state director%s left by killed runs in %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", parent)
+    return removed
 
 
 def _sha256(path: Path, fsync: bool = False) -> str:

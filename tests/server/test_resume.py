@@ -121,7 +121,8 @@ def _killed_run(tmp_path: Path, when: str, at: int, overrides: dict) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.server.resume_driver", str(results), when, str(at), json.dumps(overrides)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # TMPDIR: the killed run's node states (its DiskStates directory) stay in tmp_path
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     (run_dir,) = results.iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"  # it never finished

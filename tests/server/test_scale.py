@@ -7,6 +7,9 @@ import json
 import logging
 import os
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,16 @@ from flwr.serverapp.strategy import FedAvg
 from fededge import _flwr_internals as fi
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.server.inprocess import run_inprocess
-from fededge.server.nodestates import DiskStates, MemoryStates, make_states, state_from_bytes, state_to_bytes
+from fededge.server.nodestates import (
+    OWNER_LOCK,
+    PREFIX,
+    DiskStates,
+    MemoryStates,
+    collect_orphans,
+    make_states,
+    state_from_bytes,
+    state_to_bytes,
+)
 from tests.clients import userapp
 
 BASE = {"num-rounds": 3, "local-steps": 3, "model": "mlp", "progress": "off", "netem": "4g:0.5,3g:0.5",
@@ -91,6 +103,56 @@ def test_a_state_as_bytes_reads_back_bit_for_bit_and_rows_of_flowers_objects_sti
         disk.close()
     with pytest.raises(ValueError, match="'fededge-state/9'.*does not read"):
         state_from_bytes(pickle.dumps(("fededge-state/9", [])))
+
+
+_HOLD = """
+import sys, time
+from fededge.server.nodestates import DiskStates
+d = DiskStates(sys.argv[1])
+d.put_bytes(1, b"x" * 1000)
+print(d.dir, flush=True)
+time.sleep(600)
+"""
+
+
+def _store_in_a_process(parent: Path) -> tuple[subprocess.Popen, Path]:
+    """A DiskStates held open by another process: (that process, its directory)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(parent)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        line = proc.stdout.readline().strip()
+        assert line, f"the process holding a store exited with {proc.wait(30)}"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, Path(line)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock: a killed run's states stay on Windows")
+def test_a_killed_runs_states_directory_is_removed_by_the_next_store_and_a_live_one_is_kept(tmp_path, caplog):
+    alive, alive_dir = _store_in_a_process(tmp_path)
+    try:
+        killed, killed_dir = _store_in_a_process(tmp_path)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert killed_dir.is_dir() and (killed_dir / OWNER_LOCK).exists()  # SIGKILL: nothing removed it
+        legacy = tmp_path / f"{PREFIX}before"  # no lock file: not known to be an orphan
+        legacy.mkdir()
+        with caplog.at_level(logging.INFO, logger="fededge.server.nodestates"):
+            here = DiskStates(tmp_path)  # the next store collects the orphan
+        assert not killed_dir.exists()
+        assert alive_dir.is_dir() and legacy.is_dir()  # held by a live process; not known
+        assert "removed 1 node-state directory left by killed runs" in caplog.text
+        assert collect_orphans(tmp_path) == [] and here.dir.is_dir()  # this process holds its own
+        here.put_bytes(3, b"y")
+        assert here.take_bytes(3) == b"y"
+        here.close()
+        assert not here.dir.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+    assert collect_orphans(tmp_path) == [alive_dir] and not alive_dir.exists()
 
 
 def _workers() -> list[int]:
