@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import sqlite3
 import tempfile
 from collections.abc import Iterator
@@ -128,15 +129,21 @@ class DiskStates:
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
         collect_orphans(Path(directory) if directory is not None else Path(tempfile.gettempdir()))
+        self._db: sqlite3.Connection | None = None
+        self._lock: int | None = None
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=directory))
-        self._lock = _hold_lock(self.dir)
         self.path = self.dir / "states.sqlite"
-        # One writer (the grid), temporary data: no journal, no fsync.
-        self._db: sqlite3.Connection | None = sqlite3.connect(self.path, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=OFF")
-        self._db.execute("PRAGMA synchronous=OFF")
-        self._db.execute("CREATE TABLE states (node INTEGER PRIMARY KEY, objects BLOB NOT NULL)")
         self.bytes_written = 0
+        try:
+            self._lock = _hold_lock(self.dir)
+            # One writer (the grid), temporary data: no journal, no fsync.
+            self._db = sqlite3.connect(self.path, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=OFF")
+            self._db.execute("PRAGMA synchronous=OFF")
+            self._db.execute("CREATE TABLE states (node INTEGER PRIMARY KEY, objects BLOB NOT NULL)")
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -230,13 +237,14 @@ class DiskStates:
             self._db.close()
             self._db = None
         shutil.rmtree(self.dir, ignore_errors=True)
-        if getattr(self, "_lock", None) is not None:
+        if self._lock is not None:
             os.close(self._lock)
             self._lock = None
 
     def __del__(self) -> None:  # a grid that was never closed leaves no file behind
         try:
-            self.close()
+            if hasattr(self, "_lock"):  # else __init__ failed before making anything
+                self.close()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
 
@@ -252,42 +260,58 @@ log = logging.getLogger(__name__)
 
 
 def _hold_lock(d: Path) -> int | None:
-    """Lock ``d``'s :data:`OWNER_LOCK` for as long as the returned descriptor is open.
-    The file gets its name only once locked, so that no other process can find it
-    unlocked while this one starts."""
+    """Lock ``d``'s :data:`OWNER_LOCK` for as long as the returned descriptor is open
+    (None: this system or file system has no flock; the directory is then never taken
+    for an orphan). The file holds this host's name, and gets its own name only once
+    locked, so that no other process can find it unlocked while this one starts."""
     if fcntl is None:
         return None
     tmp = d / f".{OWNER_LOCK}.{os.getpid()}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, socket.gethostname().encode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:  # ENOLCK, ENOSYS: some network and FUSE file systems
+            log.warning("node states in %s: no file lock here (%s); if this run is killed, remove the "
+                        "directory by hand", d, err)
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            return None
         os.replace(tmp, d / OWNER_LOCK)
     except BaseException:
         os.close(fd)
+        tmp.unlink(missing_ok=True)
         raise
     return fd
 
 
 def collect_orphans(parent: Path) -> list[Path]:
     """Remove every :class:`DiskStates` directory in ``parent`` whose lock no process
-    holds (its store's process was killed); return them. A directory without the lock
-    file (one being made, or written by fededge before 2026-11-26) or not this user's is
-    left alone."""
+    holds (its store's process was killed); return them. Left alone: a directory
+    without the lock file (one being made, one on a file system without flock, or one
+    written by fededge before 2026-11-26), another user's (also when this process is
+    root), and another host's (a shared file system, whose locks that host may hold
+    unseen)."""
     if fcntl is None:
         return []
     removed = []
+    uid, host = os.getuid(), socket.gethostname().encode()
     for d in parent.glob(f"{PREFIX}*"):
         try:
-            fd = os.open(d / OWNER_LOCK, os.O_RDWR)
+            fd = os.open(d / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
+            if os.fstat(fd).st_uid != uid or os.read(fd, 1024) != host:
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # held: its store is open
         else:
             shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+            if not d.exists():
+                removed.append(d)
         finally:
             os.close(fd)
     if removed:

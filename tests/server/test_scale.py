@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -117,16 +118,22 @@ time.sleep(600)
 
 def _store_in_a_process(parent: Path) -> tuple[subprocess.Popen, Path]:
     """A DiskStates held open by another process: (that process, its directory)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(parent)], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(parent)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     try:
-        line = proc.stdout.readline().strip()
-        assert line, f"the process holding a store exited with {proc.wait(30)}"
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline().strip() if ready else ""
+        assert line, f"the process holding a store did not start: {proc.poll()}"
     except BaseException:
-        proc.kill()
-        proc.wait()
+        _stop(proc)
         raise
     return proc, Path(line)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.communicate()  # reaps it and closes its pipes
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="flock: a killed run's states stay on Windows")
@@ -135,14 +142,17 @@ def test_a_killed_runs_states_directory_is_removed_by_the_next_store_and_a_live_
     try:
         killed, killed_dir = _store_in_a_process(tmp_path)
         killed.send_signal(signal.SIGKILL)
-        killed.wait()
+        _stop(killed)
         assert killed_dir.is_dir() and (killed_dir / OWNER_LOCK).exists()  # SIGKILL: nothing removed it
         legacy = tmp_path / f"{PREFIX}before"  # no lock file: not known to be an orphan
         legacy.mkdir()
+        elsewhere = tmp_path / f"{PREFIX}elsewhere"  # unlocked, but another host's (a shared file system)
+        elsewhere.mkdir()
+        (elsewhere / OWNER_LOCK).write_text("another-host")
         with caplog.at_level(logging.INFO, logger="fededge.server.nodestates"):
             here = DiskStates(tmp_path)  # the next store collects the orphan
         assert not killed_dir.exists()
-        assert alive_dir.is_dir() and legacy.is_dir()  # held by a live process; not known
+        assert alive_dir.is_dir() and legacy.is_dir() and elsewhere.is_dir()  # held; not known; not ours
         assert "removed 1 node-state directory left by killed runs" in caplog.text
         assert collect_orphans(tmp_path) == [] and here.dir.is_dir()  # this process holds its own
         here.put_bytes(3, b"y")
@@ -150,9 +160,41 @@ def test_a_killed_runs_states_directory_is_removed_by_the_next_store_and_a_live_
         here.close()
         assert not here.dir.exists()
     finally:
-        alive.kill()
-        alive.wait()
+        _stop(alive)
     assert collect_orphans(tmp_path) == [alive_dir] and not alive_dir.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock: none on Windows")
+def test_a_store_that_cannot_start_leaves_nothing_and_one_without_file_locks_still_works(tmp_path, monkeypatch,
+                                                                                          caplog):
+    import errno
+    import sqlite3
+
+    import fededge.server.nodestates as nodestates
+
+    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise sqlite3.OperationalError("unable to open database file")
+
+    with monkeypatch.context() as m:
+        m.setattr(nodestates.sqlite3, "connect", refused)
+        with pytest.raises(sqlite3.OperationalError):
+            DiskStates(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no directory, no lock file left
+
+    def no_locks(fd, op):  # noqa: ANN001, ANN202 - a network file system without flock
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(nodestates.fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="fededge.server.nodestates"):
+        store = DiskStates(tmp_path)
+    try:
+        assert "no file lock here" in caplog.text and not (store.dir / OWNER_LOCK).exists()
+        assert [p.name for p in store.dir.iterdir()] == ["states.sqlite"]
+        store.put_bytes(1, b"z")
+        assert store.take_bytes(1) == b"z" and collect_orphans(tmp_path) == []
+    finally:
+        store.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def _workers() -> list[int]:
