@@ -129,11 +129,11 @@ class DiskStates:
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
         collect_orphans(Path(directory) if directory is not None else Path(tempfile.gettempdir()))
-        self._db: sqlite3.Connection | None = None
-        self._lock: int | None = None
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=directory))
         self.path = self.dir / "states.sqlite"
         self.bytes_written = 0
+        self._db: sqlite3.Connection | None = None
+        self._lock: int | None = None
         try:
             self._lock = _hold_lock(self.dir)
             # One writer (the grid), temporary data: no journal, no fsync.
@@ -243,7 +243,7 @@ class DiskStates:
 
     def __del__(self) -> None:  # a grid that was never closed leaves no file behind
         try:
-            if hasattr(self, "_lock"):  # else __init__ failed before making anything
+            if hasattr(self, "_lock"):  # else __init__ failed before making its directory
                 self.close()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
