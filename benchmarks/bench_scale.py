@@ -15,7 +15,14 @@ IID. Columns:
   states), the server's evaluation of the new model, and the server's other work
   (sampling, serialising and metering the messages, decoding and aggregating).
 - ``RSS``: peak resident memory of the run's process, and ``RSS all`` that plus each
-  worker's peak (an upper bound of the run's total: peaks need not coincide).
+  worker's peak (an upper bound of the run's total: peaks need not coincide, and the
+  node cache's mapped data set counts in every process that reads it). ``PSS all``:
+  the peak of the summed proportional set size of the run's process and its workers,
+  sampled every 0.5 s: shared pages (libraries, the mapped data set) counted once, so
+  the memory the run uses together.
+- When a row with several workers and the same configuration on one worker both run,
+  a second table sets each against the one-worker row's compute (the strict floor:
+  compute timed with nothing beside it, divided by the workers).
 - ``held``: clients holding a state at the end (a stateful compressor's residual).
 
 A row's ``workers`` may be ``ray``: the same configuration under Flower's simulation
@@ -80,25 +87,58 @@ def _flower_rss_kb() -> int:
     return total
 
 
-def _ray_run(overrides: dict, clients: int, out: Path) -> tuple[Path, int]:
-    import threading
+def _pss_kb(pid: int) -> int:
+    """Proportional set size of ``pid`` (kB): its private pages plus its share of each
+    page it shares (a library, the mapped data set), so that the PSS of several
+    processes adds up to the memory they use together."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
-    from fededge.deploy.launch import flwr_run_local
+
+def _tree_pss_kb() -> int:
+    """Summed PSS of this process and its children (the in-process runtime's workers)."""
+    me = os.getpid()
+    kids = []
+    for task in Path(f"/proc/{me}/task").iterdir():
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return _pss_kb(me) + sum(_pss_kb(k) for k in kids)
+
+
+@contextmanager
+def _sampled(fn, every_s: float = 0.5) -> Iterator[list[int]]:  # noqa: ANN001
+    """The peak of ``fn()`` sampled every ``every_s`` seconds while the block runs."""
+    import threading
 
     peak, done = [0], threading.Event()
 
     def sample() -> None:
-        while not done.wait(0.5):
-            peak[0] = max(peak[0], _flower_rss_kb())
+        while not done.wait(every_s):
+            peak[0] = max(peak[0], fn())
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     try:
-        run = flwr_run_local(Path(__file__).resolve().parents[1], flwr_home=out / "flwr-home", num_supernodes=clients,
-                             run_config=overrides, timeout_s=3000)
+        yield peak
     finally:
         done.set()
         t.join()
+        peak[0] = max(peak[0], fn())
+
+
+def _ray_run(overrides: dict, clients: int, out: Path) -> tuple[Path, int]:
+    from fededge.deploy.launch import flwr_run_local
+
+    with _sampled(_flower_rss_kb) as peak:
+        run = flwr_run_local(Path(__file__).resolve().parents[1], flwr_home=out / "flwr-home", num_supernodes=clients,
+                             run_config=overrides, timeout_s=3000)
     if not run.ok:
         raise RuntimeError(f"the Flower run failed: {run.status}\n{run.output[-3000:]}")
     (run_dir,) = list(Path(overrides["results-dir"]).iterdir())
@@ -157,11 +197,12 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
         run_dir, rss_kb = _ray_run(overrides, clients, out)
         cores, self_kb, all_kb = os.cpu_count() or 1, rss_kb, rss_kb
     else:
-        with _timed_phases() as phases:
+        with _timed_phases() as phases, _sampled(_tree_pss_kb) as pss:
             run_dir = run_inprocess(overrides, num_clients=clients, workers=int(workers))
         cores = int(workers)
         self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        all_kb = self_kb + (cores - 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        spawned = cores if cores > 1 else 0  # workers=N > 1: N worker processes beside this one
+        all_kb = self_kb + spawned * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = lines[2:]
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
@@ -176,11 +217,16 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
             "states": states, "dataset": dataset, "samples": samples, "round_s": round_s, "floor_s": compute / cores,
             "clients_s": spent.get("clients"), "evaluate_s": spent.get("evaluate"),
             "rss_gb": self_kb / 2**20, "rss_all_gb": all_kb / 2**20,
+            "pss_all_gb": pss[0] / 2**20 if workers != "ray" else None,
             "held": len(held) if compressor != "none" else 0, "accuracy": lines[-1]["accuracy"]}
 
 
 def _phase(r: dict, key: str) -> str:
     return "—" if r.get(key) is None else f"{r[key]:.3f}"
+
+
+def _gb(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
 
 
 def _server(r: dict) -> str:
@@ -219,7 +265,7 @@ def main() -> int:
     rows = []
     print(f"{'clients':>8} {'model':>5} {'compressor':>10} {'rounds':>6} {'workers':>7} {'states':>6} "
           f"{'s/round':>8} {'floor':>7} {'ratio':>6} {'clients':>8} {'eval':>6} {'server':>7} {'RSS GB':>7} "
-          f"{'RSS all':>8} {'held':>6} {'acc':>6}", flush=True)
+          f"{'RSS all':>8} {'PSS all':>8} {'held':>6} {'acc':>6}", flush=True)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}  # the data set, built once, mapped by every process
         datasets = {tuple(r.split(":")[6:8]) or ("synthetic", str(args.samples)) for r in args.rows.split(",")}
@@ -233,14 +279,37 @@ def main() -> int:
                 print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r["row"] = row
             rows.append(r)
             print(f"{r['clients']:>8} {r['model']:>5} {r['compressor']:>10} {r['rounds']:>6} {r['workers']:>7} "
                   f"{r['states']:>6} {r['round_s']:>8.3f} {r['floor_s']:>7.3f} {r['round_s'] / r['floor_s']:>6.2f} "
                   f"{_phase(r, 'clients_s'):>8} {_phase(r, 'evaluate_s'):>6} {_server(r):>7} "
-                  f"{r['rss_gb']:>7.2f} {r['rss_all_gb']:>8.2f} {r['held']:>6} {r['accuracy']:>6.3f}", flush=True)
+                  f"{r['rss_gb']:>7.2f} {r['rss_all_gb']:>8.2f} {_gb(r.get('pss_all_gb')):>8} {r['held']:>6} "
+                  f"{r['accuracy']:>6.3f}", flush=True)
+    _strict(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _strict(rows: list[dict]) -> None:
+    """Each multi-worker row against the compute of the same configuration run on one
+    process (when both ran): a row's own floor takes its clients' compute as timed while
+    the workers share the cores with this process, which a busier runtime slows (and so
+    flatters); the one-process row times the same compute with nothing beside it."""
+    def key(r: dict) -> tuple[str, ...]:
+        f = r["row"].split(":")
+        return (*f[:4], *f[6:])  # all but workers and states
+
+    alone = {key(r): r["floor_s"] for r in rows if r["workers"] == "1"}
+    pairs = [(r, alone[key(r)]) for r in rows if r["workers"] not in ("1", "ray") and key(r) in alone]
+    if not pairs:
+        return
+    print("\nagainst the one-process row's compute (strict floor = its compute / workers):")
+    print(f"{'row':>40} {'s/round':>8} {'strict floor':>13} {'ratio':>6}")
+    for r, compute in pairs:
+        floor = compute / int(r["workers"])
+        print(f"{r['row']:>40} {r['round_s']:>8.3f} {floor:>13.3f} {r['round_s'] / floor:>6.2f}")
 
 
 if __name__ == "__main__":

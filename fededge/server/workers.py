@@ -38,6 +38,7 @@ import traceback
 from collections import deque
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from fededge import _flwr_internals as fi
@@ -161,6 +162,10 @@ def _empty() -> Any:
     return RecordDict()
 
 
+#: What the sending thread sends a worker to stop it (None, pickled: the worker's loop ends on it).
+_STOP = ForkingPickler.dumps(None)
+
+
 class WorkerStartError(RuntimeError):
     """A worker process could not start (its ClientApp did not import, ...)."""
 
@@ -225,20 +230,24 @@ class _Worker:
         for t in self._threads:
             t.start()
 
+    # The two threads only move bytes (the socket calls release the GIL): pickling the
+    # jobs and unpickling the results is the main thread's, so the threads never hold
+    # the GIL for long while the main thread works (a thread waiting for it waits up to
+    # Python's switch interval, 5 ms).
     def _send_loop(self) -> None:
         while True:
             job = self._outbox.get()
             try:
-                self.conn.send(job)  # None: the worker's signal to stop
+                self.conn.send_bytes(job)  # _STOP: the worker's signal to stop
             except (OSError, ValueError):
                 return  # the worker died: the receiving thread reports its jobs
-            if job is None:
+            if job is _STOP:
                 return
 
     def _receive_loop(self) -> None:
         while True:
             try:
-                result = self.conn.recv()
+                result = self.conn.recv_bytes()
             except (EOFError, OSError, ValueError):
                 with self._lock:  # the worker died (or was stopped): every job it held is lost
                     self._dead = True
@@ -251,17 +260,16 @@ class _Worker:
                 job = self._inflight.popleft()
             self._results.put((self, job, result))
 
-    @property
-    def free(self) -> int:
-        """How many more jobs this worker takes now."""
+    def load(self) -> int | None:
+        """Jobs this worker holds now (None: it died and takes none)."""
         with self._lock:
-            return 0 if self._dead else self.depth - len(self._inflight)
+            return None if self._dead else len(self._inflight)
 
     def submit(self, job: Job) -> None:
         with self._lock:
             if not self._dead:
                 self._inflight.append(job)
-                self._outbox.put(job)
+                self._outbox.put(ForkingPickler.dumps(job))
                 return
         self._results.put((self, job, None))  # died meanwhile: the job is lost, as if it had started
 
@@ -271,7 +279,7 @@ class _Worker:
         self.conn.close()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._outbox.put(None)
+        self._outbox.put(_STOP)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -324,9 +332,17 @@ class WorkerPool:
     def _new(self) -> _Worker:
         return _Worker(self._setup, self._results, self._start_timeout)
 
-    def free(self) -> list[_Worker]:
-        """Workers that take another job now (one per job they take)."""
-        return [w for w in self._workers for _ in range(w.free)]
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    def free(self, depth: int = _Worker.depth) -> list[_Worker]:
+        """Workers that take another job now, one entry per job, each holding at most
+        ``depth`` (1 to :attr:`_Worker.depth`): first one job for every idle worker, then
+        a second for each that has one."""
+        depth = max(1, min(depth, _Worker.depth))
+        loads = [(w, w.load()) for w in self._workers]
+        return [w for level in range(depth) for w, n in loads if n is not None and n <= level]
 
     def busy(self) -> int:
         """Jobs submitted and not yet collected."""
@@ -347,6 +363,8 @@ class WorkerPool:
             item = self._results.get(block=timeout != 0, timeout=timeout or None)
             while True:
                 worker, job, result = item
+                if result is not None:
+                    result = ForkingPickler.loads(result)
                 self._outstanding -= 1
                 done.append((job, result))
                 if result is None and worker in self._workers:

@@ -201,3 +201,90 @@ def test_downlink_base_is_what_the_client_received(tmp_path):
     ma, mb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
     for k in ma:
         torch.testing.assert_close(ma[k], mb[k], rtol=1e-6, atol=1e-6)
+
+
+def test_decoding_on_arrival_gives_what_decoding_in_aggregate_train_gives(tmp_path, monkeypatch):
+    """The in-process grid hands each reply to Compressed as it arrives (the decode then
+    overlaps the clients still computing). With a malformed update in every round, the
+    model, the metrics and the rejections are those of a grid that does not."""
+    from fededge.server.grid import InProcessGrid
+    from fededge.strategies.compressed import Compressed
+
+    hits = []
+    decoded = Compressed._decoded
+
+    def spy(self, reply, server_round, base):  # noqa: ANN001, ANN202
+        hits.append(reply.metadata.message_id in self._early)
+        return decoded(self, reply, server_round, base)
+
+    monkeypatch.setattr(Compressed, "_decoded", spy)
+    app = ClientApp()
+    app.train(mods=[_corrupting(1), run_config_mods])(fededge_train)
+    config = {**BASE, "compressor": "topk", "error-feedback": True, "topk-ratio": 0.1}
+    early = run_inprocess({**config, "results-dir": str(tmp_path / "early")}, num_clients=3, client_app=app)
+    assert hits == [True] * 9  # 3 rounds of 3 replies, every one decoded as it arrived
+    hits.clear()
+    monkeypatch.setattr(InProcessGrid, "set_reply_listener", lambda self, listener: False)
+    late = run_inprocess({**config, "results-dir": str(tmp_path / "late")}, num_clients=3, client_app=app)
+    assert hits == [False] * 9
+    ma, mb = torch.load(early / "model.pt"), torch.load(late / "model.pt")
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    fields = ("accuracy", "loss", "bytes_up", "bytes_down", "rejected", "compression_ratio", "num_clients")
+    assert [[r[f] for f in fields] for r in _lines(early)] == [[r[f] for f in fields] for r in _lines(late)]
+    assert [r["rejected"] for r in _lines(early)] == [0, 1, 1, 1]
+
+
+class _ListeningGrid:
+    """What Compressed and FedAvg ask of a grid that hands replies over as they arrive."""
+
+    def __init__(self) -> None:
+        self.listener = None
+
+    def get_node_ids(self):  # noqa: ANN201
+        return [11, 12]
+
+    def set_reply_listener(self, listener) -> bool:  # noqa: ANN001
+        self.listener = listener
+        return True
+
+
+def _reply(msg, delta, mid, update):  # noqa: ANN001, ANN202
+    """``msg``'s reply carrying ``delta`` compressed as CompressionMod sends it, with the
+    message id ``mid`` (a runtime gives each reply its own)."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from fededge import _flwr_internals as fi
+    from fededge import keys
+    from fededge.compress.update import UpdateEncoder
+    from fededge.protocol import bundle_record
+
+    payloads = UpdateEncoder(update, stream=0).encode({"w": delta}, round=0)
+    content = RecordDict({keys.COMPRESSED: bundle_record(payloads), keys.METRICS: MetricRecord({"num-examples": 1})})
+    r = Message(content, reply_to=msg)
+    fi.set_message_id(r, mid)
+    return r
+
+
+def test_a_reply_decoded_on_arrival_is_decoded_again_if_its_content_changed():
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge import _flwr_internals as fi
+    from fededge.compress.update import UpdateConfig
+    from fededge.strategies.compressed import Compressed
+
+    update = UpdateConfig(compressor="fp16")
+    s = Compressed(FedAvg(fraction_evaluate=0.0, min_available_nodes=2), update=update)
+    grid = _ListeningGrid()
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):  # what a Message needs of its runtime
+        messages = list(s.configure_train(1, ArrayRecord({"w": torch.zeros(4)}), ConfigRecord(), grid))
+        assert grid.listener is not None
+        first = _reply(messages[0], torch.full((4,), 1.0), "a" * 64, update)
+        second = _reply(messages[1], torch.full((4,), 3.0), "b" * 64, update)
+        grid.listener(first)
+        grid.listener(second)
+        assert s.take_stats().decoded == 0  # counted when the round aggregates, not on arrival
+        first.content = _reply(messages[0], torch.full((4,), 5.0), "c" * 64, update).content  # changed since
+        arrays, _ = s.aggregate_train(1, [first, second])
+    assert np.array_equal(arrays["w"].numpy(), np.full(4, 4.0, dtype=np.float32))  # (5 + 3) / 2: the new content
+    assert s.take_stats().decoded == 2 and s._early == {}
