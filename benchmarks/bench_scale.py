@@ -201,8 +201,7 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
             run_dir = run_inprocess(overrides, num_clients=clients, workers=int(workers))
         cores = int(workers)
         self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        spawned = cores if cores > 1 else 0  # workers=N > 1: N worker processes beside this one
-        all_kb = self_kb + spawned * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        all_kb = self_kb + (cores - 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = lines[2:]
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)

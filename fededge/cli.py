@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='overrides, as for flwr run: "num-rounds=5 alpha=0.1" or a .toml file',
     )
     run.add_argument("--workers", type=int, default=1,
-                     help="processes running the clients (1: this one; results do not depend on it)")
+                     help="processes running the clients (this one included; results do not depend on it)")
     run.set_defaults(func=_cmd_run)
 
     sim = sub.add_parser("simulate", help="flwr run the app in Flower's simulation, then clean up")

@@ -20,14 +20,11 @@ in one line anyway.
 **Scale.** ``client_states="disk"`` keeps the state of every node that is not running
 on disk (:mod:`fededge.server.nodestates`), so that memory follows the clients per round,
 not the clients; a node's Context is built for each message (its config and run config
-are the grid's), so 100,000 nodes cost little more than their ids. ``workers=N`` (N >
-1) runs the clients' messages on N spawned worker processes
-(:mod:`fededge.server.workers`) while this one hands them out, keeps the states and
-does the server's work (with a core of its own, each reply's as it arrives:
-:meth:`InProcessGrid.set_reply_listener`): a node's messages still run one at a time
-and in order, and results are the same whatever N (each message gets its node's state
-as bytes and returns it; clients run with ``worker_threads`` torch threads in every
-process). ``workers=1`` runs everything in this process.
+are the grid's), so 100,000 nodes cost little more than their ids. ``workers=N`` runs
+the clients' messages on N processes (this one and N-1 spawned workers,
+:mod:`fededge.server.workers`): a node's messages still run one at a time and in order,
+and results are the same whatever N (each message gets its node's state as bytes and
+returns it; clients run with ``worker_threads`` torch threads in every process).
 
 :func:`run_server` runs a ServerApp on it. Nothing here is fededge's own app (that is
 :func:`fededge.server.inprocess.run_inprocess`), so a user's tests import this with
@@ -40,7 +37,7 @@ import logging
 import os
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +88,7 @@ class InProcessGrid(Grid):
     states_dir : path, optional
         Where ``"disk"`` states go (a private temporary directory in it; default ``$TMPDIR``).
     workers : int
-        Processes that run the clients' messages: 1 is this one; N > 1 is N spawned
-        workers, this process handing out their messages and doing the server's work.
+        Processes that run the clients' messages: this one and ``workers - 1`` spawned ones.
     worker_threads : int
         torch threads for the clients in every process when ``workers > 1``.
     client_app_ref : str, optional
@@ -132,7 +128,7 @@ class InProcessGrid(Grid):
         if node_configs is not None and len(node_configs) != num_nodes:
             raise ValueError(f"node_configs has {len(node_configs)} entries for {num_nodes} nodes")
         if workers < 1:
-            raise ValueError(f"workers must be >= 1 (1: every message in this process), got {workers}")
+            raise ValueError(f"workers must be >= 1 (this process counts as one), got {workers}")
         if worker_threads < 1:
             raise ValueError(f"worker_threads must be >= 1, got {worker_threads}")
         if isinstance(client_app, str):
@@ -167,7 +163,6 @@ class InProcessGrid(Grid):
         self._replies: dict[str, Message] = {}
         self.messages_run = 0
         self._errors_seen: set[str] = set()  # errors whose traceback was logged already
-        self._listener: Callable[[Message], None] | None = None
 
     def node_config(self, node_id: int) -> dict[str, Any]:
         """The node config node ``node_id``'s Context carries."""
@@ -205,7 +200,7 @@ class InProcessGrid(Grid):
                 raise RuntimeError("this grid runs every message in this process (workers=1)")
             assert self.client_app_ref is not None
             self._pool = WorkerPool(self.client_app_ref, run_id=self._run.run_id, run_config=self.run_config,
-                                    size=self.workers, threads=self.worker_threads)
+                                    size=self.workers - 1, threads=self.worker_threads)
         return self._pool
 
     def close(self) -> None:
@@ -214,24 +209,6 @@ class InProcessGrid(Grid):
             self._pool.close()
             self._pool = None
         self.states.close()
-
-    def set_reply_listener(self, listener: Callable[[Message], None] | None) -> bool:
-        """Call ``listener`` with each reply as it arrives, before the pull that returns
-        it: a strategy's work on each reply (:class:`~fededge.strategies.compressed.Compressed`
-        decodes it) then runs while the workers still compute the round's other messages,
-        instead of after the last. It runs in this process's main thread; it must not
-        change the reply, and what it raises is logged and ignored. None removes it.
-
-        Returns whether the grid will call it: not when it runs as many workers as this
-        process has cores (and more than one). That work would then take its cores from
-        the workers, which costs more than running it after them: on 2 cores with 2
-        workers, decoding 100 signSGD updates of the MLP on arrival lengthened the
-        clients' phase by 30-35 ms to save 27 ms after it."""
-        if listener is not None and 1 < self.workers >= _cores():
-            self._listener = None
-            return False
-        self._listener = listener
-        return True
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self, states_file: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -354,9 +331,7 @@ class InProcessGrid(Grid):
         if self.workers == 1 or len(batch) == 1:
             return {mid: self._execute(mid, nid, root, objects) for mid, nid, root, objects in batch}
         pool = self.start_workers()
-        # While the workers run the batch, this process hands out their jobs, keeps the
-        # states and does what the server does with each reply as it arrives (the
-        # listener), with the workers' torch threads: more would spin beside the workers.
+        # This process is a worker too, with the workers' threads for the whole batch.
         threads = torch.get_num_threads()
         torch.set_num_threads(self.worker_threads)
         try:
@@ -380,12 +355,11 @@ class InProcessGrid(Grid):
                 blocked.add(nid)  # a later message of this node waits for this one
             return None
 
-        done: list[tuple[Job, Any]] = []
         while waiting or pool.busy():
             # A worker holds a second job (ready when it finishes the first) while more
-            # jobs wait than there are workers; near the batch's end none waits behind
-            # another, so no worker sits idle while another still has two to run.
-            for worker in pool.free(depth=2 if len(waiting) > pool.size else 1):
+            # jobs wait than there are processes to run them; near the batch's end none
+            # waits behind another, so no process idles while another has two to run.
+            for worker in pool.free(depth=2 if len(waiting) > pool.size + 1 else 1):
                 item = next_job()
                 if item is None:
                     break
@@ -393,33 +367,27 @@ class InProcessGrid(Grid):
                 running.add(nid)
                 self.messages_run += 1
                 pool.submit(worker, (mid, nid, root, objects, self.node_config(nid), self.states.take_bytes(nid)))
-            # The replies collected last time are rebuilt and handed to the listener
-            # once the workers have their next jobs.
-            for job, result in done:
-                replies[job[0]] = self._arrive(job, result)
-            done = pool.collect(timeout=None)
-            for job, result in done:
-                self._store(job, result, running)
-        for job, result in done:
-            replies[job[0]] = self._arrive(job, result)
+            item = next_job()
+            if item is not None:
+                replies[item[0]] = self._execute(*item)
+                for job, result in pool.collect(timeout=0):
+                    replies[job[0]] = self._finish(job, result, running)
+                continue
+            for job, result in pool.collect(timeout=None):
+                replies[job[0]] = self._finish(job, result, running)
         return replies
 
-    def _store(self, job: Job, result: Any, running: set[int]) -> None:
-        """Keep the node's new state (none if the worker died: it keeps its last)."""
-        nid = job[1]
-        if result is not None:
-            self.states.put_bytes(nid, result[3])
-        running.discard(nid)  # its next message may run now
-
-    def _arrive(self, job: Job, result: Any) -> Message:
+    def _finish(self, job: Job, result: Any, running: set[int]) -> Message:
         mid, nid, root, objects = job[0], job[1], job[2], job[3]
-        if result is None:  # the worker died: an error reply
+        running.discard(nid)
+        if result is None:  # the worker died: an error reply, the node keeps its last state
             reason = "the in-process worker running this message died (see the log)"
-            return self._arrived(over_the_wire(error_reply(received(root, dict(objects), mid), reason)))
-        _, reply_root, reply_objects, _, failure = result
+            return over_the_wire(error_reply(received(root, dict(objects), mid), reason))
+        _, reply_root, reply_objects, state_bytes, failure = result
+        self.states.put_bytes(nid, state_bytes)
         if failure is not None:
             self._log_failure(nid, *failure)
-        return self._arrived(received(reply_root, reply_objects, reply_root))
+        return received(reply_root, reply_objects, reply_root)
 
     def _execute(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Message:
         self.messages_run += 1
@@ -428,31 +396,13 @@ class InProcessGrid(Grid):
         self.states.put(node_id, state)
         if failure is not None:
             self._log_failure(node_id, *failure)
-        return self._arrived(back)
-
-    def _arrived(self, reply: Message) -> Message:
-        if self._listener is not None:
-            try:
-                self._listener(reply)
-            except Exception:  # noqa: BLE001 - the pull's caller does the same work again
-                if "listener" not in self._errors_seen:
-                    self._errors_seen.add("listener")
-                    log.exception("the grid's reply listener raised (ignored; logged once)")
-        return reply
+        return back
 
     def _log_failure(self, node_id: int, reason: str, tb: str) -> None:
         first = reason not in self._errors_seen
         self._errors_seen.add(reason)
         log.log(logging.ERROR if first else logging.DEBUG, "ClientApp on node %d raised%s:\n%s", node_id,
                 "" if first else " (again)", tb)
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class _Contexts(Mapping[int, Context]):

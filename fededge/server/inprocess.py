@@ -47,8 +47,8 @@ def run_inprocess(
     the checkpoints, as under Ray or on a SuperLink: the nodes then keep them on disk
     (:mod:`fededge.clients.statestore`).
 
-    ``workers`` runs the clients on that many worker processes (1: this one; results
-    do not change with it), and ``client_states`` (default: the run config's
+    ``workers`` runs the clients on that many processes (this one included; results do
+    not change with it), and ``client_states`` (default: the run config's
     ``client-states``, ``"memory"``) set to ``"disk"`` keeps idle clients' states on disk
     (in ``states_dir``, default ``$TMPDIR``), so that memory follows the clients per
     round: :class:`~fededge.server.grid.InProcessGrid` says how. With ``workers > 1`` a

@@ -25,7 +25,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from flwr.app import Error, Message
@@ -243,12 +243,6 @@ class MeteredGrid(Grid):
         grid is counted before, as it may hand the messages to threads of its own (Flower's
         simulation) that must not see them serialised meanwhile."""
         return bool(getattr(self.inner, "notes_wire_sizes", False))
-
-    def set_reply_listener(self, listener: Callable[[Message], None] | None) -> bool:
-        """Hand ``listener`` to the inner grid if it takes one
-        (:meth:`fededge.server.grid.InProcessGrid.set_reply_listener`); False if not."""
-        setter = getattr(self.inner, "set_reply_listener", None)
-        return bool(setter(listener)) if setter is not None else False
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)

@@ -266,10 +266,11 @@ class _Worker:
             return None if self._dead else len(self._inflight)
 
     def submit(self, job: Job) -> None:
+        data = ForkingPickler.dumps(job)
         with self._lock:
             if not self._dead:
                 self._inflight.append(job)
-                self._outbox.put(ForkingPickler.dumps(job))
+                self._outbox.put(data)
                 return
         self._results.put((self, job, None))  # died meanwhile: the job is lost, as if it had started
 

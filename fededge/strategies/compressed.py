@@ -105,12 +105,6 @@ class Compressed(Strategy):
         self._sent: dict[int, dict[str, torch.Tensor]] = {}
         self._stats = CompressionStats()
         self._reported = False  # someone takes the stats (and reports the rejections)
-        # Replies decoded as they arrived (a grid with set_reply_listener): reply message
-        # id -> (its content as it arrived, the round whose base decoded it, the decoded
-        # content or what the decode raised, that decode's counts)
-        self._early: dict[str, tuple[RecordDict, int, RecordDict | Exception, CompressionStats]] = {}
-        self._listening: object | None = None  # the grid that calls _decode_on_arrival
-        self._round: int | None = None  # the round configure_train last sent
 
     def take_stats(self) -> CompressionStats:
         """The counts since the previous call (one round, when called once a round). A
@@ -128,50 +122,10 @@ class Compressed(Strategy):
             payload_bytes=stats.payload_bytes, dense_bytes=stats.dense_bytes,
             reasons=[f"a compressed update was rejected and left out: {r}" for r in stats.reasons]))
 
-    # -- decoding each reply as it arrives -------------------------------------------
-    def _listen(self, grid: Grid) -> None:
-        """Ask ``grid`` to hand over each reply as it arrives, if it can (the in-process
-        grid): decoding it then overlaps the clients still computing."""
-        if self._listening is not grid:
-            setter = getattr(grid, "set_reply_listener", None)
-            self._listening = grid if setter is not None and setter(self._decode_on_arrival) else None
-
-    def _decode_on_arrival(self, reply: Message) -> None:
-        """Decode a compressed reply against the base of the round last configured. The
-        result is used by :meth:`aggregate_train` only if it gets the same reply, content
-        unchanged, in that round, exactly as it would decode it then (same base, same
-        checks); anything else is decoded there as if this had not run."""
-        if self._round is None or reply.has_error() or keys.COMPRESSED not in reply.content:
-            return
-        base = self._sent.get(self._round)
-        if base is None:
-            return
-        stats = CompressionStats()
-        try:
-            result: RecordDict | Exception = decode_compressed(reply.content, base, stats, expect=self.update)
-        except Exception as err:  # noqa: BLE001 - raised again where aggregate_train would raise it
-            result = err
-        self._early[reply.metadata.message_id] = (reply.content, self._round, result, stats)
-
-    def _decoded(self, reply: Message, server_round: int, base: dict[str, torch.Tensor]) -> RecordDict:
-        """``reply``'s content decoded: as it arrived if it was, else now."""
-        early = self._early.pop(reply.metadata.message_id, None)
-        if early is not None and early[0] is reply.content and early[1] == server_round:
-            _, _, result, stats = early
-            if isinstance(result, Exception):
-                raise result
-            self._stats.payload_bytes += stats.payload_bytes
-            self._stats.dense_bytes += stats.dense_bytes
-            self._stats.decoded += stats.decoded
-            return result
-        return decode_compressed(reply.content, base, self._stats, expect=self.update)
-
     # -- Strategy ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
-        self._listen(grid)
-        self._round = server_round
         if self.downlink == "none":
             self._sent = {server_round: record_to_torch(arrays)}  # only this round's base
             return messages
@@ -199,7 +153,7 @@ class Compressed(Strategy):
                 if keys.COMPRESSED in r.content:
                     if base is None:
                         raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
-                    r.content = self._decoded(r, server_round, base)
+                    r.content = decode_compressed(r.content, base, self._stats, expect=self.update)
                 else:
                     check_uncompressed(self.update)
                 kept.append(r)
@@ -212,8 +166,6 @@ class Compressed(Strategy):
                     mismatches.append(err)
                 log.log(logging.DEBUG if self._reported else logging.WARNING,
                         "round %d: rejected a client update: %s", server_round, reason)
-        # what arrived and was not handed over this round (dropouts, stray replies) goes
-        self._early = {k: v for k, v in self._early.items() if v[1] > server_round}
         if mismatches and not any(not r.has_error() for r in kept):
             raise CodecMismatchError(
                 f"round {server_round}: every client update was refused: {mismatches[0]}. Give the "
