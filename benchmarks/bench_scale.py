@@ -14,15 +14,16 @@ IID. Columns:
   clients' phase (the round's messages run on every worker, with the wire and the
   states), the server's evaluation of the new model, and the server's other work
   (sampling, serialising and metering the messages, decoding and aggregating).
-- ``RSS``: peak resident memory of the run's process, and ``RSS all`` that plus each
-  worker's peak (an upper bound of the run's total: peaks need not coincide, and the
-  node cache's mapped data set counts in every process that reads it). ``PSS all``:
-  the peak of the summed proportional set size of the run's process and its workers,
-  sampled every 0.5 s: shared pages (libraries, the mapped data set) counted once, so
-  the memory the run uses together.
-- When a row with several workers and the same configuration on one worker both run,
-  a second table sets each against the one-worker row's compute (the strict floor:
-  compute timed with nothing beside it, divided by the workers).
+- ``RSS``: peak resident memory of the run's process, and ``RSS all`` that plus the
+  largest worker's peak once per worker (an upper bound of the run's total: peaks need
+  not coincide, and the node cache's mapped data set counts in every process that reads
+  it). ``PSS all``: the peak of the summed proportional set size of the run's process and
+  its workers, sampled every 0.5 s: shared pages (libraries, the mapped data set) counted
+  once, so the memory the run uses together.
+- When a row with several workers and the same configuration on one worker both run
+  (the same ``states`` preferred, else any), a second table sets each against the
+  one-worker row's compute (the strict floor: compute timed with nothing beside it,
+  divided by the workers).
 - ``held``: clients holding a state at the end (a stateful compressor's residual).
 
 A row's ``workers`` may be ``ray``: the same configuration under Flower's simulation
@@ -101,15 +102,20 @@ def _pss_kb(pid: int) -> int:
 
 
 def _tree_pss_kb() -> int:
-    """Summed PSS of this process and its children (the in-process runtime's workers)."""
+    """Summed PSS of this process and its children (the in-process runtime's workers,
+    found by their parent pid in /proc/*/stat as tests/server/test_scale.py finds them)."""
     me = os.getpid()
-    kids = []
-    for task in Path(f"/proc/{me}/task").iterdir():
-        try:
-            kids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
+    total = _pss_kb(me)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
             continue
-    return _pss_kb(me) + sum(_pss_kb(k) for k in kids)
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == me:
+            total += _pss_kb(int(proc.name))
+    return total
 
 
 @contextmanager
@@ -300,8 +306,16 @@ def _strict(rows: list[dict]) -> None:
         f = r["row"].split(":")
         return (*f[:4], *f[6:])  # all but workers and states
 
-    alone = {key(r): r["floor_s"] for r in rows if r["workers"] == "1"}
-    pairs = [(r, alone[key(r)]) for r in rows if r["workers"] not in ("1", "ray") and key(r) in alone]
+    alone: dict[tuple[str, ...], float] = {}
+    for r in rows:  # the one-worker row with the same states first, else any
+        if r["workers"] == "1":
+            alone.setdefault(key(r), r["floor_s"])
+            alone[(*key(r), r["states"])] = r["floor_s"]
+
+    def match(r: dict) -> float | None:
+        return alone.get((*key(r), r["states"]), alone.get(key(r)))
+
+    pairs = [(r, match(r)) for r in rows if r["workers"] not in ("1", "ray") and match(r) is not None]
     if not pairs:
         return
     print("\nagainst the one-process row's compute (strict floor = its compute / workers):")

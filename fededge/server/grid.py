@@ -356,10 +356,11 @@ class InProcessGrid(Grid):
             return None
 
         while waiting or pool.busy():
-            # A worker holds a second job (ready when it finishes the first) while more
-            # jobs wait than there are processes to run them; near the batch's end none
-            # waits behind another, so no process idles while another has two to run.
-            for worker in pool.free(depth=2 if len(waiting) > pool.size + 1 else 1):
+            # A worker takes a second job (ready when it finishes the first) only while
+            # more jobs wait than the idle workers take, one being left for this process:
+            # near the batch's end none waits behind another while a process could run it.
+            slots = pool.free()
+            for worker in slots[:max(len(pool.free(depth=1)), len(waiting) - 1)]:
                 item = next_job()
                 if item is None:
                     break

@@ -139,7 +139,8 @@ class DiskStates:
             # One writer (the grid), temporary data: no journal, no fsync. A state is a
             # blob of 0.2 MB (the MLP's residual) or more: in SQLite's largest pages
             # (64 KiB, set before the table exists) replacing one moves 4 pages, not 48
-            # (bench_message_costs on a 2-core EPYC: 0.22 against 0.28 ms a message).
+            # (bench_message_costs on a 2-core EPYC: 0.22 against 0.28 ms a message). A
+            # state much under 64 KiB takes a whole page on disk (not measured here).
             self._db = sqlite3.connect(self.path, isolation_level=None)
             self._db.execute("PRAGMA page_size=65536")
             self._db.execute("PRAGMA journal_mode=OFF")

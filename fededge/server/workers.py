@@ -184,9 +184,10 @@ class _Worker:
     """One worker process and the two threads that feed it: one sends jobs, one reads
     results, while this process's main thread goes on (runs a job itself, aggregates).
 
-    Up to :attr:`depth` jobs are in flight: the next job is already in the pipe when the
-    worker finishes one, so it does not wait for this process's main thread (busy with a
-    job of its own) to hand it more. Sending and reading on separate threads means
+    Up to :attr:`depth` jobs are in flight: while more messages wait than there are
+    processes to run them, the next job is already in the pipe when the worker finishes
+    one, so it does not wait for this process's main thread (busy with a job of its own)
+    to hand it more; near a batch's end it holds one. Sending and reading on separate threads means
     neither side blocks on a full pipe while the other writes to it."""
 
     #: Jobs a worker holds at once: the one it runs and the next.
@@ -243,6 +244,7 @@ class _Worker:
                 return  # the worker died: the receiving thread reports its jobs
             if job is _STOP:
                 return
+            job = None  # not kept while waiting for the next (a model and a state)
 
     def _receive_loop(self) -> None:
         while True:
@@ -350,8 +352,8 @@ class WorkerPool:
         return self._outstanding
 
     def submit(self, worker: _Worker, job: Job) -> None:
+        worker.submit(job)  # pickles it: what cannot be pickled raises here, nothing counted
         self._outstanding += 1
-        worker.submit(job)
 
     def collect(self, timeout: float | None = None) -> list[tuple[Job, JobResult | None]]:
         """Wait for at least one submitted job to finish (``timeout=0``: do not wait);
