@@ -315,7 +315,7 @@ def _strict(rows: list[dict]) -> None:
     def match(r: dict) -> float | None:
         return alone.get((*key(r), r["states"]), alone.get(key(r)))
 
-    pairs = [(r, match(r)) for r in rows if r["workers"] not in ("1", "ray") and match(r) is not None]
+    pairs = [(r, c) for r in rows if r["workers"] not in ("1", "ray") and (c := match(r)) is not None]
     if not pairs:
         return
     print("\nagainst the one-process row's compute (strict floor = its compute / workers):")

@@ -187,8 +187,8 @@ class _Worker:
     Up to :attr:`depth` jobs are in flight: while more messages wait than there are
     processes to run them, the next job is already in the pipe when the worker finishes
     one, so it does not wait for this process's main thread (busy with a job of its own)
-    to hand it more; near a batch's end it holds one. Sending and reading on separate threads means
-    neither side blocks on a full pipe while the other writes to it."""
+    to hand it more; near a batch's end it holds one. Sending and reading on separate
+    threads means neither side blocks on a full pipe while the other writes to it."""
 
     #: Jobs a worker holds at once: the one it runs and the next.
     depth = 2
