@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOOPBACK", "MARKER_KEY", "DeploymentError", "FlwrRun",
     "alive", "cmdline", "flower_bin", "flower_env", "flwr_cli", "latest_run", "list_nodes", "list_runs",
-    "parent_pid", "proc_state", "processes_of", "run_fields", "start_time", "stop_processes_of", "stream",
+    "listener_pids", "parent_pid", "proc_state", "processes_of", "run_fields", "start_time", "stop_processes_of", "stream",
     "stop_popen", "submit_run", "superlink_command", "supernode_command", "terminate", "wait_listening", "write_connection",
     "write_insecure_connection",
 ]
@@ -265,6 +265,40 @@ def processes_of(marker: str, *, root: Callable[[str], bool] | None = None) -> l
                 family.add(p)
                 changed = True
     return sorted(family)
+
+
+def listener_pids(port: int, *, among: Iterable[int] | None = None) -> list[int]:
+    """The processes (of ``among``, else all this user can see) holding a TCP socket that
+    listens on ``port``, on any address, IPv4 or IPv6; read from ``/proc/net/tcp*`` and
+    ``/proc/PID/fd``."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            # local_address is HEX_IP:HEX_PORT; state 0A is LISTEN; field 9 the inode
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return []
+    pids = sorted(among) if among is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    found.append(pid)
+                    break
+            except OSError:
+                continue
+    return found
 
 
 def stop_popen(proc: subprocess.Popen, *, grace_s: float) -> None:
