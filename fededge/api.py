@@ -43,7 +43,7 @@ from fededge.clients.statestore import StateSpillMod, StateStoreMod
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.errors import ConfigError
 from fededge.netem.runclock import ClockConfig
-from fededge.server.measure import Experiment
+from fededge.server.measure import Experiment, ExperimentResult, NotEnoughNodesError, ResumeError, RoundFailedError
 from fededge.server.results import ResultsConfig
 from fededge.strategies.asyncloop import AsyncFL
 from fededge.strategies.backup import BackupWorkers
@@ -60,10 +60,10 @@ __all__ = [
     "CompressionMod", "DGAMod", "GossipMod", "PreviewMod", "StateSpillMod", "StateStoreMod", "config_error_mod",
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
-    "Experiment",
+    "Experiment", "ExperimentResult",
     # config objects
     "AsyncConfig", "ChocoConfig", "ClockConfig", "DGAConfig", "DownlinkConfig", "GossipConfig", "LoopConfig",
     "ResultsConfig", "StalenessFunction", "UpdateConfig",
     # errors
-    "CodecMismatchError", "ConfigError", "ModOrderError",
+    "CodecMismatchError", "ConfigError", "ModOrderError", "NotEnoughNodesError", "ResumeError", "RoundFailedError",
 ]

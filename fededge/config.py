@@ -111,6 +111,7 @@ OWNED: dict[str, tuple[type, str]] = {
     "staleness-a": (StalenessFunction, "a"),
     "staleness-b": (StalenessFunction, "b"),
     "async-order": (LoopConfig, "order"),
+    "async-step-s": (LoopConfig, "step_s"),
     "backup-workers": (LoopConfig, "backup"),
     "results-dir": (ResultsConfig, "results_dir"),
     "run-name": (ResultsConfig, "run_name"),
@@ -265,7 +266,7 @@ class RunConfig:
     - ``async-alpha``, ``buffer-size``, ``ssp-bound``, ``async-concurrency``:
       :class:`fededge.algorithms.asyncfl.AsyncConfig`; ``staleness``, ``staleness-a``,
       ``staleness-b``: :class:`fededge.algorithms.asyncfl.StalenessFunction`;
-      ``async-order``, ``backup-workers``: :class:`fededge.algorithms.asyncfl.LoopConfig`;
+      ``async-order``, ``async-step-s``, ``backup-workers``: :class:`fededge.algorithms.asyncfl.LoopConfig`;
     - ``netem``, ``netem-file``, ``compute-speed``, ``sim-step-s``,
       ``message-overhead-s``, ``nodes-pull``: the simulated clock,
       :class:`fededge.netem.runclock.ClockConfig`;
@@ -357,6 +358,7 @@ class RunConfig:
     ssp_bound: int = AsyncConfig.ssp_bound
     async_concurrency: int = AsyncConfig.concurrency
     async_order: str = LoopConfig.order
+    async_step_s: float = LoopConfig.step_s
     backup_workers: Union[int, float] = LoopConfig.backup
     dropout: float = 0.0
     sim_step_s: float = ClockConfig.sim_step_s

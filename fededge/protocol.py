@@ -41,10 +41,28 @@ from fededge.compress.bundle import pack_bundle, unpack_bundle
 from fededge.compress.update import decode_update
 
 __all__ = [
-    "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "bundle_record", "cast_downlink",
+    "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "checkpoint_due", "checkpoint_rounds", "bundle_record", "cast_downlink",
     "config_error_detail", "config_error_reason", "decode_downlink", "decode_update_record",
     "recorddict_from_bytes", "recorddict_to_bytes",
 ]
+
+def checkpoint_due(server_round: int, *, every: int, resumed: int = 0) -> bool:
+    """Whether a checkpoint is written after ``server_round``: after round 1 of a run (so
+    that a run killed early resumes too, whatever ``every`` is) and after every
+    ``every``-th round (0: never), never at or before the round a run was resumed from.
+    The server writes them (:class:`~fededge.server.measure.Experiment`); the nodes'
+    state stores keep what those checkpoints need (:func:`checkpoint_rounds`)."""
+    return every > 0 and server_round > resumed and (server_round == 1 or server_round % every == 0)
+
+
+def checkpoint_rounds(resumed: int, every: int, t: int) -> list[int]:
+    """The round a run resumed from (0: none), then each checkpoint round after it up to
+    round ``t``, in order (:func:`checkpoint_due`)."""
+    if every <= 0:
+        return [resumed]
+    firsts = [1] if resumed < 1 <= t and 1 % every else []
+    return [resumed, *firsts, *range((resumed // every + 1) * every, t + 1, every)]
+
 
 #: ``flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (not public API): the
 #: code Flower's runtimes give a reply whose ClientApp raised.

@@ -3,14 +3,16 @@
 # instruction set, on torch's vectorised kernels or on the thread count fail here, on any
 # machine, instead of on the one CI machine that happens to have AVX-512.
 #
-#   scripts/test_portable.sh            three runs that cover every setting below once
-#   scripts/test_portable.sh --full     every combination (12 runs)
+#   scripts/test_portable.sh            four runs that cover every setting below once
+#   scripts/test_portable.sh --full     every combination (18 runs)
 #   scripts/test_portable.sh -- ARGS    extra pytest arguments (after --)
 #
 # Settings:
 #   MKL_ENABLE_INSTRUCTIONS  SSE4_2 | AVX2 | the machine's own   (MKL's matmul/QR kernels)
 #   ATEN_CPU_CAPABILITY      default | avx2 | the machine's own  (torch's own vector kernels)
-#   OMP_NUM_THREADS          1 | 2                                 (torch intra-op threads)
+#   OMP_NUM_THREADS          1 | 2 | 16                            (torch intra-op threads;
+#                                                                  16 as on a GPU machine's
+#                                                                  16 cores, oversubscribed here)
 # A forced setting above what the CPU has falls back to the CPU's own. The main suite
 # (scripts/test.sh) runs with the machine's own settings and its default thread count.
 # Tests: the codecs, the algorithms, the topologies and the client's local SGD, whose
@@ -38,11 +40,11 @@ if [ $full = 1 ]; then
   combos=()
   for mkl in SSE4_2 AVX2 "$own"; do
     for aten in default avx2; do
-      for th in 1 2; do combos+=("$mkl|$aten|$th"); done
+      for th in 1 2 16; do combos+=("$mkl|$aten|$th"); done
     done
   done
 else
-  combos=("SSE4_2|default|1" "AVX2|avx2|2" "$own|$own|1")
+  combos=("SSE4_2|default|1" "AVX2|avx2|2" "$own|$own|1" "$own|$own|16")
 fi
 failed=0
 for c in "${combos[@]}"; do

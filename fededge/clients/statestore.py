@@ -98,7 +98,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, recorddict_from_objects
-from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
+from fededge.protocol import checkpoint_rounds, recorddict_from_bytes, recorddict_to_bytes
 from fededge.safefile import SafeFileError, bytes_from_tensor, read_file, tensor_of_bytes, write_file
 
 __all__ = ["ENV_STATE_DIR", "StateSpillMod", "StateStoreMod", "default_state_dir"]
@@ -195,7 +195,7 @@ def _files(d: Path) -> list[tuple[int, str, Path]]:
 def keep_from(resumed: int, every: int, t: int) -> int:
     """The older of the (at most) two checkpoint rounds the server may hold once round
     ``t`` is done: the node must keep its newest state at or before it, and all after."""
-    candidates = [resumed, *range((resumed // every + 1) * every, t + 1, every)] if every > 0 else [resumed]
+    candidates = checkpoint_rounds(resumed, every, t)
     return candidates[-2] if len(candidates) > 1 else candidates[-1]
 
 

@@ -52,6 +52,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fededge import _flwr_internals as fi
 from fededge import keys
+from fededge.protocol import checkpoint_due
 from fededge.netem.clock import ClientRound, synchronous_round
 from fededge.netem.runclock import ClockConfig, RunClock
 from fededge.server.metering import MeteredGrid, RoundTraffic
@@ -388,9 +389,8 @@ class _Rounds:
 
     # -- checkpoints (fededge.strategies.resume.CheckpointHook) ----------------------
     def due(self, server_round: int) -> bool:
-        every = self.exp.checkpoint_every
-        return (every > 0 and self.uncheckpointable is None and server_round > self.resumed
-                and server_round % every == 0)
+        return self.uncheckpointable is None and checkpoint_due(server_round, every=self.exp.checkpoint_every,
+                                                                resumed=self.resumed)
 
     def _inner_grid(self) -> Any:
         inner: Any = self.metered.inner
@@ -502,9 +502,6 @@ class _Rounds:
         return metrics
 
     def _close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
-        self.final = arrays
-        evaluated = self.evaluates(rnd)
-        acc, loss, others = self.exp.evaluate(rnd, arrays) if evaluated else (None, None, {})
         report = report_of(self.strategy, rnd)
         traffic = self.traffic(report)
         for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
@@ -513,6 +510,15 @@ class _Rounds:
             self.report(f"round {rnd}: {reason}")
         for note in report.notes:
             self.progress.note(note)
+        num_clients = report.num_clients if report.num_clients is not None else traffic.train_replies - report.rejected
+        # Every reply failed (errors, rejected updates; dropouts are not errors): the round
+        # is recorded, then the run stops, naming the clients' own error. Nothing looks at
+        # this round's model (evaluate_fn included): a strategy may hand over none.
+        failed = rnd >= 1 and num_clients == 0 and not ((traffic.dropped or report.dropped) and not traffic.errors)
+        if not failed:
+            self.final = arrays
+        evaluated = self.evaluates(rnd) and not failed
+        acc, loss, others = self.exp.evaluate(rnd, arrays) if evaluated else (None, None, {})
         extra = {k: v for k, v in others.items() if k not in RoundRecord.__dataclass_fields__}
         extra |= report.metrics
         if report.node_models is not None and evaluated:
@@ -534,22 +540,20 @@ class _Rounds:
             # The round on the simulated clock: the strategy's own timing, or download,
             # compute (scaled by the client's speed) and upload on each client's link.
             round_sim_s=report.sim_s if report.sim_s is not None else self.synchronous_sim_s(traffic),
-            num_clients=(report.num_clients if report.num_clients is not None
-                         else traffic.train_replies - report.rejected),
+            num_clients=num_clients,
             failures=traffic.failures, rejected=report.rejected, mismatched=report.mismatched,
             compression_ratio=report.ratio, extra=extra)
         self.summary |= report.summary
         self.progress.update(rec)
-        if rnd >= 1 and rec.num_clients == 0 and (traffic.dropped or report.dropped) and not traffic.errors:
-            # Dropouts (no answer) are not errors: the model stays as it was and the run
-            # goes on; a run whose clients all fail (errors, rejected updates) stops.
-            self.progress.note(f"round {rnd}: no update: every selected client dropped out; the model is unchanged")
-        elif rnd >= 1 and rec.num_clients == 0:
+        if failed:
             first = (traffic.errors or report.reasons or ["no reply arrived within round-timeout"])[0]
             raise RoundFailedError(
                 f"round {rnd}: no client update could be used ({traffic.failures} of "
-                f"{traffic.replies} replies failed, {rec.rejected} rejected); first error: {first}"
+                f"{traffic.replies} replies failed, {report.rejected} rejected); first error: {first}"
             )
+        if rnd >= 1 and rec.num_clients == 0:
+            # Dropouts (no answer) are not errors: the model stays as it was and the run goes on.
+            self.progress.note(f"round {rnd}: no update: every selected client dropped out; the model is unchanged")
         return MetricRecord({"accuracy": acc, "loss": loss, **others}) if evaluated else None
 
     def traffic(self, report: RoundReport) -> RoundTraffic:

@@ -129,6 +129,24 @@ class ReplyTiming:
         self.partition: dict[int, int] = {}  # reported
         self.placed: dict[int, int] = {}  # reported, or by node id (a ClientApp that reports none)
         self._clock_clients: int | None = None  # loaded: the clock to time on again (resume_clock)
+        self.step_s = 0.0  # > 0: seconds per reported local step where the clock would measure
+
+    def compute_rule(self, step_s: float) -> str:
+        """Charge ``step_s`` seconds per reported local step where the attached clock
+        would take the measured compute time (``sim_step_s`` 0, no fixed ``compute_s``);
+        return the rule in words, for the log."""
+        source = self.source or self._rules
+        if source.sim_step_s > 0 or source.default_compute_s is not None:
+            self.step_s = 0.0
+            return ("compute as the clock's own rule says (sim-step-s / compute-s): the order is "
+                    "deterministic")
+        self.step_s = step_s
+        if step_s > 0:
+            return (f"compute charged {step_s:g} s per reported local step (async-step-s): the order is "
+                    "deterministic for a config and seed; a reply reporting no steps is charged its "
+                    "measured time")
+        return ("compute as measured on the wall clock (async-step-s=0): the order follows this machine's "
+                "speed and load, and two runs of one config may differ")
 
     def attach(self, source: RunClock | None) -> None:
         self.source = source
@@ -190,6 +208,8 @@ class ReplyTiming:
         metrics = _metrics(reply)
         reported = float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None
         steps = int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None
+        if self.step_s > 0 and steps is not None:
+            return steps * self.step_s
         return (self.source or self._rules).compute_s(reported, steps, measured_s)
 
     def arrival(self, node: int, sent_at: float, bytes_down: int, reply: Message,
@@ -292,10 +312,17 @@ class AsyncLoop(FedAvg):
         (``arrayrecord_key``, ``configrecord_key``) and the weight (``weighted_by_key``).
     """
 
-    def __init__(self, *, order: str = LoopConfig.order, poll_s: float = 0.5, **fedavg: Any) -> None:
+    #: How a compressed uplink goes with this strategy (``Compressed`` refuses to wrap it).
+    compressed_form = ("not supported yet: the asynchronous strategies and BackupWorkers use each reply against the "
+                       "model version its client trained on, which Compressed does not know; send "
+                       "uncompressed updates")
+
+    def __init__(self, *, order: str = LoopConfig.order, step_s: float = LoopConfig.step_s, poll_s: float = 0.5,
+                 **fedavg: Any) -> None:
         super().__init__(**fedavg)
-        LoopConfig(order=order)  # checks the name
+        LoopConfig(order=order, step_s=step_s)  # checks them
         self.order = order
+        self.step_s = step_s
         self.poll_s = poll_s
         self.timing = ReplyTiming()
         self._info: dict[int, AsyncRoundInfo] = {}
@@ -463,9 +490,12 @@ class AsyncFL(AsyncLoop):
             self.timing.resume_clock()
             run = _AsyncRun.resumed(self, resume, order)
             self._keys = set(run.server.model)
-        log.info("%s: %d participants, %d training at once, replies used in %s order%s%s",
+        rule = self.timing.compute_rule(self.step_s if order == "clock" else 0.0)
+        log.log(logging.WARNING if order == "clock" and "wall clock" in rule else logging.INFO,
+                "%s: %d participants, %d training at once, replies used in %s order (%s)%s%s",
                  self.config.mode, len(self.participants), run.sched.concurrency,
-                 "simulated-clock" if order == "clock" else "real arrival",
+                 "simulated-clock" if order == "clock" else "real arrival", rule if order == "clock" else
+                 "the clock stamps each version with the measured compute",
                  f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "",
                  "" if resume is None else f", resumed after version {run.server.version}")
         self._run = run

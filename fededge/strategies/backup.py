@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import Result
 
 from fededge._flwr_internals import wire_sizes
 from fededge.algorithms.asyncfl import LoopConfig, first_arrivals
-from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, Puller, resolve_order
+from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, Puller, log, resolve_order
 from fededge.strategies.resume import arrays_from_state, arrays_to_state
 
 __all__ = ["BackupWorkers"]
@@ -68,6 +68,9 @@ class BackupWorkers(AsyncLoop):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         order = resolve_order(self.order, grid)
+        if order == "clock":
+            log.info("BackupWorkers: the first replies on the simulated clock; %s",
+                     self.timing.compute_rule(self.step_s))
         train_config = ConfigRecord() if train_config is None else train_config
         self._result = Result()
         resume, self._resume = self._resume, None

@@ -78,7 +78,11 @@ class Compressed(Strategy):
     Parameters
     ----------
     inner : Strategy
-        Any ``flwr.serverapp.strategy`` strategy, configured as usual.
+        Any strategy on Flower's own round loop (``Strategy.start``, which calls
+        ``configure_train``/``aggregate_train``): every ``flwr.serverapp.strategy``
+        class, ``FedAvgOuter``, a user's subclass. A strategy that runs its own loop is
+        refused here with the form it supports (``DGA(..., update=...)``; CHOCO's own
+        compressor for ``Gossip``; none yet for the asynchronous ones).
     downlink : str
         ``none``, ``fp16`` or ``bf16``: cast the model the server broadcasts for training
         (halves ``bytes_down``). Evaluation messages go uncompressed.
@@ -97,6 +101,15 @@ class Compressed(Strategy):
     def __init__(self, inner: Strategy, *, downlink: str = DownlinkConfig.downlink,
                  update: UpdateConfig | None = None) -> None:
         DownlinkConfig(downlink=downlink)  # checks the name
+        if not isinstance(inner, Strategy):
+            raise TypeError(f"Compressed wraps a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
+        form = getattr(inner, "compressed_form", None)
+        if form is not None:
+            # fededge's strategies with a round loop of their own declare how compression
+            # goes with them: that loop never calls configure_train/aggregate_train, where
+            # this wrapper decodes, so wrapping one would only fail at round 1.
+            raise ValueError(f"Compressed wraps strategies that run on Flower's round loop (Strategy.start); "
+                             f"{type(inner).__name__} runs its own. With compression: {form}")
         self.inner = inner
         self.downlink = downlink
         self.update = update

@@ -116,6 +116,10 @@ class DGA(FedAvg):
         Flower's FedAvg arguments (sampling, record keys, weighting).
     """
 
+    #: How a compressed uplink goes with this strategy (``Compressed`` refuses to wrap it).
+    compressed_form = ("DGA(..., update=update) beside the clients' CompressionMod(update): DGA decodes "
+                       "each reply itself, against the global model of the round it was trained on")
+
     #: Whether someone takes the rounds' rejections (:meth:`take_round_info`, as
     #: :class:`~fededge.server.measure.Experiment` does) and reports them; until then
     #: DGA logs each one as a warning itself.
@@ -355,6 +359,7 @@ class DGA(FedAvg):
             done = self._resumed(grid)
         else:
             done = 0
+            self._result.arrays = initial_arrays  # the model a round without updates keeps
             if evaluate_fn:
                 res = evaluate_fn(0, initial_arrays)
                 if res is not None:

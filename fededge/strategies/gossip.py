@@ -145,6 +145,10 @@ class Gossip(FedAvg):
     >>> s = Gossip(topology="ring", algorithm="choco", gamma=0.05)
     """
 
+    #: How a compressed uplink goes with this strategy (``Compressed`` refuses to wrap it).
+    compressed_form = ("Gossip(algorithm=\"choco\", ...) beside the clients' GossipMod(update=update): "
+                       "CHOCO-SGD compresses each node's message itself (its estimates keep what Q drops)")
+
     def __init__(self, *, topology: str = GossipConfig.topology, topology_params: dict[str, Any] | None = None,
                  mixing: str = GossipConfig.mixing, algorithm: str = GossipConfig.algorithm,
                  gamma: float = ChocoConfig.gamma, seed: int = 0, **fedavg: Any) -> None:

@@ -114,7 +114,8 @@ def _build(cfg: RunConfig) -> Strategy:
         return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
                       mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma,
                       seed=cfg.seed)
-    loop = {"order": cfg.async_order, "concurrency": cfg.async_concurrency, "seed": cfg.seed}
+    loop = {"order": cfg.async_order, "step_s": cfg.async_step_s, "concurrency": cfg.async_concurrency,
+            "seed": cfg.seed}
     staleness = cfg.owned(StalenessFunction)
     if name == "fedasync":
         return FedAsync(**kw, **loop, alpha=cfg.async_alpha, staleness=staleness)
@@ -124,5 +125,5 @@ def _build(cfg: RunConfig) -> Strategy:
     if name == "ssp":
         return SSP(**kw, **loop, bound=cfg.ssp_bound)
     if name == "backup":
-        return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order)
+        return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order, step_s=cfg.async_step_s)
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

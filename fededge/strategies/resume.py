@@ -7,8 +7,8 @@ rounds and resumes a run from one (``fededge resume``). What it needs from a str
 FedProx, fededge's ``Compressed(...)`` and ``FedAvgOuter``): nothing. Between two rounds
 Flower's loop holds no message in flight, so the experiment checkpoints after a round's
 evaluation; their state is read by :func:`strategy_state` (a ``state_dict()`` where the
-strategy has one, else the attributes Flower's strategies keep: FedOpt's moments and
-current model). On resume the experiment runs Flower's loop again, shifted by the rounds
+strategy has one, else every public data attribute, the way Flower's strategies keep
+their state: FedOpt's moments, FedAvgM's momentum, the current model). On resume the experiment runs Flower's loop again, shifted by the rounds
 already done (:class:`FromRound`), so no round loop is written twice.
 
 **Strategies with their own loop** (DGA, Gossip, the asynchronous ones) implement
@@ -39,9 +39,11 @@ are seeded). On another grid a strategy whose state names node ids raises
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -58,6 +60,8 @@ __all__ = [
 #: The value types a ``state_dict()`` may hold (nested in dicts, lists and tuples):
 #: what ``torch.load(..., weights_only=True)`` reads back.
 STATE_TYPES = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+log = logging.getLogger("fededge")
 
 
 class ResumeError(RuntimeError):
@@ -135,9 +139,20 @@ def check_nodes(saved: Iterable[int], grid: Grid, what: str) -> None:
 
 
 # -- strategies on Flower's own loop ----------------------------------------------------
-#: The attributes Flower's strategies keep between rounds (FedOpt: FedAdam, FedYogi,
-#: FedAdagrad), read when a strategy has no ``state_dict()``.
-_FLOWER_STATE = ("current_arrays", "m_t", "v_t")
+#: What a strategy without ``state_dict()`` keeps between rounds is read from its public
+#: attributes: every one that holds data (numbers, strings, arrays, ``ArrayRecord``,
+#: and lists, tuples and dicts of them) is saved, and every one that holds a strategy
+#: (a wrapper's ``inner``, Flower's DP wrappers' ``strategy``) is followed. This covers
+#: each of Flower's strategies without naming their attributes: FedOpt's ``m_t``/``v_t``,
+#: FedAvgM's ``momentum_vector``, the current model of FedOpt, FedAvgM and QFedAvg, the
+#: adaptive DP wrappers' ``clipping_norm``, FedXgbCyclic's ``registered_nodes``. Their
+#: settings are saved too (a resumed run is built with the same ones). Callables are
+#: not state; an attribute of any other type is named in a warning, once per class.
+_UNSAVED_WARNED: set[tuple[str, str]] = set()
+
+
+class _Unsaved(Exception):
+    pass
 
 
 def _to_plain(value: Any) -> Any:
@@ -145,9 +160,17 @@ def _to_plain(value: Any) -> Any:
         return {"__arrayrecord__": arrays_to_state(value)}
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
-    if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, torch.Tensor):
-        return {"__ndarray__": torch.from_numpy(value.copy())}  # numpy, exact
-    return value
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_plain(v) for v in value]}
+    if isinstance(value, (bool, int, float, str, bytes, type(None), torch.Tensor)):
+        return value
+    if isinstance(value, np.generic):  # a numpy scalar: its Python value
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": torch.from_numpy(value.copy())}  # exact
+    raise _Unsaved(type(value).__name__)
 
 
 def _from_plain(value: Any) -> Any:
@@ -155,27 +178,41 @@ def _from_plain(value: Any) -> Any:
         return arrays_from_state(value["__arrayrecord__"])
     if isinstance(value, dict) and set(value) == {"__ndarray__"}:
         return value["__ndarray__"].numpy()
+    if isinstance(value, dict) and set(value) == {"__tuple__"}:
+        return tuple(_from_plain(v) for v in value["__tuple__"])
     if isinstance(value, dict):
         return {k: _from_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_plain(v) for v in value]
     return value
 
 
 def strategy_state(strategy: Strategy) -> dict[str, Any]:
-    """A strategy's state for a checkpoint: its ``state_dict()``, else (Flower's own
-    strategies) the attributes of :data:`_FLOWER_STATE` it has, followed through
-    wrappers (an ``inner`` strategy)."""
+    """A strategy's state for a checkpoint: its ``state_dict()``, else its public data
+    attributes (see above), followed into the strategies it wraps."""
     if hasattr(strategy, "state_dict"):
         return {"state_dict": strategy.state_dict()}
-    out: dict[str, Any] = {"attrs": {a: _to_plain(getattr(strategy, a)) for a in _FLOWER_STATE
-                                     if hasattr(strategy, a)}}
-    inner = getattr(strategy, "inner", None)
-    if isinstance(inner, Strategy):
-        out["inner"] = strategy_state(inner)
-    return out
+    attrs: dict[str, Any] = {}
+    children: dict[str, Any] = {}
+    for name, value in vars(strategy).items():
+        if name.startswith("_") or callable(value) and not isinstance(value, Strategy):
+            continue
+        if isinstance(value, Strategy):
+            children[name] = strategy_state(value)
+            continue
+        try:
+            attrs[name] = _to_plain(value)
+        except _Unsaved as err:
+            key = (type(strategy).__qualname__, name)
+            if key not in _UNSAVED_WARNED:
+                _UNSAVED_WARNED.add(key)
+                log.warning("checkpoint: %s.%s (a %s) is not saved: a strategy that keeps such state "
+                            "between rounds needs state_dict()/load_state_dict()", key[0], name, err)
+    return {"attrs": attrs, "strategies": children}
 
 
 def load_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:
-    """Put back what :func:`strategy_state` saved."""
+    """Put back what :func:`strategy_state` saved (checkpoints of older fededge too)."""
     if "state_dict" in state:
         if not hasattr(strategy, "load_state_dict"):
             raise ResumeError(f"the checkpoint holds a state_dict but {type(strategy).__name__} cannot load one")
@@ -183,9 +220,15 @@ def load_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:
         return
     for attr, value in state.get("attrs", {}).items():
         setattr(strategy, attr, _from_plain(value))
-    inner = getattr(strategy, "inner", None)
-    if "inner" in state and isinstance(inner, Strategy):
-        load_strategy_state(inner, state["inner"])
+    children = dict(state.get("strategies", {}))
+    if "inner" in state:  # older checkpoints: the wrapped strategy under "inner"
+        children["inner"] = state["inner"]
+    for name, sub in children.items():
+        inner = getattr(strategy, name, None)
+        if not isinstance(inner, Strategy):
+            raise ResumeError(f"the checkpoint holds the state of {type(strategy).__name__}.{name}, a "
+                              "strategy, but this one has none there: build the strategy as the run's was")
+        load_strategy_state(inner, sub)
 
 
 class FromRound(Strategy):

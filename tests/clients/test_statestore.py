@@ -41,7 +41,9 @@ def _rounds(store) -> list[tuple[int, str]]:
 
 
 def test_keep_from_is_the_older_of_the_two_checkpoints_the_server_may_hold():
-    assert keep_from(0, 2, 1) == 0 and keep_from(0, 2, 2) == 0 and keep_from(0, 2, 4) == 2
+    # checkpoints after round 1 and every 2nd: the older of the last two
+    assert keep_from(0, 2, 1) == 0 and keep_from(0, 2, 2) == 1 and keep_from(0, 2, 4) == 2
+    assert keep_from(0, 5, 1) == 0 and keep_from(0, 5, 4) == 0 and keep_from(0, 5, 5) == 1 and keep_from(0, 5, 10) == 5
     assert keep_from(0, 2, 5) == 2 and keep_from(3, 2, 4) == 3 and keep_from(3, 2, 6) == 4
     assert keep_from(3, 0, 9) == 3
 

@@ -136,3 +136,37 @@ def test_fedbuff_with_stragglers_lets_fast_clients_contribute_more_and_plots(tmp
     assert sorted(by_link, key=by_link.get) == sorted(speed, key=speed.get)
     assert max(int(k) for k in summary["staleness_hist"]) >= 1
     assert lines[-1]["loss"] < lines[0]["loss"] and lines[-1]["accuracy"] > lines[0]["accuracy"] + 0.2
+
+
+def test_a_round_whose_every_reply_failed_stops_the_run_naming_the_clients_error(tmp_path):
+    """Issue 37: the mods of a user's app in an order that cannot work (DGAMod outside
+    CompressionMod). Every client raises ModOrderError; the run stops after round 1 with
+    RoundFailedError quoting it, and the user's evaluate_fn never sees an empty record."""
+    from flwr.app import ArrayRecord
+
+    from fededge.api import CompressionMod, DGAMod, RoundFailedError, UpdateConfig
+
+    server, _, config = _apps("dga-4g")
+    client_module = importlib.import_module("dga_4g.client_app")
+    wrong = ClientApp(mods=[DGAMod(), CompressionMod(UpdateConfig(compressor="topk"))])
+    wrong.train()(client_module.train_fn)
+    server_module = importlib.import_module("dga_4g.server_app")
+    seen: list[ArrayRecord] = []
+    real = server_module.evaluate
+
+    def evaluate(net, x, y):  # noqa: ANN001, ANN202 - the user's evaluate, watched
+        seen.append(ArrayRecord(net.state_dict()))
+        return real(net, x, y)
+
+    server_module.evaluate = evaluate
+    try:
+        grid = InProcessGrid(wrong, num_nodes=4, run_config={**config, "results-dir": str(tmp_path)})
+        with pytest.raises(RoundFailedError, match=r"round 1: no client update could be used \(4 of 4 replies "
+                                                   r"failed.*ModOrderError.*register DGAMod inside CompressionMod"):
+            run_server(server, grid)
+    finally:
+        server_module.evaluate = real
+    assert len(seen) == 1 and len(seen[0]) > 0  # round 0 only, on the initial model
+    (run_dir,) = list(tmp_path.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "ModOrderError" in summary["error"]

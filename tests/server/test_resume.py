@@ -263,3 +263,56 @@ def test_a_run_evaluating_every_few_rounds_resumes_to_the_uninterrupted_run(tmp_
     again = _killed_run(tmp_path / "again", "between", 3, over)
     run_inprocess({**over, "evaluate-every": 1, "resume-from": str(again)}, num_clients=4)
     assert [r["round"] for r in _lines(again) if r["accuracy"] is not None] == [0, 4, 5, 6]
+
+
+# -- every strategy on Flower's own round loop (issue 37) ----------------------------------
+#: fededge's app's strategies that run on Flower's loop (``FedAvgOuter`` for diloco), each
+#: with what it keeps between rounds: FedAvgM's momentum (which a checkpoint once lost),
+#: FedOpt's moments, the outer optimiser's buffers; the rest keep nothing, and must still
+#: resume to the same run.
+FLOWER_LOOP = {
+    "fedavg": {}, "fedprox": {"proximal-mu": 0.1}, "fedmedian": {}, "fedtrimmedavg": {}, "krum": {},
+    "fedavgm": {"server-lr": 1.0, "server-momentum": 0.9},
+    "fedadam": {"server-lr": 0.05}, "fedadagrad": {"server-lr": 0.05}, "fedyogi": {"server-lr": 0.05},
+    "diloco": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLOWER_LOOP))
+def test_each_flower_loop_strategy_resumes_to_the_uninterrupted_run(tmp_path, name):
+    """Stopped after round 3 of 6 (the run ends there, its checkpoint written), resumed
+    to 6: the run equals the uninterrupted one, model bit for bit."""
+    conf = {**BASE, "strategy": name, **FLOWER_LOOP[name], "checkpoint-every": 3}
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4)
+    part = run_inprocess({**conf, "num-rounds": 3, "results-dir": str(tmp_path / "part")}, num_clients=4)
+    assert [p.name for p in checkpoint_files(part)] == ["round-000001.ckpt", "round-000003.ckpt"]
+    assert cli_main(["resume", str(part), "--num-rounds", "6"]) == 0
+    a, b = _lines(part), _lines(whole)
+    assert a == b, name
+    ma, mb = torch.load(part / "model.pt"), torch.load(whole / "model.pt")
+    assert all(torch.equal(ma[k], mb[k]) for k in mb), name
+
+
+def test_fedavgm_momentum_is_in_the_checkpoint_and_the_control_without_it_differs(tmp_path):
+    """The control for the test above: FedAvgM resumed with its momentum dropped (as
+    checkpoints before issue 37 did) ends elsewhere, so that test depends on it."""
+    conf = {**BASE, "strategy": "fedavgm", **FLOWER_LOOP["fedavgm"], "checkpoint-every": 3}
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4)
+    part = run_inprocess({**conf, "num-rounds": 3, "results-dir": str(tmp_path / "part")}, num_clients=4)
+    saved = read_checkpoint(checkpoint_files(part)[-1])
+    assert saved["strategy"]["attrs"]["momentum_vector"] is not None
+    saved["strategy"]["attrs"].pop("momentum_vector")
+    write_checkpoint(part, 3, saved)
+    assert cli_main(["resume", str(part), "--num-rounds", "6"]) == 0
+    assert _lines(part)[:4] == _lines(whole)[:4] and _lines(part)[4:] != _lines(whole)[4:]
+
+
+def test_the_first_checkpoint_is_written_after_round_1_whatever_checkpoint_every_is(tmp_path):
+    """A run killed before its first periodic checkpoint resumes from round 1."""
+    conf = {**BASE, **RUNS["fedavg-ef"], "checkpoint-every": 5}
+    run_dir = _killed_run(tmp_path, "mid-round", 3, conf)
+    assert [p.name for p in checkpoint_files(run_dir)] == ["round-000001.ckpt"]
+    assert cli_main(["resume", str(run_dir)]) == 0
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4)
+    _assert_same_run(run_dir, whole)
+    assert [p.name for p in checkpoint_files(run_dir)] == ["round-000001.ckpt", "round-000005.ckpt"]

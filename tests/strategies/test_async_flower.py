@@ -211,3 +211,66 @@ def test_a_failing_client_is_written_off_and_the_others_go_on(tmp_path, strategy
     # Its first message failed before the server learnt its partition id: the node id names it.
     assert sum(len(r.get("dropped") or []) for r in lines) == 1
     assert _summary(run)["contributions"].get("1", 0) >= 1  # it rejoined
+
+
+def _same_runs(a, b) -> bool:
+    def strip(lines):
+        for r in lines:
+            r.pop("wall_s")
+            for c in r.get("clients", []):
+                c.pop("compute_s")  # measured, recorded as such
+        return lines
+    return strip(_lines(a)) == strip(_lines(b))
+
+
+def _slowed(monkeypatch, seconds: float) -> None:
+    """Make the first client that trains sleep ``seconds`` in real time, every message."""
+    from fededge.clients import app as client_app
+
+    real, first = client_app.local_sgd, []
+
+    def slow(model, x, y, **kw):  # noqa: ANN001, ANN003, ANN202
+        if not first:
+            first.append(x.data_ptr())
+        if x.data_ptr() == first[0]:
+            time.sleep(seconds)
+        return real(model, x, y, **kw)
+
+    monkeypatch.setattr(client_app, "local_sgd", slow)
+
+
+#: An ideal network, so that compute decides the order of arrivals.
+ORDERED = {**BASE, "num-rounds": 8, "netem": "", "compute-speed": "lognormal:1.0", "buffer-size": 2,
+           "backup-workers": 1}
+
+
+@pytest.mark.parametrize("strategy", ASYNC)
+def test_same_config_and_seed_same_run_by_default_whatever_the_wall_clock(tmp_path, strategy, monkeypatch,
+                                                                           caplog):
+    """Issue 37: fedbuff in-process differed from round 3 on between two runs of one
+    config, its arrivals ordered by the measured compute. By default the clock charges
+    async-step-s per local step: a run equals one in which a client trains 50 ms slower
+    in real time (the control below shows that this changes a run that measures)."""
+    over = {**ORDERED, "strategy": strategy}
+    with caplog.at_level("INFO", logger="fededge"):
+        a = run_inprocess({**over, "results-dir": str(tmp_path / "a")}, num_clients=4)
+    assert "0.01 s per reported local step (async-step-s)" in caplog.text
+    _slowed(monkeypatch, 0.05)
+    b = run_inprocess({**over, "results-dir": str(tmp_path / "b")}, num_clients=4)
+    assert _same_runs(a, b)
+    ma, mb = _models(a, b)
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_measured_compute_must_be_asked_for_is_said_in_the_log_and_follows_the_wall_clock(tmp_path, caplog,
+                                                                                          monkeypatch):
+    over = {**ORDERED, "strategy": "fedbuff", "async-step-s": 0.0}
+    with caplog.at_level("INFO", logger="fededge"):
+        a = run_inprocess({**over, "results-dir": str(tmp_path / "a")}, num_clients=4)
+    warned = [r for r in caplog.records if "measured on the wall clock (async-step-s=0)" in r.getMessage()]
+    assert warned and warned[0].levelname == "WARNING"
+    _slowed(monkeypatch, 0.05)
+    b = run_inprocess({**over, "results-dir": str(tmp_path / "b")}, num_clients=4)
+    assert not _same_runs(a, b)  # the control: the slow client's arrivals come later
+    with pytest.raises(ConfigError, match="async-step-s"):
+        RunConfig.from_mapping({"async-step-s": -1})

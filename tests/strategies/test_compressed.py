@@ -11,7 +11,8 @@ from flwr.clientapp import ClientApp
 from fededge.clients.app import train as fededge_train
 from fededge.clients.app import run_config_mods
 from fededge.keys import COMPRESSED
-from fededge.compress.update import COMPRESSORS, UNBIASED
+from fededge.compress.update import COMPRESSORS, UNBIASED, UpdateConfig
+from fededge.strategies.compressed import Compressed
 from fededge.server.inprocess import run_inprocess
 
 BASE = {"num-rounds": 3, "local-steps": 10, "partition": "iid", "progress": "off"}
@@ -201,3 +202,27 @@ def test_downlink_base_is_what_the_client_received(tmp_path):
     ma, mb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
     for k in ma:
         torch.testing.assert_close(ma[k], mb[k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, form", [
+    ("dga", r"DGA\(\.\.\., update=update\)"), ("gossip", r'Gossip\(algorithm="choco", \.\.\.\) beside the clients\' GossipMod\(update=update\)'),
+    ("fedbuff", r"not supported yet"), ("backup", r"not supported yet")])
+def test_a_strategy_with_its_own_loop_is_refused_at_construction_with_the_form_it_supports(name, form):
+    """Issue 37: Compressed(DGA(...)) failed only at round 1, with NotImplementedError."""
+    from fededge.api import DGA, BackupWorkers, FedBuff, Gossip
+
+    inner = {"dga": lambda: DGA(delay=1), "gossip": Gossip, "fedbuff": lambda: FedBuff(buffer_size=2),
+             "backup": lambda: BackupWorkers(backup=1)}[name]()
+    with pytest.raises(ValueError, match=r"runs its own\. With compression: " + form):
+        Compressed(inner, update=UpdateConfig(compressor="topk"))
+
+
+def test_compressed_wraps_any_strategy_on_flowers_loop_and_refuses_a_non_strategy():
+    from flwr.serverapp.strategy import FedAvgM, FedMedian, QFedAvg
+
+    from fededge.api import FedAvgOuter
+
+    for inner in (FedAvgM(), FedMedian(), QFedAvg(client_learning_rate=0.1), FedAvgOuter()):
+        assert Compressed(inner).inner is inner
+    with pytest.raises(TypeError, match="wraps a flwr.serverapp.strategy.Strategy, got dict"):
+        Compressed({})
