@@ -137,3 +137,17 @@ def test_an_uncompressed_dga_client_is_a_mismatch_too():
                                                  r"expects 'topk'"):
         run(lambda c: DGA(delay=1, fraction_evaluate=0.0, min_available_nodes=N, update=TOPK),
             client_app([DGAMod()]))
+
+
+def test_every_name_fededge_api_exports_is_documented_in_docs_library_md():
+    """Issue 37: PreviewMod, StateSpillMod and StateStoreMod were exported but not in the
+    user's page. Each name must appear as code (`Name`) in docs/library.md."""
+    import re
+    from pathlib import Path
+
+    import fededge.api as api
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "library.md").read_text()
+    documented = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)[(`]", text))
+    missing = [name for name in api.__all__ if name not in documented]
+    assert not missing, f"exported by fededge.api but not documented in docs/library.md: {missing}"
