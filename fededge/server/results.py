@@ -58,11 +58,13 @@ class ResultsConfig:
         [checkpoint-every] Write a checkpoint of the whole run into
         ``<run dir>/checkpoints/`` after every this many rounds (0: never), so that
         ``fededge resume <run dir>`` continues it after a crash or a kill, losing at most
-        this many rounds. Atomic, the last two kept. One checkpoint costs about 10-20 %
-        of a round of the small digits runs in the in-process runtime, whose clients'
-        states it holds too (BENCHMARKS.md, "What a checkpoint costs"), so the default,
-        every 5 rounds, keeps the cost under 4 % there, and lower wherever rounds are
-        longer (real devices, real networks, larger local work).
+        this many rounds. The first is always written after round 1, so that a run
+        killed early resumes too. Atomic, the last two kept. One checkpoint costs about
+        4-9 % of a round of the small digits runs in the in-process runtime with
+        stateful clients, whose states it holds too, and nothing measurable without
+        (BENCHMARKS.md, "A checkpoint after every round as the default?"), so the
+        default, every 5 rounds, keeps the cost at 1-2 % there, and lower wherever
+        rounds are longer (real devices, real networks, larger local work).
     evaluate_every : int
         [evaluate-every] The server evaluates the global model after every this many
         rounds, and always before round 1 and after the last round (1, the default:
