@@ -109,9 +109,11 @@ def test_dga_pipelines_rounds_on_a_real_superlink(tmp_path, ahead):
     # per-message process start (the cold path has its own tests below).
     with LocalDeployment(ROOT, num_supernodes=2, workdir=tmp_path / "dep", warm=True,
                          env={"FEDEDGE_CACHE_DIR": str(tmp_path / "cache")}) as dep:
+        # No checkpoints: one is a stop for the pipeline (nothing of a later round is out
+        # when it is written), and the first comes after round 1 (tests/server/test_resume).
         run = dep.run({"strategy": "dga", "dga-delay": 1, "num-rounds": 3, "local-steps": 2,
-                       "dga-compute-ahead": ahead, "results-dir": str(results), "progress": "lines"},
-                      timeout_s=400)
+                       "dga-compute-ahead": ahead, "results-dir": str(results), "progress": "lines",
+                       "checkpoint-every": 0}, timeout_s=400)
         logs = dep.log_tails(chars=200_000)
     assert processes_of(str(dep.home)) == []
     assert logs.count("the reply computed ahead") == (4 if ahead else 0), logs
@@ -165,8 +167,11 @@ def test_fedasync_uses_replies_in_real_arrival_order_on_a_real_superlink(tmp_pat
     results = tmp_path / "results"
     with LocalDeployment(ROOT, num_supernodes=2, profile=[fast, slow], workdir=tmp_path / "dep", warm=True,
                          env={"FEDEDGE_CACHE_DIR": str(tmp_path / "cache")}) as dep:
+        # No checkpoints: under arrival order a checkpoint waits for every reply still out
+        # (the slow upload), and the first comes after version 1 (strategies.asyncloop).
         run = dep.run({"strategy": "fedasync", "num-rounds": 3, "local-steps": 2, "partition": "iid",
-                       "results-dir": str(results), "progress": "lines"}, timeout_s=400)
+                       "results-dir": str(results), "progress": "lines", "checkpoint-every": 0},
+                      timeout_s=400)
     assert processes_of(str(dep.home)) == []
     assert run.ok, run.describe()
     lines = _metrics(results)

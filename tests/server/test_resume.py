@@ -185,7 +185,7 @@ def test_pipelined_dga_resumes_with_rounds_in_flight_between_checkpoints(tmp_pat
     assert all(r.get("pipelined") for r in _lines(plain)[1:])
     assert not (plain / "checkpoints").exists()
     run_dir = _killed_run(tmp_path, "mid-round", 5, conf)
-    assert [p.name for p in checkpoint_files(run_dir)] == ["round-000003.ckpt"]
+    assert [p.name for p in checkpoint_files(run_dir)] == ["round-000001.ckpt", "round-000003.ckpt"]
     assert cli_main(["resume", str(run_dir)]) == 0
     _assert_same_run(run_dir, plain)
 
