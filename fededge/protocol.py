@@ -41,7 +41,8 @@ from fededge.compress.bundle import pack_bundle, unpack_bundle
 from fededge.compress.update import decode_update
 
 __all__ = [
-    "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "checkpoint_due", "checkpoint_rounds", "bundle_record", "cast_downlink",
+    "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "bundle_record", "cast_downlink", "checkpoint_due",
+    "checkpoint_rounds",
     "config_error_detail", "config_error_reason", "decode_downlink", "decode_update_record",
     "recorddict_from_bytes", "recorddict_to_bytes",
 ]

@@ -48,9 +48,9 @@ if TYPE_CHECKING:
 __all__ = [
     "LOOPBACK", "MARKER_KEY", "DeploymentError", "FlwrRun",
     "alive", "cmdline", "flower_bin", "flower_env", "flwr_cli", "latest_run", "list_nodes", "list_runs",
-    "listener_pids", "parent_pid", "proc_state", "processes_of", "run_fields", "start_time", "stop_processes_of", "stream",
-    "stop_popen", "submit_run", "superlink_command", "supernode_command", "terminate", "wait_listening", "write_connection",
-    "write_insecure_connection",
+    "listener_pids", "parent_pid", "proc_state", "processes_of", "run_fields", "start_time", "stop_processes_of",
+    "stream", "stop_popen", "submit_run", "superlink_command", "supernode_command", "terminate", "wait_listening",
+    "write_connection", "write_insecure_connection",
 ]
 
 LOOPBACK = "127.0.0.1"

@@ -131,22 +131,23 @@ class ReplyTiming:
         self._clock_clients: int | None = None  # loaded: the clock to time on again (resume_clock)
         self.step_s = 0.0  # > 0: seconds per reported local step where the clock would measure
 
-    def compute_rule(self, step_s: float) -> str:
+    def compute_rule(self, step_s: float) -> tuple[str, bool]:
         """Charge ``step_s`` seconds per reported local step where the attached clock
-        would take the measured compute time (``sim_step_s`` 0, no fixed ``compute_s``);
-        return the rule in words, for the log."""
+        would take the measured compute time (``sim_step_s`` 0, no fixed ``compute_s``).
+        Returns the rule in words, for the log, and whether it is the measured time (the
+        wall clock), which the log warns of."""
         source = self.source or self._rules
         if source.sim_step_s > 0 or source.default_compute_s is not None:
             self.step_s = 0.0
             return ("compute as the clock's own rule says (sim-step-s / compute-s): the order is "
-                    "deterministic")
+                    "deterministic"), False
         self.step_s = step_s
         if step_s > 0:
             return (f"compute charged {step_s:g} s per reported local step (async-step-s): the order is "
                     "deterministic for a config and seed; a reply reporting no steps is charged its "
-                    "measured time")
+                    "measured time"), False
         return ("compute as measured on the wall clock (async-step-s=0): the order follows this machine's "
-                "speed and load, and two runs of one config may differ")
+                "speed and load, and two runs of one config may differ"), True
 
     def attach(self, source: RunClock | None) -> None:
         self.source = source
@@ -490,14 +491,17 @@ class AsyncFL(AsyncLoop):
             self.timing.resume_clock()
             run = _AsyncRun.resumed(self, resume, order)
             self._keys = set(run.server.model)
-        rule = self.timing.compute_rule(self.step_s if order == "clock" else 0.0)
-        log.log(logging.WARNING if order == "clock" and "wall clock" in rule else logging.INFO,
+        if order == "clock":
+            rule, measured = self.timing.compute_rule(self.step_s)
+        else:  # real asynchrony: the clock only stamps each version, with the measured compute
+            self.timing.compute_rule(0.0)
+            rule, measured = "the clock stamps each version with the measured compute", False
+        log.log(logging.WARNING if measured else logging.INFO,
                 "%s: %d participants, %d training at once, replies used in %s order (%s)%s%s",
-                 self.config.mode, len(self.participants), run.sched.concurrency,
-                 "simulated-clock" if order == "clock" else "real arrival", rule if order == "clock" else
-                 "the clock stamps each version with the measured compute",
-                 f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "",
-                 "" if resume is None else f", resumed after version {run.server.version}")
+                self.config.mode, len(self.participants), run.sched.concurrency,
+                "simulated-clock" if order == "clock" else "real arrival", rule,
+                f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "",
+                "" if resume is None else f", resumed after version {run.server.version}")
         self._run = run
         try:
             run.loop(grid, num_rounds, timeout, train_config, evaluate_fn)

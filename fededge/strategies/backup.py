@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +70,9 @@ class BackupWorkers(AsyncLoop):
     ) -> Result:
         order = resolve_order(self.order, grid)
         if order == "clock":
-            log.info("BackupWorkers: the first replies on the simulated clock; %s",
-                     self.timing.compute_rule(self.step_s))
+            rule, measured = self.timing.compute_rule(self.step_s)
+            log.log(logging.WARNING if measured else logging.INFO,
+                    "BackupWorkers: the first replies on the simulated clock; %s", rule)
         train_config = ConfigRecord() if train_config is None else train_config
         self._result = Result()
         resume, self._resume = self._resume, None

@@ -8,8 +8,9 @@ FedProx, fededge's ``Compressed(...)`` and ``FedAvgOuter``): nothing. Between tw
 Flower's loop holds no message in flight, so the experiment checkpoints after a round's
 evaluation; their state is read by :func:`strategy_state` (a ``state_dict()`` where the
 strategy has one, else every public data attribute, the way Flower's strategies keep
-their state: FedOpt's moments, FedAvgM's momentum, the current model). On resume the experiment runs Flower's loop again, shifted by the rounds
-already done (:class:`FromRound`), so no round loop is written twice.
+their state: FedOpt's moments, FedAvgM's momentum, the current model). On resume the
+experiment runs Flower's loop again, shifted by the rounds already done
+(:class:`FromRound`), so no round loop is written twice.
 
 **Strategies with their own loop** (DGA, Gossip, the asynchronous ones) implement
 

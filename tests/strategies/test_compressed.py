@@ -205,7 +205,8 @@ def test_downlink_base_is_what_the_client_received(tmp_path):
 
 
 @pytest.mark.parametrize("name, form", [
-    ("dga", r"DGA\(\.\.\., update=update\)"), ("gossip", r'Gossip\(algorithm="choco", \.\.\.\) beside the clients\' GossipMod\(update=update\)'),
+    ("dga", r"DGA\(\.\.\., update=update\)"),
+    ("gossip", r'Gossip\(algorithm="choco", \.\.\.\) beside the clients\' GossipMod\(update=update\)'),
     ("fedbuff", r"not supported yet"), ("backup", r"not supported yet")])
 def test_a_strategy_with_its_own_loop_is_refused_at_construction_with_the_form_it_supports(name, form):
     """Issue 37: Compressed(DGA(...)) failed only at round 1, with NotImplementedError."""
