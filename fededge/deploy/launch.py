@@ -26,7 +26,6 @@ machine").
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -36,8 +35,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fededge.deploy.procs import (
-    LOOPBACK, DeploymentError, FlwrRun, alive, flower_bin, flower_env, latest_run, list_runs, listener_pids,
-    processes_of, run_fields, stop_popen, stop_processes_of, stream,
+    LOOPBACK, DeploymentError, FlwrRun, alive, flower_bin, flower_env, free_ports, latest_run, list_runs,
+    listener_pids, processes_of, run_fields, stop_popen, stop_processes_of, stream,
 )
 from fededge.runconfig_text import format_run_config
 
@@ -47,29 +46,6 @@ __all__ = ["LocalSuperLink", "flwr_run_local", "local_superlink_env", "start_loc
 #: (flwr/cli/constant.py; defaults 39091 and 39093).
 PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 CONTROL_PORT_ENV = "FLWR_LOCAL_CONTROL_API_PORT"
-#: Ports a free-port pick never returns: Flower's defaults, where a plain ``flwr run``
-#: may start its SuperLink at any moment.
-_FLOWER_DEFAULT_PORTS = frozenset({39091, 39092, 39093})
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback TCP ports free just now, none of Flower's defaults."""
-    socks: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            s = socket.socket()
-            s.bind((LOOPBACK, 0))
-            socks.append(s)  # held until all are picked: the ports are distinct
-            port = s.getsockname()[1]
-            if port not in _FLOWER_DEFAULT_PORTS:
-                ports.append(port)
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
 def local_superlink_env(home: str | os.PathLike[str], *, port: int | None = None,
                         control_port: int | None = None,
                         extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -84,7 +60,7 @@ def local_superlink_env(home: str | os.PathLike[str], *, port: int | None = None
     ``flwr run`` with this environment; :func:`flwr_run_local` does.
     """
     if port is None or control_port is None:
-        free = iter(_free_ports(2))
+        free = iter(free_ports(2, host=LOOPBACK))
         port = next(free) if port is None else port
         control_port = next(free) if control_port is None else control_port
     if port == control_port:

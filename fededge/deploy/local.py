@@ -50,7 +50,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -62,8 +61,9 @@ from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from fededge import keys
 from fededge.deploy.procs import (
-    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, flwr_cli, list_nodes, list_runs, processes_of,
-    stop_popen, stop_processes_of, submit_run, superlink_command, supernode_command, wait_listening, write_connection,
+    LOOPBACK, MARKER_KEY, DeploymentError, FlwrRun, flower_env, free_ports, flwr_cli, list_nodes, list_runs,
+    processes_of, stop_popen, stop_processes_of, submit_run, superlink_command, supernode_command, wait_listening,
+    write_connection,
 )
 from fededge.netem.profiles import LinkProfile, get_profile
 from fededge.netem.proxy import ProxyConfig, ProxyHandle, run_in_thread
@@ -118,12 +118,6 @@ def write_app_variant(app_dir: str | os.PathLike[str], dest: str | os.PathLike[s
     out.mkdir(parents=True, exist_ok=True)
     (out / "pyproject.toml").write_text(new)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, chars: int) -> str:
@@ -312,7 +306,7 @@ class LocalDeployment:
     def _start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.superlink_port = _free_port()
+        self.superlink_port = free_ports(1, host=HOST)[0]
         if self.secure:
             from fededge.deploy.certs import generate_certs
 
@@ -339,7 +333,7 @@ class LocalDeployment:
                 target = proxy.address[1]
             self._spawn(f"supernode-{i}", supernode_command(
                 superlink=f"{HOST}:{target}", partition_id=i, num_partitions=self.num_supernodes,
-                home=self.home, node_config=self.node_config, runtime_port=_free_port(),
+                home=self.home, node_config=self.node_config, runtime_port=free_ports(1, host=HOST)[0],
                 root_certificates=ca,
                 auth_key=None if self.certs is None else self.certs.supernode_keys[i][0], warm=self.warm))
         time.sleep(0.5)  # a SuperNode that cannot start (port taken, bad flag) exits at once

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from fededge.deploy.certs import CertBundle
 
 __all__ = [
-    "LOOPBACK", "MARKER_KEY", "DeploymentError", "FlwrRun",
-    "alive", "cmdline", "flower_bin", "flower_env", "flwr_cli", "latest_run", "list_nodes", "list_runs",
+    "FLOWER_DEFAULT_PORTS", "LOOPBACK", "MARKER_KEY", "DeploymentError", "FlwrRun",
+    "alive", "cmdline", "flower_bin", "flower_env", "free_ports", "flwr_cli", "latest_run", "list_nodes", "list_runs",
     "listener_pids", "parent_pid", "proc_state", "processes_of", "run_fields", "start_time", "stop_processes_of",
     "stream", "stop_popen", "submit_run", "superlink_command", "supernode_command", "terminate", "wait_listening",
     "write_connection", "write_insecure_connection",
@@ -299,6 +299,30 @@ def listener_pids(port: int, *, among: Iterable[int] | None = None) -> list[int]
             except OSError:
                 continue
     return found
+
+
+#: Flower's default local ports (the local SuperLink's HTTP and control APIs): a plain
+#: ``flwr run`` may start a SuperLink there at any moment, so no free-port pick returns them.
+FLOWER_DEFAULT_PORTS = frozenset({39091, 39092, 39093})
+
+
+def free_ports(count: int, *, host: str = "") -> list[int]:
+    """``count`` distinct TCP ports free just now on ``host`` ("": every address, a
+    bridge's included), none of :data:`FLOWER_DEFAULT_PORTS`."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)  # held until all are picked: the ports are distinct
+            port = s.getsockname()[1]
+            if port not in FLOWER_DEFAULT_PORTS:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
 
 
 def stop_popen(proc: subprocess.Popen, *, grace_s: float) -> None:

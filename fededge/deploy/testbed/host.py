@@ -15,14 +15,13 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fededge.deploy.procs import alive, flower_bin, parent_pid, processes_of, start_time, terminate
+from fededge.deploy.procs import alive, flower_bin, free_ports, parent_pid, processes_of, start_time, terminate
 from fededge.deploy.testbed.plan import (
     PREFIX, NotPrivileged, PreflightError, ProcessSpec, SubnetInUse, TestbedError, ToolMissing,
 )
@@ -225,16 +224,3 @@ def spawn(spec: ProcessSpec, *, env: Mapping[str, str], cwd: Path, log_dir: Path
     return proc
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on every address (the bridge's included) just now."""
-    socks, ports = [], []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("", 0))  # free on every address, the bridge's included
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
