@@ -205,6 +205,11 @@ class RunConfig:
     server_device : str
         Where the server evaluates the global model; same values. Separate from
         ``device`` so that GPU clients can report to a CPU-only SuperLink host.
+    deterministic : bool
+        On CUDA, repeatable training: cuDNN's deterministic algorithms with its
+        autotuner off, torch's deterministic kernels, a fixed cuBLAS workspace
+        (:func:`fededge.clients.device.set_cuda_determinism`). ``false`` trades that
+        for speed (cuDNN's autotuner on). No effect on the CPU, which repeats anyway.
     client_threads : int
         torch intra-op threads for local training (``torch.set_num_threads``); 0 keeps
         torch's default (one per core). The default 1 suits simulation, where many
@@ -301,6 +306,7 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"
     server_device: str = "auto"
+    deterministic: bool = True
     client_threads: int = 1
     target_accuracy: float = ResultsConfig.target_accuracy
     results_dir: str = ResultsConfig.results_dir

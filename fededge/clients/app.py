@@ -30,7 +30,7 @@ from torch import nn
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.arrays import record_from_torch, record_to_torch
-from fededge.clients.device import resolve_device
+from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
 from fededge.clients.preview import PreviewMod
 from fededge.clients.statestore import StateSpillMod, StateStoreMod
@@ -141,6 +141,7 @@ def client_workload(context: Context) -> ClientWorkload:
     data_dir = str(nc.get(keys.DATA_DIR, "")) or cfg.data_dir or None
     pid, n = int(nc[keys.PARTITION_ID]), int(nc[keys.NUM_PARTITIONS])
     device = resolve_device(cfg.device)
+    set_cuda_determinism(device, cfg.deterministic)
     # Cached on the data's own key. A node of the in-process runtime shares its process with
     # thousands of others: its arrays are a slice of the data set in memory, not a file each.
     x, y = client_data(cfg, pid, n, device, data_dir, on_disk=not nc.get(keys.INPROCESS_NODE, False))

@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.clients.device import resolve_device
+from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.train import evaluate
 from fededge.config import ConfigError, RunConfig
 from fededge.models.zoo import count_parameters
@@ -151,6 +151,7 @@ def run_experiment(
     >>> res = run_experiment(grid, RunConfig.from_mapping(context.run_config))  # doctest: +SKIP
     """
     device = resolve_device(cfg.server_device)
+    set_cuda_determinism(device, cfg.deterministic)
     ds = dataset_for(cfg)
     x_test, y_test = ds.x_test.to(device), ds.y_test.to(device)
     model = model_for(cfg, ds).to(device)

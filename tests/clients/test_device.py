@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -49,3 +51,35 @@ def test_inprocess_run_on_cuda(tmp_path):
     run_dir = run_inprocess({"num-rounds": 2, "local-steps": 5, "device": "cuda",
                              "results-dir": str(tmp_path), "progress": "off"}, num_clients=3)
     assert json.loads((run_dir / "config.json").read_text())["device"].startswith("cuda")
+
+
+def test_cuda_determinism_flags_and_cpu_untouched(monkeypatch):
+    from fededge.clients.device import set_cuda_determinism
+
+    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.are_deterministic_algorithms_enabled())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    set_cuda_determinism(torch.device("cpu"), True)  # the CPU repeats anyway: nothing set
+    assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+            torch.are_deterministic_algorithms_enabled()) == before
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    try:
+        # The flags are plain settings: they can be set (and read back) without a GPU.
+        set_cuda_determinism(torch.device("cuda"), True)
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        set_cuda_determinism(torch.device("cuda"), False)
+        assert not torch.backends.cudnn.deterministic and torch.backends.cudnn.benchmark
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
+        torch.use_deterministic_algorithms(before[2])
+
+
+def test_deterministic_key_reaches_the_config():
+    from fededge.config import RunConfig
+
+    assert RunConfig.from_mapping({}).deterministic is True
+    assert RunConfig.from_mapping({"deterministic": False}).deterministic is False

@@ -120,6 +120,24 @@ def send_through(payload: bytes, prof: LinkProfile, timeout_s: float = 30,
     return sink, stats
 
 
+def timed_tries(attempt, tries: int = 3) -> None:
+    """Run a wall-clock measurement up to ``tries`` times; pass on the first within bounds.
+
+    ``attempt()`` returns None when its timing is within bounds, or a message. A loaded
+    machine (another run beside the suite) can hold the proxy's or the receiver's thread
+    and skew one measurement; a wrong shaping rule fails every try the same way, so the
+    test still fails for it. Checks that no load can explain (data intact, nothing early)
+    are asserted inside ``attempt`` and fail at once.
+    """
+    misses = []
+    for _ in range(tries):
+        miss = attempt()
+        if miss is None:
+            return
+        misses.append(miss)
+    pytest.fail(f"out of bounds in all {tries} tries: " + "; ".join(misses))
+
+
 # ------------------------------------------------------------------ pure pieces
 
 
@@ -181,54 +199,67 @@ def test_delay_adds_configured_rtt():
 
 def test_rate_measured_at_the_receiver():
     payload = os.urandom(5_000_000)
-    sink, _ = send_through(payload, profile(Direction(rate_bps=10e6)), timeout_s=20)
-    assert sink.nbytes == len(payload) and sink.digest.digest() == hashlib.sha256(payload).digest()
-    elapsed = sink.last - sink.first
     expected = len(payload) * 8 / 10e6  # 4.0 s
-    assert abs(elapsed - expected) <= 0.05 * expected, f"{elapsed:.3f} s, want {expected:.3f} s +- 5%"
+
+    def attempt() -> str | None:
+        sink, _ = send_through(payload, profile(Direction(rate_bps=10e6)), timeout_s=20)
+        assert sink.nbytes == len(payload)
+        assert sink.digest.digest() == hashlib.sha256(payload).digest()
+        elapsed = sink.last - sink.first
+        if abs(elapsed - expected) <= 0.05 * expected:
+            return None
+        return f"{elapsed:.3f} s, want {expected:.3f} s +- 5%"
+
+    timed_tries(attempt)
 
 
 def test_jitter_keeps_order_and_bounds():
     delay, jitter = 0.030, 0.010
     prof = profile(Direction(delay_s=delay, jitter_s=jitter))
     n, size = 60, 32
-    arrivals: dict[int, float] = {}
-    received = bytearray()
-    done = threading.Event()
-
-    def stamp(conn: socket.socket) -> None:
-        for _ in range(100_000):
-            data = conn.recv(65536)
-            now = time.perf_counter()
-            if not data:
-                break
-            received.extend(data)
-            while len(received) // size > len(arrivals):  # every complete message
-                arrivals[len(arrivals)] = now
-        done.set()
-
-    sent = bytearray()
-    send_times = []
-    with tcp_server(stamp) as port, run_in_thread(config(port, prof)) as proxy:
-        with connect(proxy.address) as s:
-            for i in range(n):
-                t = time.perf_counter()
-                msg = struct.pack("!Id", i, t).ljust(size, bytes([i % 256]))
-                s.sendall(msg)
-                sent += msg
-                send_times.append(t)
-                time.sleep(0.005)
-            s.shutdown(socket.SHUT_WR)
-            assert done.wait(10)
-    assert bytes(received) == bytes(sent)  # no reordering, nothing lost
-    one_way = [arrivals[i] - send_times[i] for i in range(n)]
     tol = 0.004  # thread scheduling and asyncio's ~1 ms timer granularity
     lo, hi = max(0.0, delay - 4 * jitter), delay + 4 * jitter
-    # Never early. A loaded machine (another run beside this one) can only make a message
-    # late, by holding the proxy's or the receiver's thread: a few may pass the bound.
-    late = [x for x in one_way if x > hi + tol]
-    assert min(one_way) >= lo - tol and len(late) <= n // 20, (min(one_way), sorted(late))
-    assert statistics.pstdev(one_way) > 0.002, "no jitter was applied"
+
+    def attempt() -> str | None:
+        arrivals: dict[int, float] = {}
+        received = bytearray()
+        done = threading.Event()
+
+        def stamp(conn: socket.socket) -> None:
+            for _ in range(100_000):
+                data = conn.recv(65536)
+                now = time.perf_counter()
+                if not data:
+                    break
+                received.extend(data)
+                while len(received) // size > len(arrivals):  # every complete message
+                    arrivals[len(arrivals)] = now
+            done.set()
+
+        sent = bytearray()
+        send_times = []
+        with tcp_server(stamp) as port, run_in_thread(config(port, prof)) as proxy:
+            with connect(proxy.address) as s:
+                for i in range(n):
+                    t = time.perf_counter()
+                    msg = struct.pack("!Id", i, t).ljust(size, bytes([i % 256]))
+                    s.sendall(msg)
+                    sent += msg
+                    send_times.append(t)
+                    time.sleep(0.005)
+                s.shutdown(socket.SHUT_WR)
+                assert done.wait(10)
+        assert bytes(received) == bytes(sent)  # no reordering, nothing lost
+        one_way = [arrivals[i] - send_times[i] for i in range(n)]
+        # Never early: no load makes a message early, so that fails at once.
+        assert min(one_way) >= lo - tol, (min(one_way), lo)
+        assert statistics.pstdev(one_way) > 0.002, "no jitter was applied"
+        # A loaded machine can make a message late (it holds the proxy's or the
+        # receiver's thread): a few may pass the bound, and a bad try is repeated.
+        late = [round(x, 4) for x in one_way if x > hi + tol]
+        return None if len(late) <= n // 20 else f"{len(late)}/{n} late: {sorted(late)}"
+
+    timed_tries(attempt)
 
 
 def test_loss_stalls_slow_a_transfer_and_keep_data_intact():
@@ -254,12 +285,18 @@ def test_trace_replay_follows_delivery_opportunities(tmp_path: Path):
     trace = DeliveryTrace.from_file(path)
     assert trace.mean_rate_bps == pytest.approx(6e6)
     payload = os.urandom(300_000)
-    sink, _ = send_through(payload, profile(Direction(trace=path)))
-    assert sink.digest.digest() == hashlib.sha256(payload).digest()
-    elapsed = sink.last - sink.first
     # departure_s of everything but the first opportunity (the first byte's), from 0.
     expected = trace.departure_s(0.0, len(payload)) - trace.departure_s(0.0, 1)
-    assert abs(elapsed - expected) <= 0.10 * expected, f"{elapsed:.3f} s, want {expected:.3f} s"
+
+    def attempt() -> str | None:
+        sink, _ = send_through(payload, profile(Direction(trace=path)))
+        assert sink.digest.digest() == hashlib.sha256(payload).digest()
+        elapsed = sink.last - sink.first
+        if abs(elapsed - expected) <= 0.10 * expected:
+            return None
+        return f"{elapsed:.3f} s, want {expected:.3f} s +- 10%"
+
+    timed_tries(attempt)
 
 
 def test_backpressure_bounds_the_queue():
