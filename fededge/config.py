@@ -35,7 +35,7 @@ from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.data.datasets import DATASETS
 from fededge.errors import ConfigError  # raised here for the run config; defined apart for the library
 from fededge.data.partition import PARTITIONS
-from fededge.models.zoo import MODELS
+from fededge.models.zoo import MODELS, is_model_name
 from fededge.netem.runclock import ClockConfig
 from fededge.server.results import ResultsConfig
 
@@ -84,11 +84,12 @@ OWNED: dict[str, tuple[type, str]] = {
     **{key: (UpdateConfig, param) for key, param in (
         ("compressor", "compressor"), ("error-feedback", "error_feedback"), ("lossless", "lossless"),
         ("qsgd-levels", "qsgd_levels"), ("qsgd-bucket", "qsgd_bucket"), ("topk-ratio", "topk_ratio"),
-        ("topk-values", "topk_values"), ("powersgd-rank", "powersgd_rank"), ("int8-block", "int8_block"),
+        ("topk-values", "topk_values"), ("powersgd-rank", "powersgd_rank"),
+        ("powersgd-iters", "powersgd_iters"), ("int8-block", "int8_block"),
         ("threshold-tau", "threshold_tau"), ("dgc-sparsity", "dgc_sparsity"),
         ("dgc-warmup-rounds", "dgc_warmup_rounds"), ("dgc-momentum", "dgc_momentum"),
         ("dgc-clip-norm", "dgc_clip_norm"), ("compress-min-numel", "min_numel"),
-        ("compress-small-codec", "small_codec"))},
+        ("compress-1d", "compress_1d"), ("compress-small-codec", "small_codec"), ("norm-stats", "norm_stats"))},
     "downlink-compressor": (DownlinkConfig, "downlink"),
     "dga-delay": (DGAConfig, "delay"),
     "dga-correction": (DGAConfig, "correction"),
@@ -210,6 +211,12 @@ class RunConfig:
         autotuner off, torch's deterministic kernels, a fixed cuBLAS workspace
         (:func:`fededge.clients.device.set_cuda_determinism`). ``false`` trades that
         for speed (cuDNN's autotuner on). No effect on the CPU, which repeats anyway.
+    norm_stats_batches : int
+        Mini-batches (of ``batch-size``) fededge's ClientApp runs forward, without
+        gradients, to recompute its normalisation statistics for the model the server
+        will hold when the uplink is compressed (``norm-stats = "decoded"``). 8 by
+        default: the statistics of 256 examples, for 8 forward passes against the 20
+        forward and backward passes of a round's training.
     client_threads : int
         torch intra-op threads for local training (``torch.set_num_threads``); 0 keeps
         torch's default (one per core). The default 1 suits simulation, where many
@@ -256,8 +263,8 @@ class RunConfig:
     owner, ``RunConfig.owned(owner)`` builds one):
 
     - compression: ``compressor``, ``error-feedback``, ``lossless``, ``qsgd-*``,
-      ``topk-*``, ``powersgd-rank``, ``int8-block``, ``threshold-tau``, ``dgc-*``,
-      ``compress-min-numel``, ``compress-small-codec``:
+      ``topk-*``, ``powersgd-rank``, ``powersgd-iters``, ``int8-block``, ``threshold-tau``, ``dgc-*``,
+      ``compress-min-numel``, ``compress-1d``, ``compress-small-codec``, ``norm-stats``:
       :class:`fededge.compress.update.UpdateConfig` (docs/compression.md); e.g.
       ``compressor="qsgd" qsgd-levels=16``; ``downlink-compressor``:
       :class:`fededge.compress.update.DownlinkConfig`;
@@ -307,6 +314,7 @@ class RunConfig:
     device: str = "auto"
     server_device: str = "auto"
     deterministic: bool = True
+    norm_stats_batches: int = 8
     client_threads: int = 1
     target_accuracy: float = ResultsConfig.target_accuracy
     results_dir: str = ResultsConfig.results_dir
@@ -334,6 +342,7 @@ class RunConfig:
     topk_ratio: float = UpdateConfig.topk_ratio
     topk_values: str = UpdateConfig.topk_values
     powersgd_rank: int = UpdateConfig.powersgd_rank
+    powersgd_iters: int = UpdateConfig.powersgd_iters
     int8_block: int = UpdateConfig.int8_block
     threshold_tau: float = UpdateConfig.threshold_tau
     dgc_sparsity: float = UpdateConfig.dgc_sparsity
@@ -341,6 +350,8 @@ class RunConfig:
     dgc_momentum: float = UpdateConfig.dgc_momentum
     dgc_clip_norm: float = UpdateConfig.dgc_clip_norm
     compress_min_numel: int = UpdateConfig.min_numel
+    compress_1d: bool = UpdateConfig.compress_1d
+    norm_stats: str = UpdateConfig.norm_stats
     compress_small_codec: str = UpdateConfig.small_codec
     downlink_compressor: str = DownlinkConfig.downlink
     dga_delay: int = DGAConfig.delay
@@ -376,7 +387,9 @@ class RunConfig:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("dataset", self.dataset, DATASETS)
         _choice("partition", self.partition, PARTITIONS)
-        _choice("model", self.model, MODELS)
+        if not is_model_name(self.model):
+            raise ConfigError(f"run-config key 'model' must be one of {', '.join(MODELS)} or resnet18-wN "
+                              f"(N in 1..512); got {self.model!r}")
         _choice("client-states", self.client_states, CLIENT_STATES)
         _choice("lr-schedule", self.lr_schedule, LR_SCHEDULES)
         if self.model == "cnn-bn" and min(self.batch_size, self.min_partition_size) < 2:
@@ -406,6 +419,7 @@ class RunConfig:
         _int_at_least("min-partition-size", self.min_partition_size, 1)
         _int_at_least("krum-byzantine", self.krum_byzantine, 0)
         _int_at_least("client-threads", self.client_threads, 0)
+        _int_at_least("norm-stats-batches", self.norm_stats_batches, 1)
         _int_at_least("min-available-nodes", self.min_available_nodes, 0)
         cpr = self.clients_per_round
         if isinstance(cpr, bool) or not isinstance(cpr, (int, float)):

@@ -91,7 +91,7 @@ SIGNATURE = {"FedAsync": {"concurrency": None}}  # None: "every participant", As
 _STRINGS = ["", "none", "auto", "on", "off", "ring", "torus", "complete", "file", "k-regular", "choco", "dpsgd",
             "4g", "wifi:0.5,4g:0.5", "lognormal:0.5", "1.0", "zzz", "topk", "qsgd", "dgc", "fp16", "bf16", "raw",
             "clock", "arrival", "hinge", "constant", "polynomial", "metropolis", "max-degree", "a b", "run.1",
-            "results", "fp32", "edges.txt"]
+            "results", "fp32", "edges.txt", "decoded", "trained"]
 _INTS = [-1, 0, 1, 2, 3, 5, 100]
 _FLOATS = [-0.5, 0.0, 1e-6, 0.01, 0.05, 0.5, 0.999, 1.0, 1.5, 2.0, float("inf")]
 
@@ -102,7 +102,7 @@ CONTEXT = {
     **{k: {"compressor": "qsgd"} for k in ("qsgd-levels", "qsgd-bucket")},
     **{k: {"compressor": "topk"} for k in ("topk-ratio", "topk-values")},
     **{k: {"compressor": "dgc"} for k in ("dgc-sparsity", "dgc-warmup-rounds", "dgc-momentum", "dgc-clip-norm")},
-    "powersgd-rank": {"compressor": "powersgd"}, "int8-block": {"compressor": "int8"},
+    "powersgd-rank": {"compressor": "powersgd"}, "powersgd-iters": {"compressor": "powersgd"}, "int8-block": {"compressor": "int8"},
     "threshold-tau": {"compressor": "threshold"},
 }
 #: Knobs every probe of which is valid: any path names a file (read when the clock or graph is built).

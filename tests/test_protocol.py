@@ -18,17 +18,19 @@ from fededge.protocol import (
 def test_wire_codecs_are_the_codecs_the_encoder_writes(compressor):
     """What a server checks an update against (UpdateConfig.wire_codecs) is what a client
     with the same config sends: the main codec for large tensors, the small codec for
-    the rest (PowerSGD's 1-D tensors included)."""
+    small and 1-D ones, raw for normalisation statistics."""
     small_codec = "fp16" if compressor != "fp16" else "bf16"  # apart from the main codec
     update = UpdateConfig(compressor=compressor, small_codec=small_codec, error_feedback=compressor not in (
         "dgc", "powersgd", *UNBIASED))
     g = torch.Generator().manual_seed(0)
     delta = {"conv": torch.randn(8, 4, 3, 3, generator=g), "vec": torch.randn(300, generator=g),
-             "bias": torch.randn(8, generator=g)}
+             "bias": torch.randn(8, generator=g), "bn.running_var": torch.rand(300, generator=g)}
     sent = {name: peek_codec(p) for name, p in UpdateEncoder(update, stream=1).encode(delta, round=0).items()}
-    main, small = update.wire_codecs()
-    assert sent["conv"] == main and sent["bias"] == small == small_codec
-    assert set(sent.values()) <= {main, small}
+    codecs = update.wire_codecs()
+    main = codecs[0]
+    assert sent["conv"] == main and sent["bias"] == sent["vec"] == small_codec
+    assert sent["bn.running_var"] == "raw"
+    assert set(sent.values()) == set(codecs) == {main, small_codec, "raw"}
     assert main == ("topk" if compressor == "dgc" else compressor)
     assert UpdateConfig().wire_codecs() == ()
 
@@ -44,7 +46,7 @@ def test_peek_codec_refuses_what_is_not_a_payload_by_name():
 
 def test_a_bundle_decodes_to_its_tensors_and_raw_arrays_pass_as_they_are():
     encoder = UpdateEncoder(UpdateConfig(compressor="fp16"), stream=0)
-    delta = {"w": torch.linspace(-1, 1, 300), "b": torch.ones(3)}
+    delta = {"w": torch.linspace(-1, 1, 300).view(20, 15), "b": torch.ones(3)}
     payloads = encoder.encode(delta, round=0)
     rec = bundle_record(payloads)
     assert list(rec.keys()) == [keys.BUNDLE] and bundle_payloads(rec) == payloads

@@ -17,9 +17,10 @@ Flower parses the values as TOML, so strings are quoted): ``partition-id``,
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -31,10 +32,10 @@ from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.clients.device import resolve_device, set_cuda_determinism
-from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod
+from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod, offer_norm_statistics
 from fededge.clients.preview import PreviewMod
 from fededge.clients.statestore import StateSpillMod, StateStoreMod
-from fededge.clients.train import BatchSampler, evaluate, local_sgd, scheduled_lr
+from fededge.clients.train import BatchSampler, evaluate, local_sgd, norm_statistics, scheduled_lr
 from fededge.config import RunConfig
 from fededge.netem.assign import dropped_partitions
 from fededge.models.zoo import build_model
@@ -244,7 +245,25 @@ def train(msg: Message, context: Context) -> Message:
         keys.REPLY_NUM_PARTITIONS: work.num_partitions,
     })
     content = RecordDict({keys.ARRAYS: record_from_torch(work.model.state_dict()), keys.METRICS: metrics})
+    if cfg.compressor != "none":
+        offer_norm_statistics(partial(_statistics_of, work, batch_size=sampler.batch_size,
+                                      seed=_stats_seed(cfg.seed, work.partition_id, int(conf.get(keys.SERVER_ROUND, 0)))))
     return Message(content=content, reply_to=msg)
+
+
+def _stats_seed(*parts: int) -> int:
+    import numpy as np
+
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def _statistics_of(work: ClientWorkload, weights: dict[str, torch.Tensor], *, batch_size: int,
+                   seed: int) -> dict[str, torch.Tensor]:
+    """The normalisation statistics of ``weights`` on this client's data (norm-stats =
+    decoded, :class:`~fededge.clients.mods.CompressionMod`), on a copy of the model."""
+    model = copy.deepcopy(work.model)
+    model.load_state_dict({k: v.to(work.device) for k, v in weights.items()})
+    return norm_statistics(model, work.x, batches=work.cfg.norm_stats_batches, batch_size=batch_size, seed=seed)
 
 
 def round_lr(conf: ConfigRecord, default: float) -> float:

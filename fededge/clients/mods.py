@@ -37,7 +37,10 @@ The record formats are :mod:`fededge.protocol`; the arithmetic is pure torch
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,7 @@ from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,
 )
 from fededge.arrays import record_from_torch, record_to_torch, to_numpy
+from fededge.compress.plan import is_counter, is_statistic
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
 from fededge.errors import ConfigError
@@ -58,7 +62,7 @@ from fededge.protocol import (
     CLIENT_APP_RAISED_EXCEPTION, bundle_record, config_error_reason, decode_downlink, decode_update_record,
 )
 
-__all__ = ["CompressionMod", "DGAMod", "GossipMod", "ModOrderError", "config_error_mod"]
+__all__ = ["CompressionMod", "DGAMod", "GossipMod", "ModOrderError", "config_error_mod", "offer_norm_statistics"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,36 @@ def _stream(context: Context) -> int:
     """Separates this client's random streams from the others': its partition id, else
     its node id (in 31 bits, as the encoders' seeds take it)."""
     return int(context.node_config.get(keys.PARTITION_ID, context.node_id % 2**31))
+
+
+#: What the train function running inside a CompressionMod offers for recomputing its
+#: model's normalisation statistics (see :func:`offer_norm_statistics`).
+_NORM_STATS: ContextVar[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None] = ContextVar(
+    "fededge_norm_statistics", default=None)
+_warned_norm_stats = False
+
+
+def offer_norm_statistics(fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Called by a train function: how to compute its model's normalisation statistics
+    for given weights, so that :class:`CompressionMod` sends statistics that describe the
+    model the server will hold.
+
+    ``fn(weights)`` gets a full state dict (the received model plus this client's
+    update as the server will decode it) and returns ``running_mean``/``running_var``
+    tensors by name, e.g. :func:`fededge.clients.train.norm_statistics` on a copy of the
+    model loaded with ``weights`` and a few local batches. fededge's own ClientApp offers
+    it; a train function that does not keeps the statistics it trained with.
+
+    Examples
+    --------
+    >>> from fededge.clients.train import norm_statistics
+    >>> def train(msg, context):  # doctest: +SKIP
+    ...     ...  # train model on x
+    ...     offer_norm_statistics(lambda w: norm_statistics(
+    ...         load_copy(model, w), x, batches=8, batch_size=32, seed=round))
+    ...     return reply
+    """
+    _NORM_STATS.set(fn)
 
 
 def _encoder(update: UpdateConfig, stream: int, state: ArrayRecord | None) -> UpdateEncoder:
@@ -171,7 +205,12 @@ class CompressionMod:
         conf = _train_config(msg)
         # The weights received, before an inner mod (DGAMod, GossipMod) swaps the message's.
         received = msg.content[keys.ARRAYS] if keys.ARRAYS in msg.content else None
-        reply = call_next(msg, context)
+        token = _NORM_STATS.set(None)
+        try:
+            reply = call_next(msg, context)
+            stats_fn = _NORM_STATS.get()
+        finally:
+            _NORM_STATS.reset(token)
         if (self.update.compressor == "none" or not msg.metadata.message_type.startswith("train")
                 or reply.has_error() or keys.ARRAYS not in reply.content):
             # No weights in the reply (a gossip message, already encoded by GossipMod; a
@@ -186,7 +225,7 @@ class CompressionMod:
         base = record_to_torch(received) if own is None else {}
         delta, raw = {}, {}
         for name, new in record_to_torch(reply.content[keys.ARRAYS]).items():
-            if not new.is_floating_point():
+            if not new.is_floating_point() or is_counter(name):  # the plan's integers: as they are
                 raw[name] = new
             elif own is not None:  # DGA: its own K-step change; the reply is G(g) + own
                 delta[name] = own[name].float()
@@ -195,6 +234,8 @@ class CompressionMod:
         state = context.state[keys.STATE_COMPRESS] if keys.STATE_COMPRESS in context.state else None
         encoder = _encoder(self.update, _stream(context), state)
         payloads = encoder.encode(delta, round=rnd - 1)
+        if own is None and self.update.norm_stats == "decoded":
+            self._decoded_statistics(payloads, base, raw, encoder, stats_fn)
         kept = encoder.state_dict()
         if kept:
             context.state[keys.STATE_COMPRESS] = record_from_torch(kept)
@@ -207,6 +248,38 @@ class CompressionMod:
         reply.content = content
         _add_compute(_metrics(reply), time.perf_counter() - t0)
         return reply
+
+    @staticmethod
+    def _decoded_statistics(payloads: dict[str, bytes], base: dict[str, torch.Tensor], raw: dict[str, torch.Tensor],
+                            encoder: UpdateEncoder, stats_fn: Callable | None) -> None:
+        """``norm-stats = decoded``: replace the statistics' payloads by the statistics of
+        the model the server will hold from this client, the received model plus the
+        update as it decodes, computed by the train function's ``stats_fn``.
+
+        A lossy uplink delivers part of the update this round and keeps the rest in the
+        residual, while the statistics a client trained with describe its whole local
+        model: averaged, they describe a model the server does not hold. On the digits
+        CNN with BatchNorm under PowerSGD rank 2 that mismatch, not the weights, made the
+        accuracy swing by up to 11 points between rounds (BENCHMARKS.md, issue 36)."""
+        global _warned_norm_stats
+        names = [n for n in payloads if is_statistic(n)]
+        if not names:
+            return
+        if stats_fn is None:
+            if not _warned_norm_stats:
+                _warned_norm_stats = True
+                log.warning("CompressionMod: the train function offered no way to recompute its normalisation "
+                            "statistics, so they go as trained (they describe the client's local model, not the "
+                            "one the server will hold); call fededge.clients.mods.offer_norm_statistics in it "
+                            "(docs/compression.md), or set norm-stats=trained to silence this")
+            return
+        decoded = decode_update(payloads, max_elements=max(math.prod(v.shape) for v in base.values()))
+        weights = {n: (base[n].float() + d).to(base[n].dtype) for n, d in decoded.items()}
+        weights.update(raw)
+        fresh = stats_fn(weights)
+        for n in names:
+            if n in fresh:
+                payloads[n] = encoder.raw.encode(fresh[n].float().cpu() - base[n].float())
 
     @staticmethod
     def _dga_delta(conf: ConfigRecord | None, context: Context, rnd: int) -> dict[str, torch.Tensor] | None:
@@ -425,7 +498,7 @@ class GossipMod:
         if rnd.node is None:
             content[keys.GOSSIP_MESSAGE] = record_from_torch(y)
         else:
-            delta = {k: d * self._scale(d.numel()) for k, d in rnd.node.difference(y).items()}
+            delta = {k: d * self._scale(k, tuple(d.shape)) for k, d in rnd.node.difference(y).items()}
             if self.update.compressor == "none":
                 q = delta
                 content[keys.GOSSIP_MESSAGE] = record_from_torch(q)
@@ -447,11 +520,11 @@ class GossipMod:
         context.state[keys.STATE_GOSSIP] = record_from_torch(state)
         return reply
 
-    def _scale(self, numel: int) -> float:
+    def _scale(self, name: str, shape: tuple[int, ...]) -> float:
         """What a CHOCO node scales a tensor's difference by before compressing it."""
         if self.choco_scale > 0:
             return self.choco_scale
-        return 1.0 / (1.0 + self.update.variance_factor(numel))
+        return 1.0 / (1.0 + self.update.variance_factor(math.prod(shape), name=name, shape=shape))
 
 
 def config_error_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

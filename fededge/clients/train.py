@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LR_SCHEDULES", "BatchSampler", "LocalResult", "local_sgd", "evaluate", "scheduled_lr", "sgd_step"]
+__all__ = ["LR_SCHEDULES", "BatchSampler", "LocalResult", "local_sgd", "evaluate", "norm_statistics", "scheduled_lr",
+           "sgd_step"]
 
 #: The learning-rate schedules :func:`scheduled_lr` knows (run-config ``lr-schedule``).
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
@@ -229,6 +230,55 @@ def sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], *, 
 
 
 @torch.no_grad()
+def norm_statistics(
+    model: nn.Module, x: torch.Tensor, *, batches: int, batch_size: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """The normalisation statistics (``running_mean``, ``running_var``) of ``model``'s
+    own weights on local inputs ``x``, by state-dict name, as float32 CPU tensors.
+
+    Every BatchNorm (and other ``_NormBase`` with running statistics) forgets its
+    statistics and takes the cumulative average over ``batches`` mini-batches of
+    ``batch_size`` examples drawn without replacement (seeded by ``seed``), forward
+    passes in train mode without gradients; then its momentum and statistics are put back
+    as they were: ``model`` leaves unchanged. Used where the statistics a client trained
+    with do not describe the model the server will hold (compressed uplinks,
+    :class:`fededge.clients.mods.CompressionMod`). Empty for a model without them.
+    """
+    norms = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats}
+    if not norms or len(x) == 0:
+        return {}
+    saved = {name: (m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+             for name, m in norms.items()}
+    was_training = model.training
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(x), generator=g)[: max(1, batches) * batch_size].to(x.device)
+    try:
+        for m in norms.values():
+            m.reset_running_stats()
+            m.momentum = None  # the cumulative average of the batches
+        model.train()
+        with torch.no_grad():
+            for i in range(0, len(order), batch_size):
+                idx = order[i:i + batch_size]
+                if len(idx) > 1 or i == 0:  # a batch of one gives BatchNorm no variance
+                    model(x[idx])
+        out = {}
+        for name, m in norms.items():
+            prefix = f"{name}." if name else ""
+            out[prefix + "running_mean"] = m.running_mean.detach().float().cpu().clone()
+            out[prefix + "running_var"] = m.running_var.detach().float().cpu().clone()
+        return out
+    finally:
+        for name, m in norms.items():
+            momentum, mean, var, count = saved[name]
+            m.momentum = momentum
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+            m.num_batches_tracked.copy_(count)
+        model.train(was_training)
+
+
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 256
 ) -> tuple[float, float]:

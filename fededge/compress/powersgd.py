@@ -59,6 +59,10 @@ class PowerSGDConfig(CodecConfig):
         How tensors with fewer than two dimensions (biases, norms) or no elements are
         sent: ``"raw"`` (float32, lossless), ``"fp16"`` or ``"bf16"``. They carry no
         error feedback.
+    iters : int
+        Power iterations per encode (:class:`PowerSGDEncoder`; the stateless codec takes
+        one). One, warm-started, is the paper's; more track a changing top-r subspace
+        closer at the same bytes, for one more pass over M each.
     lossless : bool
         Follow every payload with the zlib stage.
     """
@@ -66,6 +70,7 @@ class PowerSGDConfig(CodecConfig):
     rank: int = 2
     seed: int = 0
     fallback: str = "raw"
+    iters: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +78,8 @@ class PowerSGDConfig(CodecConfig):
             raise ValueError(f"rank must be an integer in 1..65535, got {self.rank!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.iters, int) or isinstance(self.iters, bool) or not 1 <= self.iters <= 100:
+            raise ValueError(f"iters must be an integer in 1..100, got {self.iters!r}")
         if self.fallback not in _FALLBACKS:
             raise ValueError(f"fallback must be one of {sorted(_FALLBACKS)}, got {self.fallback!r}")
 
@@ -84,6 +91,16 @@ def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
 def _orthogonalize(p: torch.Tensor) -> torch.Tensor:
     # Householder QR: orthonormal columns even when P is rank-deficient (then they still
     # span a space containing P's columns, which is what exactness at full rank needs).
+    # LAPACK's float32 QR squares the entries: a delta of 1e-20 or less underflowed to
+    # "zero columns" and came back as the identity's, 1e19 or more overflowed. Scaling by
+    # a power of two first brings the largest entry into [0.5, 1) and is exact (every
+    # operation of the QR then rounds as before): the same bits wherever nothing under-
+    # or overflowed, the wire vectors included.
+    amax = float(p.abs().max()) if p.numel() else 0.0
+    if amax > 0.0 and math.isfinite(amax):
+        shift = math.frexp(amax)[1]
+        if shift:
+            p = (p.double() * 2.0**-shift).float()
     return torch.linalg.qr(p, mode="reduced").Q
 
 
@@ -97,6 +114,48 @@ def power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """
     p = _orthogonalize(m @ q.T.contiguous().T)
     return p, (p.T @ m).T
+
+
+def _unit_columns(q: torch.Tensor) -> torch.Tensor:
+    """Q with each column's largest entry 1. A warm Q is M^T P, of M's scale: M Q would be
+    of M's scale squared, and underflow to zero (P then an arbitrary basis) for deltas of
+    1e-20 or less, or overflow for 1e19 and more. Only Q's directions matter for P. (Not
+    unit norm: a float32 norm squares, and under- or overflows at those same scales.)"""
+    amax = q.abs().amax(dim=0)
+    return q / torch.where(amax > 0, amax, torch.ones_like(amax))
+
+
+def _contractive(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, Q) that keep at least ``r / n`` of M's energy, so that error feedback stays bounded.
+
+    One warm-started power step captures ``||P Q^T||^2 = ||Q||^2`` (P has orthonormal
+    columns) of ``||M||^2``, and nothing bounds that from below: when Q is (nearly)
+    orthogonal to M's row space, ``M Q`` is about zero, P an arbitrary basis, and the new
+    Q = M^T P about zero too. The warm start is then dead: every later round sends P Q^T of
+    about zero, and the residual (M minus what was sent) grows by each round's update
+    without bound. A zero update of one tensor for one round (a frozen layer, a client that
+    took no step) is enough to get there.
+
+    The r rows of M with the largest norms always capture at least ``r / n`` of its
+    energy (the average row holds ``1 / n``). When the power step captures less, this
+    sends those rows exactly (P = their unit vectors, Q = the rows), and their Q warm
+    starts the next round. PowerSGD with this rule is a contraction,
+    ``||M - P Q^T||^2 <= (1 - r / n) ||M||^2``, which is what error feedback's
+    convergence needs (Karimireddy et al., 2019; Stich et al., 2018): the residual stays
+    below ``sqrt(1 - d) / (1 - sqrt(1 - d))`` times the largest update, d = r / n.
+    """
+    n = m.shape[0]
+    if r >= n:
+        return p, q  # P spans everything: exact
+    # Energies in float64: float32 squares underflow below 1e-19 and overflow above 1e19.
+    rows = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64)
+    total = float(rows.square().sum())
+    if float(torch.linalg.vector_norm(q, dtype=torch.float64).square()) >= total * r / n:
+        return p, q
+    top = torch.topk(rows, r).indices
+    p = torch.zeros(n, r, dtype=m.dtype)
+    p[top, torch.arange(r)] = 1.0
+    return p, m[top].T  # Q = M[top]^T (m x r), a view of a copy: M is the residual's buffer
 
 
 def _payload(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lossless: bool) -> bytes:
@@ -201,9 +260,11 @@ def _derived_seed(seed: int, name: str) -> int:
 class PowerSGDEncoder:
     """Client-side PowerSGD with warm start and error feedback, keyed by tensor name.
 
-    Per call, for a tensor of >= 2 dims: M = x + residual; P = orth(M Q_prev); Q = M^T P;
-    send (P, Q); residual = M - P Q^T; keep Q for the next call (the warm start that lets
-    one power step per round track the top singular space over rounds). Q_prev starts as
+    Per call, for a tensor of >= 2 dims: M = x + residual; P = orth(M Q_prev); Q = M^T P
+    (or, when that keeps less than r / n of M's energy, M's r largest rows exactly:
+    :func:`_contractive`); send (P, Q); residual = M - P Q^T; keep Q for the next call
+    (the warm start that lets one power step per round track the top singular space
+    over rounds). Q_prev starts as
     a standard normal matrix drawn from a generator seeded by (config.seed, name).
 
     Tensors of fewer than two dims (or empty ones) go through ``config.fallback``
@@ -249,12 +310,17 @@ class PowerSGDEncoder:
             mat = res.add_(mat)  # M = x + residual, in the residual's own buffer
             owned = True
         q = self.q.get(name)
-        if q is None or q.shape != (m, r):
+        fresh = q is None or q.shape != (m, r)
+        if fresh:
             g = torch.Generator().manual_seed(_derived_seed(self.config.seed, name))
             q = torch.randn(m, r, generator=g)
-        p, q = power_step(mat, q)
+        for i in range(self.config.iters):
+            if i or not fresh:
+                q = _unit_columns(q)
+            p, q = power_step(mat, q)
         if not (all_finite(p) and all_finite(q)):
             raise ValueError(f"cannot encode tensor {name!r}: its update (plus the residual) holds NaN or Inf")
+        p, q = _contractive(mat, p, q, r)
         self.q[name] = q
         # M - P Q^T, fused into one pass over M (addmm) and in place when M is a buffer of
         # our own. BLAS's P Q^T matches the decoder's exact reconstruct() to float32

@@ -2,9 +2,10 @@
 
 A client's update is the delta between the weights it trained and the weights it
 received. :class:`UpdateEncoder` encodes each floating-point tensor of that delta with the
-configured compressor. Tensors smaller than ``min_numel`` (biases, norm scales) and 1-D
-tensors under PowerSGD go with a small-tensor codec (``raw`` or a cast) instead, as the
-compression papers do. All encoder state (error-feedback residuals, PowerSGD's Q, DGC's
+configured compressor, following the per-tensor plan of :mod:`fededge.compress.plan`:
+normalisation statistics go ``raw``, tensors smaller than ``min_numel`` and 1-D tensors
+(biases, norm scales; unless ``compress_1d``) go with a small-tensor codec (``raw`` or a
+cast), as torch's PowerSGD hook and the compression papers do. All encoder state (error-feedback residuals, PowerSGD's Q, DGC's
 velocity and accumulation) is in one ``state_dict()`` of tensors that fits in Flower's
 ``context.state``. :func:`decode_update` is the server's side: stateless.
 
@@ -25,6 +26,7 @@ from fededge.compress import (
 )
 from fededge.compress.codec import Codec
 from fededge.compress.codecs import SPARSE_VALUES
+from fededge.compress.plan import tensor_role
 
 __all__ = ["COMPRESSORS", "DOWNLINK", "UNBIASED", "DownlinkConfig", "UpdateConfig", "UpdateEncoder", "decode_update"]
 
@@ -34,6 +36,8 @@ COMPRESSORS: tuple[str, ...] = ("none", *CODECS, "dgc")
 #: with these (random-k's d/k rescaling makes the residual grow without bound).
 UNBIASED: tuple[str, ...] = ("qsgd", "terngrad", "randk")
 _SMALL = ("raw", "fp16", "bf16")
+#: What a client's normalisation statistics describe ([norm-stats]; :class:`UpdateConfig`).
+NORM_STATS: tuple[str, ...] = ("decoded", "trained")
 #: What the server may cast the model it broadcasts to ([downlink-compressor];
 #: :class:`~fededge.strategies.compressed.Compressed`'s and DGA's ``downlink``).
 DOWNLINK: tuple[str, ...] = ("none", "fp16", "bf16")
@@ -77,16 +81,32 @@ class UpdateConfig:
         accumulate their own error and ignore this knob.
     lossless : bool
         [lossless] zlib the body of every payload.
-    qsgd_levels, qsgd_bucket, topk_ratio, topk_values, powersgd_rank, int8_block, threshold_tau : codec knobs
+    qsgd_levels, qsgd_bucket, topk_ratio, topk_values, powersgd_rank, powersgd_iters, int8_block, threshold_tau : codec knobs
         [qsgd-levels, qsgd-bucket (elements per norm; 0 = one per tensor), topk-ratio and
         topk-values (top-k and random-k: the kept fraction, and the values' precision on the
-        wire, fp32, fp16 or bf16), powersgd-rank, int8-block, threshold-tau].
+        wire, fp32, fp16 or bf16), powersgd-rank, powersgd-iters (power iterations per
+        round, at the same bytes; 2 by default, which halved the accuracy swings of the
+        BatchNorm CNN against the paper's 1, BENCHMARKS.md issue 36), int8-block,
+        threshold-tau].
     dgc_sparsity, dgc_warmup_rounds, dgc_momentum, dgc_clip_norm : DGC knobs
         [dgc-sparsity (final), dgc-warmup-rounds, dgc-momentum, dgc-clip-norm (0: none)].
     min_numel : int
         [compress-min-numel] Tensors with fewer elements go with ``small_codec``.
+    compress_1d : bool
+        [compress-1d] Send 1-D tensors of ``min_numel`` elements or more (biases,
+        normalisation scales) through the compressor too. Off by default: they go with
+        ``small_codec``, as in torch's PowerSGD hook. PowerSGD sends them with
+        ``small_codec`` either way. Normalisation statistics (``running_mean``,
+        ``running_var``) always go ``raw`` (:mod:`fededge.compress.plan`).
     small_codec : str
         [compress-small-codec] ``raw``, ``fp16`` or ``bf16``.
+    norm_stats : str
+        [norm-stats] Which normalisation statistics a client sends (always ``raw``):
+        ``decoded`` (default), those of the model the server will hold from it, the
+        received model plus the update as it decodes, recomputed on a few local batches
+        by the train function (:func:`fededge.clients.mods.offer_norm_statistics`;
+        fededge's ClientApp does); ``trained``, those it trained with, which describe its
+        local model and, under a lossy codec, a model the server never holds.
     seed : int
         Seeds stochastic codecs and PowerSGD's initial Q (with the client's stream).
     """
@@ -99,6 +119,7 @@ class UpdateConfig:
     topk_ratio: float = 0.01
     topk_values: str = "fp32"
     powersgd_rank: int = 2
+    powersgd_iters: int = 2
     int8_block: int = 0
     threshold_tau: float = 1e-3
     dgc_sparsity: float = 0.999
@@ -106,7 +127,9 @@ class UpdateConfig:
     dgc_momentum: float = 0.9
     dgc_clip_norm: float = 0.0
     min_numel: int = 256
+    compress_1d: bool = False
     small_codec: str = "raw"
+    norm_stats: str = "decoded"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -116,6 +139,8 @@ class UpdateConfig:
             raise ValueError(f"small codec must be one of {', '.join(_SMALL)}; got {self.small_codec!r}")
         if self.min_numel < 0:
             raise ValueError(f"min_numel must be >= 0, got {self.min_numel}")
+        if self.norm_stats not in NORM_STATS:
+            raise ValueError(f"'norm-stats': must be one of {', '.join(NORM_STATS)}, got {self.norm_stats!r}")
         if self.error_feedback and self.compressor in UNBIASED:
             raise ValueError(
                 f"'error-feedback': error feedback is for biased codecs (onebit, signsgd, "
@@ -130,8 +155,10 @@ class UpdateConfig:
 
     def wire_codecs(self) -> tuple[str, ...]:
         """The codecs this config's payloads name in their headers, the main one first:
-        the compressor's (``dgc`` sends top-k payloads), then ``small_codec`` (small
-        tensors, and PowerSGD's 1-D ones). Empty for ``none``: the update is not encoded.
+        the compressor's (``dgc`` sends top-k payloads), then ``small_codec`` (small and
+        1-D tensors), then ``raw`` (normalisation statistics). Empty for ``none``: the
+        update is not encoded. Which tensor goes with which is the plan's
+        (:class:`fededge.compress.plan.UpdatePlan`).
 
         Examples
         --------
@@ -141,10 +168,11 @@ class UpdateConfig:
         if self.compressor == "none":
             return ()
         main = "topk" if self.compressor == "dgc" else self.compressor
-        return tuple(dict.fromkeys((main, self.small_codec)))
+        return tuple(dict.fromkeys((main, self.small_codec, "raw")))
 
-    def variance_factor(self, numel: int) -> float:
-        """omega of the codec a tensor of ``numel`` elements goes with:
+    def variance_factor(self, numel: int, *, name: str = "", shape: tuple[int, ...] | None = None) -> float:
+        """omega of the codec a tensor of ``numel`` elements (of ``shape``, named ``name``:
+        its role in the plan, :mod:`fededge.compress.plan`) goes with:
         ``E||Q(x) - x||^2 <= omega ||x||^2`` for the unbiased codecs, 0 for the others
         (biased codecs are contractions instead; the small-tensor codecs are exact or
         casts).
@@ -159,6 +187,8 @@ class UpdateConfig:
         """
         if numel < 1 or numel < self.min_numel:
             return 0.0
+        if shape is not None and tensor_role(name, tuple(shape), True, self) != "matrix":
+            return 0.0  # a statistic, or a 1-D tensor: raw or the small cast
         c = self.compressor
         if c == "qsgd":
             d = min(self.qsgd_bucket or numel, numel)
@@ -181,7 +211,8 @@ class UpdateConfig:
                     final_sparsity=self.dgc_sparsity, warmup_rounds=self.dgc_warmup_rounds,
                     momentum=self.dgc_momentum, clip_norm=self.dgc_clip_norm or None))
             if c == "powersgd":
-                _named("powersgd-rank", lambda: PowerSGDConfig(rank=self.powersgd_rank))
+                _named("powersgd-rank / powersgd-iters",
+                       lambda: PowerSGDConfig(rank=self.powersgd_rank, iters=self.powersgd_iters))
             return None
         key = {"qsgd": "qsgd-levels / qsgd-bucket", "topk": "topk-ratio", "randk": "topk-ratio", "int8": "int8-block",
                "threshold": "threshold-tau"}.get(c, "compressor")
@@ -222,8 +253,10 @@ class UpdateEncoder:
         self.stream = stream
         self.codec = config.build_codec()
         self.small = build_codec(config.small_codec, lossless=config.lossless)
+        self.raw = build_codec("raw", lossless=config.lossless)
         self.feedback = ErrorFeedback(self.codec) if (self.codec is not None and config.error_feedback) else None
-        self.powersgd = (PowerSGDEncoder(PowerSGDConfig(rank=config.powersgd_rank, seed=config.seed * 1_000_003 + stream,
+        self.powersgd = (PowerSGDEncoder(PowerSGDConfig(rank=config.powersgd_rank, iters=config.powersgd_iters,
+                                                        seed=config.seed * 1_000_003 + stream,
                                                         fallback=config.small_codec, lossless=config.lossless))
                          if config.compressor == "powersgd" else None)
         self.dgc = (DGCEncoder(DGCConfig(final_sparsity=config.dgc_sparsity, warmup_rounds=config.dgc_warmup_rounds,
@@ -238,18 +271,20 @@ class UpdateEncoder:
         return g
 
     def encode(self, delta: dict[str, torch.Tensor], *, round: int) -> dict[str, bytes]:
-        """Payloads of every floating-point tensor of ``delta`` (``round`` is 0-based)."""
+        """Payloads of every floating-point tensor of ``delta`` (``round`` is 0-based),
+        each with the codec its role in the plan gives it (:mod:`fededge.compress.plan`)."""
         out: dict[str, bytes] = {}
         for i, (name, x) in enumerate(delta.items()):
             x = x.detach().float().cpu()
-            small = x.numel() < self.config.min_numel
-            if self.powersgd is not None:
-                # PowerSGD sends 1-D and small tensors with its fallback codec itself.
-                out[name] = self.small.encode(x) if small else self.powersgd.encode(name, x)
-            elif self.dgc is not None:
-                out[name] = self.small.encode(x) if small else self.dgc.encode(name, x, round=round)
-            elif small:
+            role = tensor_role(name, tuple(x.shape), True, self.config)
+            if role == "statistic":
+                out[name] = self.raw.encode(x)
+            elif role != "matrix":
                 out[name] = self.small.encode(x)
+            elif self.powersgd is not None:
+                out[name] = self.powersgd.encode(name, x)
+            elif self.dgc is not None:
+                out[name] = self.dgc.encode(name, x, round=round)
             elif self.feedback is not None:
                 out[name] = self.feedback.encode(name, x, generator=self._generator(round, i))
             else:

@@ -40,6 +40,7 @@ torch.Size([4, 10])
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -58,8 +59,36 @@ __all__ = [
     "count_parameters",
 ]
 
-MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-bn", "cnn-fedavg", "resnet18")
-"""Names accepted by :func:`build_model`."""
+MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-bn", "cnn-fedavg", "resnet18", "resnet18-w16")
+"""Names accepted by :func:`build_model`; ``resnet18-wN`` (N in 1..512) too: see
+:func:`resnet_width`."""
+
+_RESNET_WIDTH = re.compile(r"resnet18-w([0-9]+)")
+
+
+def resnet_width(name: str) -> int | None:
+    """The base width of a ResNet-18 name: 64 for ``resnet18``, N for ``resnet18-wN``
+    (stages of N, 2N, 4N and 8N channels; 1 <= N <= 512), None for any other name.
+
+    A width-reduced ResNet-18 keeps the architecture (depth, strides, BatchNorm,
+    shortcuts), so what a codec does to its layers carries over, at a fraction of the
+    compute: ``resnet18-w16`` has 701,466 parameters for 3x32x32 and 10 classes and
+    costs about 1/16 of ResNet-18's multiply-adds, a size a CPU trains in minutes.
+
+    >>> resnet_width("resnet18"), resnet_width("resnet18-w16"), resnet_width("cnn")
+    (64, 16, None)
+    """
+    if name == "resnet18":
+        return 64
+    match = _RESNET_WIDTH.fullmatch(name)
+    if match and 1 <= int(match.group(1)) <= 512:
+        return int(match.group(1))
+    return None
+
+
+def is_model_name(name: str) -> bool:
+    """Whether :func:`build_model` accepts ``name``."""
+    return name in MODELS or resnet_width(name) is not None
 
 _NORMS = ("batch", "group")
 
@@ -316,6 +345,9 @@ class CifarResNet(nn.Module):
         Normalisation layer; see :func:`resnet18_cifar`.
     num_groups : int
         Groups per GroupNorm layer when ``norm="group"``.
+    width : int
+        Channels of the first stage (64 in ResNet-18); the stages have width, 2, 4 and 8
+        times width.
     """
 
     def __init__(
@@ -326,17 +358,18 @@ class CifarResNet(nn.Module):
         in_channels: int = 3,
         norm: Literal["batch", "group"] = "batch",
         num_groups: int = 32,
+        width: int = 64,
     ) -> None:
         super().__init__()
 
         def norm_layer(channels: int) -> nn.Module:
             return _norm_layer(norm, channels, num_groups)
 
-        self.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-        self.bn1 = norm_layer(64)
+        self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False)
+        self.bn1 = norm_layer(width)
         stages = []
-        in_planes = 64
-        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), num_blocks)):
+        in_planes = width
+        for i, (planes, blocks) in enumerate(zip((width, 2 * width, 4 * width, 8 * width), num_blocks)):
             layers = []
             for j in range(blocks):
                 stride = 2 if (i > 0 and j == 0) else 1
@@ -347,7 +380,7 @@ class CifarResNet(nn.Module):
             stages.append(nn.Sequential(*layers))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.pool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * BasicBlock.expansion, num_classes)
+        self.fc = nn.Linear(8 * width * BasicBlock.expansion, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -361,6 +394,7 @@ def resnet18_cifar(
     in_channels: int = 3,
     norm: Literal["batch", "group"] = "batch",
     num_groups: int = 32,
+    width: int = 64,
 ) -> CifarResNet:
     """ResNet-18 for CIFAR-sized images (He et al. 2016; layout of kuangliu/pytorch-cifar).
 
@@ -382,8 +416,11 @@ def resnet18_cifar(
         running statistics, a common FL alternative (Hsieh et al. 2020, *The Non-IID Data
         Quagmire of Decentralized Machine Learning*). Same parameter count either way.
     num_groups : int, optional
-        Groups per GroupNorm layer (ignored for ``"batch"``); must divide 64. 32 is the
-        default of Wu & He 2018; Hsieh et al. use 2.
+        Groups per GroupNorm layer (ignored for ``"batch"``); must divide ``width``. 32 is
+        the default of Wu & He 2018; Hsieh et al. use 2.
+    width : int, optional
+        Channels of the first stage, 64 in ResNet-18; a smaller width (model name
+        ``resnet18-wN``) keeps the architecture at a fraction of the compute.
 
     Returns
     -------
@@ -400,12 +437,14 @@ def resnet18_cifar(
         raise ValueError(f"in_channels must be an integer >= 1, got {in_channels!r}")
     if norm not in _NORMS:
         raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
-    if norm == "group" and (not _is_int(num_groups) or num_groups < 1 or 64 % num_groups):
+    if not _is_int(width) or not 1 <= width <= 512:
+        raise ValueError(f"width must be an integer in 1..512, got {width!r}")
+    if norm == "group" and (not _is_int(num_groups) or num_groups < 1 or width % num_groups):
         raise ValueError(
-            f"num_groups must be a positive divisor of 64 (e.g. 2 or 32), got {num_groups!r}"
+            f"num_groups must be a positive divisor of width={width} (e.g. 2 or 32), got {num_groups!r}"
         )
     return CifarResNet(
-        (2, 2, 2, 2), num_classes, in_channels=in_channels, norm=norm, num_groups=num_groups
+        (2, 2, 2, 2), num_classes, in_channels=in_channels, norm=norm, num_groups=num_groups, width=width
     )
 
 
@@ -425,7 +464,7 @@ def _construct(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module
         return FedAvgCNN(shape, num_classes)
     # resnet18: three stride-2 stages shrink 8x8 to 1x1; smaller inputs would be all padding.
     _check_image_shape(name, shape, min_side=8)
-    return resnet18_cifar(num_classes, in_channels=shape[0])
+    return resnet18_cifar(num_classes, in_channels=shape[0], width=resnet_width(name) or 64)
 
 
 def build_model(
@@ -444,7 +483,8 @@ def build_model(
         ``"cnn-bn"`` (the same CNN with BatchNorm),
         ``"cnn-fedavg"`` (images with ``H, W >= 4``) or
         ``"resnet18"`` (CIFAR ResNet-18 with BatchNorm; for GroupNorm call
-        :func:`resnet18_cifar` directly).
+        :func:`resnet18_cifar` directly) or ``"resnet18-wN"`` (the same with N channels
+        in the first stage instead of 64, e.g. ``"resnet18-w16"``).
     input_shape : tuple of int
         Shape of one example, without the batch dimension: ``(1, 8, 8)`` for digits,
         ``(1, 28, 28)`` for MNIST, ``(3, 32, 32)`` for CIFAR, ``(features,)`` for tables.
@@ -475,8 +515,8 @@ def build_model(
     >>> all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
     True
     """
-    if name not in MODELS:
-        raise ValueError(f"name must be one of {MODELS}, got {name!r}")
+    if not is_model_name(name):
+        raise ValueError(f"name must be one of {MODELS} or resnet18-wN (N in 1..512), got {name!r}")
     shape = _check_input_shape(input_shape)
     num_classes = _check_num_classes(num_classes)
     if seed is None:

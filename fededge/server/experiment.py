@@ -27,6 +27,7 @@ from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.train import evaluate
+from fededge.compress.plan import UpdatePlan
 from fededge.config import ConfigError, RunConfig
 from fededge.models.zoo import count_parameters
 from fededge.server.grid import InProcessGrid
@@ -164,6 +165,9 @@ def run_experiment(
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     needed = cfg.clients_per_round if isinstance(cfg.clients_per_round, int) else 1
+    plan = UpdatePlan.build(cfg.update_config(), model.state_dict())
+    if plan.entries:  # printed once; the whole plan, tensor by tensor, is in config.json
+        plan.log(log)
     experiment = Experiment(
         evaluate_fn=evaluate_fn, results_dir=cfg.results_dir, run_id=run_id or new_run_id(cfg.run_name),
         netem=cfg.netem, netem_file=cfg.netem_file, compute_speed=cfg.compute_speed, sim_step_s=cfg.sim_step_s,
@@ -172,7 +176,8 @@ def run_experiment(
         min_nodes=max(needed, cfg.min_available_nodes), config=cfg.to_mapping(),
         metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
                   **({"inprocess_nodes": len(list(grid.get_node_ids()))} if isinstance(grid, InProcessGrid) else {}),
-                  "train_examples": len(ds.x_train), "test_examples": len(ds.x_test)},
+                  "train_examples": len(ds.x_train), "test_examples": len(ds.x_test),
+                  **({"update_plan": plan.as_json()} if plan.entries else {})},
         title=f"{cfg.strategy}, {cfg.model} on {cfg.dataset} ({cfg.partition}), device {device}",
     )
 

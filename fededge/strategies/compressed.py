@@ -34,6 +34,7 @@ from flwr.serverapp.strategy import Strategy
 from fededge import keys
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
+from fededge.compress.plan import PlanMismatchError, UpdatePlan
 from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
@@ -87,10 +88,11 @@ class Compressed(Strategy):
         ``none``, ``fp16`` or ``bf16``: cast the model the server broadcasts for training
         (halves ``bytes_down``). Evaluation messages go uncompressed.
     update : UpdateConfig, optional
-        The clients' compression, to check their updates against: a payload whose header
-        names another codec than ``update.wire_codecs()``, or an uncompressed reply when
+        The clients' compression, to check their updates against: a tensor whose payload
+        names another codec than the per-tensor plan of the model under ``update`` gives
+        it (:class:`fededge.compress.plan.UpdatePlan`), or an uncompressed reply when
         ``update`` compresses, is rejected with a :class:`CodecMismatchError` that names
-        both. None (default) accepts any codec the decoder knows.
+        the tensor and both codecs. None (default) accepts any codec the decoder knows.
 
     Examples
     --------
@@ -208,9 +210,10 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
         raise MalformedPayloadError(f"compressed record must hold one array '{keys.BUNDLE}', has "
                                     f"{list(rec.keys())[:5]}")
     payloads = bundle_payloads(rec)
+    raw = record_to_torch(content[keys.UNCOMPRESSED]) if keys.UNCOMPRESSED in content else {}
     if expect is not None:
         _check_codecs(payloads, expect)
-    raw = record_to_torch(content[keys.UNCOMPRESSED]) if keys.UNCOMPRESSED in content else {}
+        _check_plan(payloads, raw, sent, expect)
     deltas = decode_update(payloads, max_elements=largest)
     full: dict[str, np.ndarray] = {}
     for name, old in sent.items():
@@ -253,6 +256,23 @@ def _check_codecs(payloads: dict[str, bytes], expect: UpdateConfig) -> None:
         if codec not in allowed:
             raise CodecMismatchError(f"client sent codec {codec!r} (tensor {name!r}), this server expects "
                                      f"{_expected(expect)}")
+
+
+def _check_plan(payloads: dict[str, bytes], raw: dict[str, torch.Tensor], sent: dict[str, torch.Tensor],
+                expect: UpdateConfig) -> None:
+    """Every tensor in the codec the plan of ``sent`` under ``expect`` gives it, and the
+    tensors sent as they are only those the plan sends so (its integers)."""
+    plan = UpdatePlan.build(expect, sent, with_bytes=False)
+    codecs = {name: peek_codec(p) for name, p in payloads.items()}
+    codecs.update({name: "as-is" for name in raw if name not in codecs})
+    try:
+        plan.check({n: c for n, c in codecs.items() if c != "as-is"})
+        for name in (n for n, c in codecs.items() if c == "as-is" and n in sent):
+            if plan.codec_of(name) is not None:
+                raise PlanMismatchError(f"tensor {name!r} came as it is (uncompressed); this server's plan gives "
+                                        f"it codec {plan.codec_of(name)!r}")
+    except PlanMismatchError as err:
+        raise CodecMismatchError(str(err)) from None
 
 
 def check_uncompressed(expect: UpdateConfig | None) -> None:

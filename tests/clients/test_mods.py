@@ -190,3 +190,90 @@ def test_dga_mod_keeps_its_updates_in_flight_as_stored_and_writes_the_same_state
     again = record_from_torch(DGAClient.from_state_dict(DGAConfig(), record_to_torch(last)).state_dict())
     assert list(again.keys()) == list(last.keys())
     assert again.object_id == last.object_id
+
+
+# ----------------------------------------------------------------- normalisation statistics
+
+
+def _bn_arrays() -> ArrayRecord:
+    return ArrayRecord({"conv.weight": torch.ones(4, 3), "bn.weight": torch.ones(4), "bn.running_mean": torch.zeros(4),
+                        "bn.running_var": torch.ones(4), "bn.num_batches_tracked": torch.tensor(3)})
+
+
+def _bn_step(offer: bool, seen: list):
+    """A train function that changes every tensor and, if ``offer``, offers statistics
+    that record the weights they were asked for."""
+    from fededge.clients.mods import offer_norm_statistics
+
+    def train(msg: Message, context: Context) -> Message:
+        sd = msg.content[keys.ARRAYS].to_torch_state_dict()
+        out = {k: (v + 0.5 if v.is_floating_point() else v + 20) for k, v in sd.items()}
+        if offer:
+            def stats(weights):  # noqa: ANN001, ANN202
+                seen.append({k: v.clone() for k, v in weights.items()})
+                return {"bn.running_mean": weights["conv.weight"].sum(1), "bn.running_var": torch.full((4,), 7.0)}
+            offer_norm_statistics(stats)
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.COMPUTE_S: 0.0})
+        return Message(RecordDict({keys.ARRAYS: ArrayRecord(out), keys.METRICS: metrics}), reply_to=msg)
+
+    return train
+
+
+@pytest.mark.parametrize("norm_stats", ["decoded", "trained"])
+def test_statistics_are_those_of_the_decoded_model_when_the_train_function_offers_them(norm_stats):
+    from fededge.compress.update import decode_update
+    from fededge.protocol import bundle_payloads
+
+    seen: list = []
+    update = UpdateConfig(compressor="signsgd", error_feedback=True, min_numel=0, norm_stats=norm_stats)
+    content = {keys.ARRAYS: _bn_arrays(), keys.CONFIG: _config({keys.SERVER_ROUND: 1})}
+    reply, _ = _call([CompressionMod(update)], content, train=_bn_step(True, seen))
+    got = decode_update(bundle_payloads(reply.content[keys.COMPRESSED]), max_elements=100)
+    assert reply.content[keys.UNCOMPRESSED]["bn.num_batches_tracked"].numpy() == 23  # the counter, as it is
+    if norm_stats == "trained":
+        assert not seen and torch.allclose(got["bn.running_var"], torch.full((4,), 0.5))  # trained 1.5, as deltas
+        return
+    # The weights asked about are the received model plus the update as it decodes: the
+    # sign codec sends conv's +0.5 as its scaled sign (exactly 0.5 here), bn.weight raw.
+    (weights,) = seen
+    assert torch.equal(weights["conv.weight"], torch.ones(4, 3) + got["conv.weight"])
+    assert torch.equal(weights["bn.weight"], torch.full((4,), 1.5))
+    assert int(weights["bn.num_batches_tracked"]) == 23
+    # What the server adds to its statistics takes them to the offered values.
+    assert torch.allclose(got["bn.running_mean"], weights["conv.weight"].sum(1))
+    assert torch.allclose(torch.ones(4) + got["bn.running_var"], torch.full((4,), 7.0))
+
+
+def test_without_an_offer_the_statistics_go_as_trained_and_a_warning_says_so(caplog):
+    import fededge.clients.mods as mods
+
+    mods._warned_norm_stats = False
+    content = {keys.ARRAYS: _bn_arrays(), keys.CONFIG: _config({keys.SERVER_ROUND: 1})}
+    update = UpdateConfig(compressor="signsgd", min_numel=0)
+    with caplog.at_level("WARNING"):
+        reply, _ = _call([CompressionMod(update)], content, train=_bn_step(False, []))
+    assert "offer_norm_statistics" in caplog.text and keys.COMPRESSED in reply.content
+
+
+def test_norm_statistics_are_the_models_own_and_leave_it_unchanged():
+    from fededge.clients.train import norm_statistics
+    from fededge.models.zoo import build_model
+
+    model = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    for b in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+        b.running_mean.fill_(5.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(100, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    stats = norm_statistics(model, x, batches=3, batch_size=20, seed=4)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # unchanged
+    assert set(stats) == {k for k in before if k.endswith(("running_mean", "running_var"))}
+    assert stats == {} or not torch.allclose(stats["features.1.running_mean"], torch.full_like(stats[
+        "features.1.running_mean"], 5.0))
+    # The first BatchNorm's mean is the conv output's mean over the 60 examples drawn.
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(4))[:60]
+    conv = model.features[0]
+    with torch.no_grad():
+        want = torch.stack([conv(x[order[i:i + 20]]).mean((0, 2, 3)) for i in range(0, 60, 20)]).mean(0)
+    assert torch.allclose(stats["features.1.running_mean"], want, atol=1e-5)
+    assert torch.equal(norm_statistics(model, x, batches=3, batch_size=20, seed=4)["features.1.running_var"],
+                       stats["features.1.running_var"])

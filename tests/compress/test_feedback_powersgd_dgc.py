@@ -124,6 +124,99 @@ def test_powersgd_warm_start_converges_to_the_best_rank_r_approximation():
     assert errs[-1] <= 1.01 * best < errs[0]
 
 
+def test_powersgd_error_feedback_stays_bounded_after_a_dead_warm_start():
+    """One zero update of a tensor leaves a warm-started Q of zero (Q' = M^T P = 0), and
+    from then on one power step sends nothing: the residual grew by every later update.
+    The encoder keeps at least r / n of M's energy (its r largest rows when the power
+    step keeps less), so error feedback stays bounded by sqrt(1-d) / (1 - sqrt(1-d))
+    times the largest update, d = r / n."""
+    n, m, r = 16, 12, 2
+    enc = PowerSGDEncoder(PowerSGDConfig(rank=r, seed=0))
+    enc.encode("w", torch.zeros(n, m))  # a frozen round
+    assert float(enc.q["w"].abs().max()) == 0.0  # the warm start is dead
+    d = r / n
+    bound = math.sqrt(1 - d) / (1 - math.sqrt(1 - d))
+    g = gen(7)
+    v = torch.randn(4, m, generator=g)
+    # Adversarial too: the same update again and again, in rows the dead P does not span.
+    peak = 0.0
+    for t in range(300):
+        x = torch.zeros(n, m)
+        x[n - 1 - t % 4] = v[t % 4]
+        peak = max(peak, float(x.norm()))
+        decode_any(enc.encode("w", x))
+        res = float(enc.residual["w"].norm())
+        assert res <= bound * peak * (1 + 1e-5), (t, res, bound * peak)
+    # The contraction itself: what is left is at most (1 - r/n) of M's energy.
+    x = torch.randn(n, m, generator=g)
+    m_energy = float((x + enc.residual["w"]).square().sum())
+    decode_any(enc.encode("w", x))
+    assert float(enc.residual["w"].square().sum()) <= (1 - d) * m_energy * (1 + 1e-5)
+
+
+def test_powersgd_without_the_guard_would_grow_without_bound():
+    """The same sequence through one plain warm-started power step (the rule before the
+    guard): the residual grows linearly, so the test above can fail."""
+    from fededge.compress.powersgd import power_step
+
+    n, m, r = 16, 12, 2
+    q = torch.zeros(m, r)
+    res = torch.zeros(n, m)
+    g = gen(7)
+    v = torch.randn(4, m, generator=g)
+    for t in range(300):
+        x = torch.zeros(n, m)
+        x[n - 1 - t % 4] = v[t % 4]
+        mat = x + res
+        p, q = power_step(mat, q)
+        res = mat - p @ q.T
+    assert float(res.norm()) > 50 * math.sqrt(m)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-12, 1.0, 1e12, 1e30])
+def test_powersgd_orthogonalisation_holds_for_ill_conditioned_and_extreme_scales(scale):
+    """P has orthonormal columns (Householder QR) for a delta of condition number 1e7 at
+    any float32 scale, from tiny (1e-30, where squares underflow) to large; the residual
+    never exceeds M, and the decoded tensor is finite."""
+    g = gen(11)
+    u, _ = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, -7, 48, dtype=torch.float64)
+    mat = ((u[:, :48] * s) @ v.T * scale).float()
+    enc = PowerSGDEncoder(PowerSGDConfig(rank=4, seed=1))
+    for _ in range(3):
+        enc.residual.clear()
+        y = decode_any(enc.encode("w", mat))
+        p = enc.q["w"]  # Q = M^T P; P itself is rebuilt from the payload below
+        assert torch.isfinite(y).all() and torch.isfinite(p).all()
+        assert float(enc.residual["w"].norm()) <= float(mat.norm()) * (1 + 1e-5)
+    header, body = unpack(enc.encode("w", mat))
+    P = torch.from_numpy(np.frombuffer(body[: 4 * 4 * 64], dtype="<f4").copy()).view(64, 4)
+    assert torch.allclose(P.T @ P, torch.eye(4), atol=1e-5)
+    # The top singular direction is found whatever the scale.
+    top = torch.from_numpy(u[:, 0].numpy()).float()
+    assert float((P.T @ top).norm()) > 0.999
+
+
+def test_powersgd_more_iterations_approach_the_best_rank_r_at_the_same_bytes():
+    g = gen(5)
+    u, _ = torch.linalg.qr(torch.randn(60, 60, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(40, 40, generator=g))
+    s = torch.tensor([10.0, 6.0, 4.0] + [2.0 * 0.9**i for i in range(37)])
+    m = (u[:, :40] * s) @ v.T
+    best = float(s[2:].norm())  # Eckart-Young: the optimal rank-2 error
+    errs, sizes = [], set()
+    for iters in (1, 2, 8):
+        enc = PowerSGDEncoder(PowerSGDConfig(rank=2, seed=0, iters=iters))
+        payload = enc.encode("w", m)
+        sizes.add(len(payload))
+        errs.append(float((decode_any(payload) - m).norm()))
+    assert len(sizes) == 1  # the same bytes
+    assert errs[2] <= 1.01 * best < errs[1] < errs[0]
+    with pytest.raises(ValueError, match="iters must be an integer in 1..100"):
+        PowerSGDConfig(iters=0)
+
+
 def test_powersgd_fallback_seed_and_state():
     enc = PowerSGDEncoder(PowerSGDConfig(rank=2, seed=7, fallback="fp16"))
     b = torch.randn(10, generator=gen())

@@ -27,6 +27,7 @@ SHAPES = {
     "cnn-bn": [DIGITS, CIFAR],
     "cnn-fedavg": [DIGITS, MNIST, CIFAR, (3, 8, 12)],
     "resnet18": [CIFAR, MNIST, DIGITS],
+    "resnet18-w16": [CIFAR, DIGITS],
 }
 CASES = [(name, shape) for name in MODELS for shape in SHAPES[name]]
 
@@ -206,7 +207,7 @@ def test_count_parameters_trainable_only_skips_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"name": "vgg"}, "name must be one of ('mlp', 'cnn', 'cnn-bn', 'cnn-fedavg', 'resnet18')"),
+        ({"name": "vgg"}, "name must be one of ('mlp', 'cnn', 'cnn-bn', 'cnn-fedavg', 'resnet18', 'resnet18-w16') or resnet18-wN"),
         ({"num_classes": 1}, "num_classes"),
         ({"num_classes": 2.0}, "num_classes"),
         ({"num_classes": True}, "num_classes"),
@@ -244,3 +245,20 @@ def test_bad_resnet_arguments_raise_value_error_naming_them(kwargs: dict, needle
     args = {"num_classes": 10} | kwargs
     with pytest.raises(ValueError, match=needle):
         resnet18_cifar(**args)
+
+
+def test_width_reduced_resnet18_keeps_the_architecture() -> None:
+    """resnet18-wN is ResNet-18 with N, 2N, 4N and 8N channels: the same tensors by name,
+    each conv's channels scaled, and 1/16 of the parameters' order at N = 16."""
+    full = build_model("resnet18", input_shape=CIFAR, num_classes=10, seed=0).state_dict()
+    narrow = build_model("resnet18-w16", input_shape=CIFAR, num_classes=10, seed=0).state_dict()
+    assert list(full) == list(narrow)
+    assert narrow["layer4.1.conv2.weight"].shape == (128, 128, 3, 3)
+    assert narrow["fc.weight"].shape == (10, 128)
+    assert count_parameters(build_model("resnet18-w16", input_shape=CIFAR, num_classes=10)) == 701_466
+    assert resnet18_cifar(10, width=8).fc.in_features == 64
+    for bad in ("resnet18-w0", "resnet18-w513", "resnet18-wide", "resnet18-w"):
+        with pytest.raises(ValueError, match="resnet18-wN"):
+            build_model(bad, input_shape=CIFAR, num_classes=10)
+    with pytest.raises(ValueError, match="width must be an integer in 1..512"):
+        resnet18_cifar(10, width=0)
