@@ -54,7 +54,7 @@ from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,
 )
 from fededge.arrays import record_from_torch, record_to_torch, to_numpy
-from fededge.compress.plan import is_counter, is_statistic
+from fededge.compress.roles import is_counter, is_statistic
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
 from fededge.errors import ConfigError

@@ -42,75 +42,18 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fededge.compress.update import UpdateConfig
+from fededge.compress.roles import (
+    COUNTERS, ROLES, STATISTICS, PlanMismatchError, is_counter, is_statistic, role_codec, tensor_role,
+)
+from fededge.compress.update import UpdateConfig, UpdateEncoder
 
 __all__ = ["COUNTERS", "ROLES", "STATISTICS", "PlanEntry", "PlanMismatchError", "UpdatePlan", "is_counter", "is_statistic",
            "tensor_role"]
-
-#: The roles a tensor can have, in the order the rule decides them.
-ROLES: tuple[str, ...] = ("integer", "statistic", "small", "vector", "matrix")
-#: Last name components of normalisation statistics (torch's BatchNorm, InstanceNorm and
-#: SyncBatchNorm buffers). ``num_batches_tracked`` is an integer and goes as it is.
-STATISTICS: tuple[str, ...] = ("running_mean", "running_var")
-#: Last name components of integer counters, sent as they are whatever dtype a server's
-#: aggregation left them in (FedAvg averages BatchNorm's counter into a float).
-COUNTERS: tuple[str, ...] = ("num_batches_tracked",)
-
-
-class PlanMismatchError(ValueError):
-    """A payload's codec is not what the plan gives its tensor: the client and the server
-    hold different compression configs (or a different model)."""
-
-
-def is_counter(name: str) -> bool:
-    """Whether ``name`` is an integer counter (sent as it is, whatever its dtype).
-
-    >>> is_counter("bn1.num_batches_tracked")
-    True
-    """
-    return name.rsplit(".", 1)[-1] in COUNTERS
-
-
-def is_statistic(name: str) -> bool:
-    """Whether ``name`` is a normalisation statistic (by its last dotted component).
-
-    >>> is_statistic("layer1.0.bn1.running_var"), is_statistic("layer1.0.bn1.weight")
-    (True, False)
-    """
-    return name.rsplit(".", 1)[-1] in STATISTICS
-
-
-def tensor_role(name: str, shape: tuple[int, ...], floating: bool, config: UpdateConfig) -> str:
-    """The role of one tensor under ``config`` (see the module docstring)."""
-    if not floating or is_counter(name):
-        # By name too: a server whose strategy averaged the counter holds it as a float.
-        return "integer"
-    if is_statistic(name):
-        return "statistic"
-    numel = int(np.prod(shape)) if shape else 1
-    if numel < 1 or numel < config.min_numel:
-        return "small"
-    if len(shape) < 2 and (not config.compress_1d or config.compressor == "powersgd"):
-        return "vector"
-    return "matrix"
-
-
-def role_codec(role: str, config: UpdateConfig) -> str | None:
-    """The wire codec of a role under ``config``; None for integers (sent as they are)."""
-    if role == "integer":
-        return None
-    if role == "statistic":
-        return "raw"
-    if role in ("small", "vector"):
-        return config.small_codec
-    return "topk" if config.compressor == "dgc" else config.compressor
-
 
 @dataclass(frozen=True)
 class PlanEntry:
@@ -179,8 +122,6 @@ class UpdatePlan:
 
     def _with_bytes(self, config: UpdateConfig) -> UpdatePlan:
         import dataclasses
-
-        from fededge.compress.update import UpdateEncoder
 
         encoder = UpdateEncoder(dataclasses.replace(config, lossless=False), stream=0)
         g = torch.Generator().manual_seed(0)

@@ -26,7 +26,7 @@ from fededge.compress import (
 )
 from fededge.compress.codec import Codec
 from fededge.compress.codecs import SPARSE_VALUES
-from fededge.compress.plan import tensor_role
+from fededge.compress.roles import tensor_role
 
 __all__ = ["COMPRESSORS", "DOWNLINK", "UNBIASED", "DownlinkConfig", "UpdateConfig", "UpdateEncoder", "decode_update"]
 
