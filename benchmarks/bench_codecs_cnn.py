@@ -54,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fededge.compress.plan as plan_mod  # noqa: E402
+import fededge.compress.roles as roles_mod  # noqa: E402
 import fededge.compress.powersgd as psgd_mod  # noqa: E402
 import fededge.server.experiment as experiment_mod  # noqa: E402
 from fededge.server.inprocess import run_inprocess  # noqa: E402
@@ -127,7 +127,7 @@ def switches(over: dict) -> Iterator[dict]:
     recal = mode in ("recal", "lag")
     previous: dict = {}
     counter = {"guard": 0, "calls": 0}
-    saved = (plan_mod.STATISTICS, psgd_mod._contractive, experiment_mod.evaluate)
+    saved = (roles_mod.STATISTICS, psgd_mod._contractive, experiment_mod.evaluate)
     original, evaluate = psgd_mod._contractive, experiment_mod.evaluate
 
     def recalibrated(model, x, y, **kw):  # noqa: ANN001, ANN202, ANN003
@@ -164,13 +164,13 @@ def switches(over: dict) -> Iterator[dict]:
 
     try:
         if stats == "codec":
-            plan_mod.STATISTICS = ()
+            roles_mod.STATISTICS = ()
         psgd_mod._contractive = counted
         if recal:
             experiment_mod.evaluate = recalibrated
         yield over, counter
     finally:
-        plan_mod.STATISTICS, psgd_mod._contractive, experiment_mod.evaluate = saved
+        roles_mod.STATISTICS, psgd_mod._contractive, experiment_mod.evaluate = saved
 
 
 def run(label: str, over: dict, base: dict, clients: int, seed: int, out: Path) -> dict:
