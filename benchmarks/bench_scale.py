@@ -26,6 +26,16 @@ IID. Columns:
   divided by the workers).
 - ``held``: clients holding a state at the end (a stateful compressor's residual).
 
+A row's ``workers`` may end in ``c`` (``1c``, ``2c``): the same run with ``cohort = true``,
+each round's clients trained as one batched program (fededge/clients/cohort.py) in the
+run's own process, with its torch threads (every core). Its ``floor`` is the per-client
+floor over every core: a cohort client's ``compute_s`` is what one client of its group
+took training on its own (fededge/clients/cohort.py), so their sum over the cores is what
+the per-client path cannot beat with that many workers, and a ratio under 1 is a cohort
+beating it. A third table sets each
+cohort row against the per-client rows of the same configuration (speed-up = their
+s/round over the cohort row's).
+
 A row's ``workers`` may be ``ray``: the same configuration under Flower's simulation
 (``flwr run`` on a private local SuperLink, ``fededge.deploy.launch.flwr_run_local``), one
 CPU per virtual client, ``client-states`` passed on (``disk``: fededge's ClientApp keeps
@@ -204,8 +214,9 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
         cores, self_kb, all_kb = os.cpu_count() or 1, rss_kb, rss_kb
     else:
         with _timed_phases() as phases, _sampled(_tree_pss_kb) as pss:
-            run_dir = run_inprocess(overrides, num_clients=clients, workers=int(workers))
-        cores = int(workers)
+            run_dir = run_inprocess(overrides | {"cohort": workers.endswith("c")}, num_clients=clients,
+                                    workers=int(workers.removesuffix("c")))
+        cores = (os.cpu_count() or 1) if workers.endswith("c") else int(workers)
         self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         all_kb = self_kb + (cores - 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -315,7 +326,9 @@ def _strict(rows: list[dict]) -> None:
     def match(r: dict) -> float | None:
         return alone.get((*key(r), r["states"]), alone.get(key(r)))
 
-    pairs = [(r, c) for r in rows if r["workers"] not in ("1", "ray") and (c := match(r)) is not None]
+    _cohorts(rows, key)
+    pairs = [(r, c) for r in rows if r["workers"] not in ("1", "ray") and not r["workers"].endswith("c")
+             and (c := match(r)) is not None]
     if not pairs:
         return
     print("\nagainst the one-process row's compute (strict floor = its compute / workers):")
@@ -323,6 +336,19 @@ def _strict(rows: list[dict]) -> None:
     for r, compute in pairs:
         floor = compute / int(r["workers"])
         print(f"{r['row']:>40} {r['round_s']:>8.3f} {floor:>13.3f} {r['round_s'] / floor:>6.2f}")
+
+
+def _cohorts(rows: list[dict], key) -> None:  # noqa: ANN001
+    """Each cohort row against the per-client rows of the same configuration."""
+    pairs = [(c, r) for c in rows if c["workers"].endswith("c")
+             for r in rows if not r["workers"].endswith("c") and key(r) == key(c) and r["states"] == c["states"]]
+    if not pairs:
+        return
+    print("\ncohort against per-client (speed-up = per-client s/round / cohort s/round):")
+    print(f"{'row':>40} {'per-client workers':>18} {'per-client s/round':>18} {'cohort s/round':>14} {'speed-up':>8}")
+    for c, r in pairs:
+        print(f"{c['row']:>40} {r['workers']:>18} {r['round_s']:>18.3f} {c['round_s']:>14.3f} "
+              f"{r['round_s'] / c['round_s']:>8.2f}")
 
 
 if __name__ == "__main__":

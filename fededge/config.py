@@ -217,6 +217,13 @@ class RunConfig:
         will hold when the uplink is compressed (``norm-stats = "decoded"``). 8 by
         default: the statistics of 256 examples, for 8 forward passes against the 20
         forward and backward passes of a round's training.
+    cohort : bool
+        In the in-process runtime (``fededge run``), train each round's clients that
+        share their local-SGD settings as one batched program
+        (:mod:`fededge.clients.cohort`): the same per-client models to float rounding,
+        each client's mods, state and bytes as before (BatchNorm statistics per client
+        too). Models with dropout train per client. No effect under Flower's simulation or on a SuperLink, where each node
+        runs its own messages.
     client_threads : int
         torch intra-op threads for local training (``torch.set_num_threads``); 0 keeps
         torch's default (one per core). The default 1 suits simulation, where many
@@ -315,6 +322,7 @@ class RunConfig:
     server_device: str = "auto"
     deterministic: bool = True
     norm_stats_batches: int = 8
+    cohort: bool = False
     client_threads: int = 1
     target_accuracy: float = ResultsConfig.target_accuracy
     results_dir: str = ResultsConfig.results_dir

@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
 done
 # test_fuzz.py is left out: it checks that malformed bytes are refused, and compares no
 # float result across code paths (it takes a third of the time).
-tests=(tests/compress tests/algorithms tests/topology tests/clients/test_train.py
+tests=(tests/compress tests/algorithms tests/topology tests/clients/test_train.py tests/clients/test_cohort.py
        --ignore=tests/compress/test_fuzz.py)
 own=""  # empty: the variable is unset and the library picks the CPU's best path
 if [ $full = 1 ]; then

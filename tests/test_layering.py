@@ -44,6 +44,7 @@ PURE = {
     "fededge.runconfig_text": "the --run-config text format",
     "fededge.clients.train": "local SGD and evaluation, shared by the server's evaluation",
     "fededge.clients.device": "the device choice, shared by the server's evaluation",
+    "fededge.clients.cohort": "a round's local SGD as one batched program, which the in-process grid runs",
     "fededge.server.results": "metrics.jsonl / summary.json, read back by the analysis tools",
     "fededge.strategies.report": "how a strategy reports its round, without Flower",
     "fededge.deploy.certs": "certificates for a deployment, made on any machine",
@@ -98,13 +99,14 @@ RULES = [
          allowed_lazy=frozenset(PURE_EXCEPTIONS),
          why="the pure cores import no Flower, no Ray and no fededge module outside the pure cores"),
     Rule(who=("fededge.server.*", "fededge.strategies.*"), never=("fededge.clients.*",),
-         allowed=("fededge.clients.train", "fededge.clients.device"),
+         allowed=("fededge.clients.train", "fededge.clients.device", "fededge.clients.cohort"),
          # run_inprocess runs fededge's own ClientApp when given none; it imports it in the
          # function, so that the server side imports no client code at module level.
          allowed_lazy=frozenset({("fededge.server.inprocess", "fededge.clients.app")}),
          why="the server side never imports the client side (shared names are in fededge.keys, "
              "record formats in fededge.protocol); it evaluates with the clients' own pure "
-             "train.py on their device choice: one evaluation, not two"),
+             "train.py on their device choice: one evaluation, not two; the in-process grid "
+             "runs a round's messages through the pure cohort.py, which trains their local SGD together"),
     Rule(who=("fededge.strategies.*",), never=("fededge.server.*",), allowed=("fededge.server.results",),
          why="the server drives the strategies, never the other way; a strategy tells the "
              "measurement what its round did through strategies/report.py"),

@@ -35,7 +35,8 @@ from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod, offer_norm_statistics
 from fededge.clients.preview import PreviewMod
 from fededge.clients.statestore import StateSpillMod, StateStoreMod
-from fededge.clients.train import BatchSampler, evaluate, local_sgd, norm_statistics, scheduled_lr
+from fededge.clients.cohort import local_sgd
+from fededge.clients.train import BatchSampler, evaluate, norm_statistics, scheduled_lr
 from fededge.config import RunConfig
 from fededge.netem.assign import dropped_partitions
 from fededge.models.zoo import build_model
@@ -229,7 +230,9 @@ def train(msg: Message, context: Context) -> Message:
         )
         if work.device.type == "cuda":
             torch.cuda.synchronize(work.device)
-        compute_s = time.perf_counter() - t0
+        # In a cohort (clients.cohort.run_together) the call also waited for the others:
+        # this client is charged what one client of its group takes on its own instead.
+        compute_s = time.perf_counter() - t0 if result.compute_s is None else result.compute_s
     finally:
         torch.set_num_threads(threads)  # the process may be shared (in-process runtime)
 

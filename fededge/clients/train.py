@@ -126,6 +126,10 @@ class LocalResult:
     mean_loss: float  # mean data loss over the steps (without the proximal term)
     steps: int
     examples_seen: int
+    #: The seconds of compute this client is charged when it trained in a cohort
+    #: (:mod:`fededge.clients.cohort`: what one client of its group takes on its own);
+    #: None on its own, where the caller times the call.
+    compute_s: float | None = None
 
 
 def local_sgd(

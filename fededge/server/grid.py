@@ -38,6 +38,7 @@ import os
 import random
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,13 @@ class InProcessGrid(Grid):
         torch threads for the clients in every process when ``workers > 1``.
     client_app_ref : str, optional
         ``"module:attribute"`` of ``client_app`` for the workers.
+    cohort : bool
+        Run a batch of messages (a round's) together in this process
+        (:func:`fededge.clients.cohort.run_together`): each message still runs its
+        ClientApp and mods on its own, one at a time and in order, but the local SGD of
+        fededge's ClientApp trains the round's clients as one batched program. A ClientApp
+        that does not call :func:`fededge.clients.cohort.local_sgd` runs as it would
+        without it. The workers (``workers > 1``) are then not used for such batches.
     """
 
     #: Each node's messages run one at a time, in push order (checked by strategies
@@ -118,6 +126,7 @@ class InProcessGrid(Grid):
         workers: int = 1,
         worker_threads: int = 1,
         client_app_ref: str | None = None,
+        cohort: bool = False,
     ) -> None:
         global _checked
         if not _checked:
@@ -156,6 +165,7 @@ class InProcessGrid(Grid):
         self.states: NodeStates = make_states(client_states, states_dir)
         self.workers = workers
         self.worker_threads = worker_threads
+        self.cohort = cohort
         self._pool: WorkerPool | None = None
         self._run = fi.empty_run(run_id)
         # message id -> (destination node, root object id, serialised objects), in push order
@@ -328,6 +338,8 @@ class InProcessGrid(Grid):
     # -- delivery ------------------------------------------------------------------
     def _run_batch(self, batch: list[tuple[str, int, str, dict[str, bytes]]]) -> dict[str, Message]:
         """Run ``batch`` (in push order); one node's messages in order, one at a time."""
+        if self.cohort and len(batch) > 1:
+            return self._run_cohorts(batch)
         if self.workers == 1 or len(batch) == 1:
             return {mid: self._execute(mid, nid, root, objects) for mid, nid, root, objects in batch}
         pool = self.start_workers()
@@ -376,6 +388,37 @@ class InProcessGrid(Grid):
                 continue
             for job, result in pool.collect(timeout=None):
                 replies[job[0]] = self._finish(job, result, running)
+        return replies
+
+    def _run_cohorts(self, batch: list[tuple[str, int, str, dict[str, bytes]]]) -> dict[str, Message]:
+        """Run ``batch`` in waves of messages to distinct nodes (a node's second message
+        is in the next wave: its messages stay in order), each wave's with
+        :func:`~fededge.clients.cohort.run_together`, so that their local SGD trains as
+        cohorts. Everything else is :meth:`_execute`'s: the node's state, the wire, the
+        error replies."""
+        from fededge.clients.cohort import run_together
+
+        replies: dict[str, Message] = {}
+        waves: list[list[tuple[str, int, str, dict[str, bytes]]]] = []
+        last_wave: dict[int, int] = {}
+        for item in batch:
+            w = last_wave.get(item[1], -1) + 1
+            if w == len(waves):
+                waves.append([])
+            waves[w].append(item)
+            last_wave[item[1]] = w
+        for wave in waves:
+            # The states are taken and put back on this thread (the disk store's SQLite
+            # connection is this thread's); the calls run on run_together's threads.
+            calls = [partial(run_message, self.client_app, self._run.run_id, self.run_config, nid, mid, root,
+                             objects, self.node_config(nid), self.states.take(nid))
+                     for mid, nid, root, objects in wave]
+            for (mid, nid, _, _), (back, state, failure) in zip(wave, run_together(calls)):
+                self.messages_run += 1
+                self.states.put(nid, state)
+                if failure is not None:
+                    self._log_failure(nid, *failure)
+                replies[mid] = back
         return replies
 
     def _finish(self, job: Job, result: Any, running: set[int]) -> Message:

@@ -76,6 +76,7 @@ def run_inprocess(
         run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
         client_states=client_states or cfg.client_states, states_dir=states_dir, workers=workers,
         client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
+        cohort=cfg.cohort and client_app is None,  # a ClientApp of one's own keeps its own path
     )
     try:
         # A data split the clients cannot make stops the run here, before anything starts,

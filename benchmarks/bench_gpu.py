@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""fededge on a GPU against its pure-torch floor and the CPU (issue 35): one script, one table.
+
+Run it on a machine with a CUDA GPU (it takes about 6 minutes on an H100 with 16 cores);
+``--quick`` runs tiny sizes on any machine (CPU only where no GPU), to check the script.
+
+Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new user runs it):
+
+- **ResNet-18**, ``synthetic-images`` (CIFAR-shaped), 10 clients x 20 local steps, batch
+  32, every client every round: fededge on ``cuda``, fededge on the CPU (all cores), and
+  the **pure-torch floor**: the same 200 SGD steps (``fededge.clients.train.local_sgd``,
+  each client from the round's global weights, its data already on the device) with
+  nothing else, timed on the same GPU.
+- **MLP, 1,000 clients, 100 a round, signSGD + error feedback**, ``synthetic`` data:
+  per-client path with 1 and with 8 worker processes, and the cohort path
+  (``cohort = true``: each round's clients as one batched program), on ``cuda`` and on
+  the CPU.
+
+Columns: ``s/round`` (wall seconds per round over rounds 2..R: round 1 also builds the
+data and warms up), ``compute`` (the clients' summed ``compute_s`` per round: their
+local SGD, or their shares of the cohort's), ``vs floor`` (s/round over the pure-torch
+floor, ResNet rows) and ``vs best CPU`` (the best CPU row's s/round of the same workload
+over this row's). Record the output in BENCHMARKS.md with the machine and the commit.
+
+    python benchmarks/bench_gpu.py               # the table (GPU machine)
+    python benchmarks/bench_gpu.py --quick       # tiny sizes, any machine
+    python benchmarks/bench_gpu.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _workloads(quick: bool) -> dict[str, dict]:
+    if quick:
+        return {
+            "resnet": {"model": "resnet18-w8", "dataset": "synthetic-images", "synthetic-samples": 1200,
+                       "clients": 4, "local-steps": 3, "num-rounds": 3, "clients-per-round": 4},
+            "mlp": {"model": "mlp", "dataset": "synthetic", "synthetic-samples": 20000, "clients": 100,
+                    "local-steps": 5, "num-rounds": 3, "clients-per-round": 20, "compressor": "signsgd",
+                    "error-feedback": True},
+        }
+    return {
+        "resnet": {"model": "resnet18", "dataset": "synthetic-images", "synthetic-samples": 20000, "clients": 10,
+                   "local-steps": 20, "num-rounds": 5, "clients-per-round": 10},
+        "mlp": {"model": "mlp", "dataset": "synthetic", "synthetic-samples": 500000, "clients": 1000,
+                "local-steps": 20, "num-rounds": 8, "clients-per-round": 100, "compressor": "signsgd",
+                "error-feedback": True},
+    }
+
+
+def _rows(quick: bool, cuda: bool) -> list[dict]:
+    cpu_rounds = 2 if not quick else 3
+    rows = []
+    devices = (["cuda"] if cuda else []) + ["cpu"]
+    for dev in devices:
+        rows.append({"workload": "resnet", "device": dev, "path": "floor"})
+        rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 1,
+                     **({"num-rounds": cpu_rounds} if dev == "cpu" else {})})
+    for dev in devices:
+        for workers in (1, 8 if not quick else 2):
+            rows.append({"workload": "mlp", "device": dev, "path": "per-client", "workers": workers})
+        rows.append({"workload": "mlp", "device": dev, "path": "cohort", "workers": 1})
+    return rows
+
+
+def _floor(work: dict, device: str) -> dict:
+    """The same SGD steps in plain torch: each client from the global weights, its data
+    already on the device, nothing else (no messages, no aggregation)."""
+    import torch
+
+    from fededge.clients.train import BatchSampler, local_sgd
+    from fededge.config import RunConfig
+    from fededge.models.zoo import build_model
+    from fededge.workload import client_data, dataset_for
+
+    cfg = RunConfig.from_mapping({k: v for k, v in work.items() if k not in ("clients",)} | {"partition": "iid"})
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    ds = dataset_for(cfg)
+    model = build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0).to(dev)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    n = work["clients"]
+    data = [client_data(cfg, i, n, dev, None) for i in range(n)]
+    samplers = [BatchSampler(len(x), cfg.batch_size, seed=0, stream=i) for i, (x, _) in enumerate(data)]
+    times = []
+    for _ in range(cfg.num_rounds):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for (x, y), s in zip(data, samplers):
+            model.load_state_dict(start)
+            local_sgd(model, x, y, steps=cfg.local_steps, lr=cfg.local_lr, momentum=cfg.momentum, sampler=s)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    later = times[1:] or times
+    return {"round_s": sum(later) / len(later), "compute_s": sum(later) / len(later), "accuracy": None}
+
+
+def _fededge(work: dict, row: dict, out: Path) -> dict:
+    from fededge.server.inprocess import run_inprocess
+
+    overrides = {k: v for k, v in work.items() if k != "clients"} | {
+        "partition": "iid", "device": row["device"], "server-device": row["device"], "progress": "off",
+        "results-dir": str(out), "save-model": False, "checkpoint-every": 0, "min-partition-size": 1,
+        "cohort": row["path"] == "cohort",
+        # the CPU rows use every core: per client in one process, or spread over the workers
+        "client-threads": 0 if row["device"] == "cpu" and row.get("workers", 1) == 1 else 1}
+    if "num-rounds" in row:
+        overrides["num-rounds"] = row["num-rounds"]
+    run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1))
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = lines[2:]
+    round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
+    compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
+    return {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"]}
+
+
+def one(row: dict, quick: bool) -> dict:
+    work = _workloads(quick)[row["workload"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = _floor(work, row["device"]) if row["path"] == "floor" else _fededge(work, row, Path(tmp))
+    return row | res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on any machine")
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(json.loads(args.one), args.quick)))
+        return 0
+    import torch
+
+    cuda = torch.cuda.is_available()
+    machine = (torch.cuda.get_device_name(0) if cuda else "no GPU") + f", {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    print(f"# {machine}{' (quick sizes)' if args.quick else ''}", flush=True)
+    print(f"{'workload':>8} {'device':>6} {'path':>10} {'workers':>7} {'s/round':>8} {'compute':>8} "
+          f"{'vs floor':>8} {'vs best CPU':>11} {'acc':>6}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}
+        for row in _rows(args.quick, cuda):
+            cmd = [sys.executable, __file__, "--one", json.dumps(row)] + (["--quick"] if args.quick else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if proc.returncode != 0:
+                print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(r)
+            print(_line(r, results), flush=True)
+    print("\nthe same rows, with every ratio against the finished table:")
+    for r in results:
+        print(_line(r, results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _line(r: dict, results: list[dict]) -> str:
+    floor = next((x["round_s"] for x in results if x["workload"] == r["workload"] and x["path"] == "floor"
+                  and x["device"] == r["device"]), None)
+    cpu = [x["round_s"] for x in results if x["workload"] == r["workload"] and x["device"] == "cpu"
+           and x["path"] != "floor"]
+    vs_floor = f"{r['round_s'] / floor:.2f}" if floor and r["path"] != "floor" else "—"
+    vs_cpu = f"{min(cpu) / r['round_s']:.2f}" if cpu and r["path"] != "floor" else "—"
+    acc = "—" if r.get("accuracy") is None else f"{r['accuracy']:.3f}"
+    return (f"{r['workload']:>8} {r['device']:>6} {r['path']:>10} {r.get('workers', '—')!s:>7} {r['round_s']:>8.3f} "
+            f"{r['compute_s']:>8.3f} {vs_floor:>8} {vs_cpu:>11} {acc:>6}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

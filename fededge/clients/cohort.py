@@ -1,0 +1,473 @@
+"""Cohort training: the clients of a round trained as one batched program (plain torch).
+
+A round's clients that share a model and their local-SGD settings run the same
+arithmetic on different weights and data. :func:`cohort_sgd` runs them together: their
+parameters are stacked along a new leading axis and each SGD step is one
+``torch.func.vmap`` of ``grad`` over the clients (one batched matmul where the per-client
+path does C small ones), followed by the step of :func:`~fededge.clients.train.sgd_step`
+on the stacked tensors: the same element-wise operations in the same order. Each client
+keeps its own data, its own :class:`~fededge.clients.train.BatchSampler` (so partitions
+of different sizes each draw their own batches), its own momentum buffers
+(``keep-momentum``) and its own FedProx anchor.
+
+How a ClientApp gets there without knowing about other clients: :func:`run_together`
+runs several calls (one message each) as coroutines (greenlets, or threads where
+greenlet is not installed), **one at a time and in order**. A call that reaches :func:`local_sgd` (this module's, with
+:func:`fededge.clients.train.local_sgd`'s signature and effects) while
+:func:`run_together` runs it leaves its job and pauses; when every call has paused or
+finished, the jobs are trained as cohorts (one per group of equal settings) and the
+paused calls resume, in order, each finding its model, sampler and buffers as the
+per-client path would have left them. Everything before and after local SGD (the mods:
+decoding, error feedback, encoding, state) runs per client exactly as it does
+otherwise. Outside :func:`run_together`, :func:`local_sgd` is the per-client one.
+
+Normalisation statistics (BatchNorm's running mean, variance and counter) are stacked
+per client like the weights, and each client's are updated by its own batches. Models
+with dropout are not stacked (their masks would come from another generator): their
+clients train one by one, on the per-client path, and :func:`cohort_refusal` names why.
+A group of one client also takes the per-client path.
+
+Float tolerance: a batched matmul does not round exactly as C separate ones do, so the
+weights agree with the per-client path to float32 rounding (tests/clients/test_cohort.py
+states the tolerance), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # the coroutines' carrier: greenlets where installed, threads otherwise (see _Slot)
+    import greenlet
+except ImportError:  # pragma: no cover - a platform without a greenlet wheel
+    greenlet = None
+
+from fededge.clients import train as _train
+from fededge.clients.train import BatchSampler, LocalResult
+
+__all__ = ["CohortJob", "cohort_refusal", "cohort_sgd", "local_sgd", "run_together"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def cohort_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s clients cannot be stacked into a cohort, or None when they can.
+
+    Normalisation layers with running statistics (BatchNorm) are handled: each client's
+    statistics are stacked like its weights and updated by its own batches. Dropout is
+    not: its random masks would be drawn from another generator than the per-client
+    path's, so such models train per client."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"its layer '{name}' ({type(m).__name__}) draws random masks, which a cohort would draw differently"
+    return None
+
+
+@dataclass
+class CohortJob:
+    """One client's local SGD, as :func:`local_sgd` hands it over: the arguments of
+    :func:`fededge.clients.train.local_sgd`, with the weights the client starts from."""
+
+    model: nn.Module
+    weights: dict[str, torch.Tensor]  # trainable parameters at the start, by name
+    x: torch.Tensor
+    y: torch.Tensor
+    steps: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    sampler: BatchSampler
+    proximal_mu: float
+    momentum_buffers: dict[str, torch.Tensor] | None
+    #: The model's buffers at the start (BatchNorm's running statistics and counter),
+    #: by name: each client's own, updated by its own batches.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Filled by cohort_sgd:
+    trained: dict[str, torch.Tensor] | None = None
+    trained_buffers: dict[str, torch.Tensor] | None = None
+    result: LocalResult | None = None
+    error: BaseException | None = None
+    per_client: bool = False  # left to the per-client path (a group of one)
+    threads: int = 1  # the torch threads the client trains with on its own (client-threads)
+
+    def group_key(self) -> tuple:
+        """Jobs with equal keys train as one cohort."""
+        return (id(self.model), self.steps, self.sampler.batch_size, self.lr, self.momentum, self.weight_decay,
+                self.proximal_mu, self.x.device, self.x.dtype, tuple(self.x.shape[1:]),
+                self.momentum_buffers is not None)
+
+
+def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> float:
+    """Train ``jobs`` (same model object and settings: :meth:`CohortJob.group_key`) as
+    one batched program; fill each job's ``trained``, ``result`` and (keep-momentum)
+    ``momentum_buffers``, and advance its sampler as ``steps`` calls of
+    :func:`~fededge.clients.train.local_sgd` would. Returns the wall seconds it took.
+
+    The arithmetic is :func:`~fededge.clients.train.local_sgd`'s: cross-entropy on each
+    client's own mini-batch, FedProx's ``mu/2 ||w - w_received||^2`` added, then heavy-ball
+    momentum (a buffer that starts as the first gradient; a kept one continues) and
+    weight decay as in :func:`~fededge.clients.train.sgd_step`.
+
+    Each result's ``compute_s`` is ``charge_s`` when given (:func:`run_together` gives
+    the seconds one client of the group took on its own), else the client's share of the
+    cohort's seconds.
+    """
+    from torch.func import functional_call, grad_and_value, vmap
+
+    first = jobs[0]
+    if any(j.group_key() != first.group_key() for j in jobs):
+        raise ValueError("cohort_sgd takes jobs of one group (the same model and settings)")
+    model = first.model
+    refusal = cohort_refusal(model)
+    if refusal is not None:
+        raise ValueError(f"this model cannot train as a cohort: {refusal}")
+    device = first.x.device
+    _warm_up()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    names = list(first.weights)
+    params = {n: torch.stack([j.weights[n] for j in jobs]) for n in names}
+    # Buffers (running statistics) per client, stacked like the weights: a training
+    # forward pass updates each client's in place, under vmap, as it would its own model's.
+    # A job without a buffer (a model object shared with no snapshot) uses the model's.
+    stats = {n: torch.stack([j.buffers[n] if n in j.buffers else t for j in jobs]).clone()
+             for n, t in model.named_buffers()}
+    frozen = {n: p.detach() for n, p in model.named_parameters() if n not in params}
+    anchor = {n: t.clone() for n, t in params.items()} if first.proximal_mu > 0 else None
+    mu, lr, momentum, wd = first.proximal_mu, first.lr, first.momentum, first.weight_decay
+    bufs: dict[str, torch.Tensor] | None = None
+    if momentum != 0:
+        # A client without a kept buffer starts from zero: 0 * momentum + g is g exactly,
+        # the per-client path's first buffer (a clone of the gradient).
+        bufs = {}
+        for n in names:
+            kept = [None if j.momentum_buffers is None else j.momentum_buffers.get(n) for j in jobs]
+            shape = params[n].shape[1:]
+            for k in kept:
+                if k is not None and tuple(k.shape) != tuple(shape):
+                    raise ValueError(f"momentum buffer '{n}' has shape {tuple(k.shape)}, the parameter "
+                                     f"{tuple(shape)}: a buffer kept for another model")
+            bufs[n] = torch.stack([torch.zeros(shape, device=device, dtype=params[n].dtype) if k is None
+                                   else k.detach().to(device=device, dtype=params[n].dtype) for k in kept])
+
+    def loss_of(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor,
+                a: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        data = F.cross_entropy(functional_call(model, {**frozen, **b, **p}, (xb,)), yb)
+        loss = data
+        if a is not None:
+            loss = data + 0.5 * mu * sum((p[n] - a[n]).pow(2).sum() for n in names)
+        return loss, data
+
+    step = vmap(grad_and_value(loss_of, has_aux=True), in_dims=(0, 0, 0, 0, 0 if anchor is not None else None))
+    # Every client's K mini-batches, drawn from its own sampler in the per-client order;
+    # gathered a step at a time (a CNN cohort's K batches at once would be gigabytes).
+    idx = [torch.stack([j.sampler.next_batch() for _ in range(first.steps)]).to(device) for j in jobs]
+    total = torch.zeros(len(jobs), device=device)
+    model.train()
+    for k in range(first.steps):
+        xb = torch.stack([j.x.index_select(0, i[k]) for j, i in zip(jobs, idx)])
+        yb = torch.stack([j.y.index_select(0, i[k]) for j, i in zip(jobs, idx)])
+        grads, (_, data_loss) = step(params, stats, xb, yb, anchor)
+        total += data_loss.detach()
+        with torch.no_grad():
+            for n in names:
+                g = grads[n]
+                if wd != 0:
+                    g = g.add(params[n], alpha=wd)
+                if bufs is not None:
+                    bufs[n].mul_(momentum).add_(g, alpha=1.0)
+                    g = bufs[n]
+                params[n] = params[n].add(g, alpha=-lr)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    losses = [t / first.steps for t in total.tolist()]  # as float(total) / steps per client
+    for c, j in enumerate(jobs):
+        j.trained = {n: params[n][c] for n in names}
+        j.trained_buffers = {n: t[c] for n, t in stats.items()}
+        if bufs is not None and j.momentum_buffers is not None:
+            for n in names:
+                j.momentum_buffers[n] = bufs[n][c].clone()
+        j.result = LocalResult(mean_loss=losses[c], steps=first.steps,
+                               examples_seen=first.steps * first.sampler.batch_size,
+                               compute_s=seconds / len(jobs) if charge_s is None else charge_s)
+    return seconds
+
+
+_warm = False
+
+
+def _warm_up() -> None:
+    """The first ``vmap`` of ``grad`` in a process sets torch.func up (about 3 s on a
+    2-core x86 machine, once): done here on a tiny model, outside the timed region, as
+    :func:`fededge.clients.app` warms its model up, so that round 1's compute is not
+    charged for it."""
+    global _warm
+    if _warm:
+        return
+    from torch.func import functional_call, grad, vmap
+
+    tiny = nn.Linear(2, 2)
+    weights = {n: p.detach()[None].expand(2, *p.shape) for n, p in tiny.named_parameters()}
+    vmap(grad(lambda p, x: functional_call(tiny, p, (x,)).sum()))(weights, torch.zeros(2, 1, 2))
+    _warm = True
+
+
+# -- the rendezvous: per-client ClientApps meeting at local SGD ----------------------------
+
+class _Slot:
+    """One call of :func:`run_together` as a coroutine: :meth:`start` runs it until it
+    pauses (in :func:`local_sgd`, with its job) or ends, :meth:`resume` runs the rest.
+
+    On a greenlet where ``greenlet`` is installed (fededge's x86-64 and aarch64 installs
+    have it): the calls then run on this thread, and torch's OpenMP team stays this
+    thread's. Otherwise on a thread of its own, handed the turn by events; each such
+    thread starts an OpenMP team of its own, which made the clients' own work (decoding,
+    error feedback, encoding) about twice as slow on 2 cores (benchmarks/bench_scale.py,
+    issue 35), so threads are the fallback only."""
+
+    def __init__(self, body: Callable[[_Slot], None], index: int) -> None:
+        self.job: CohortJob | None = None
+        self.done = False
+        self._body = body
+        if greenlet is not None:
+            self._parent = greenlet.getcurrent()
+            self._green = greenlet.greenlet(lambda: body(self), parent=self._parent)
+        else:
+            self._paused, self._resume = threading.Event(), threading.Event()
+            self._thread = threading.Thread(target=self._run_thread, name=f"fededge-cohort-{index}", daemon=True)
+
+    def _run_thread(self) -> None:
+        try:
+            self._body(self)
+        finally:
+            self._paused.set()
+
+    def start(self) -> None:
+        if greenlet is not None:
+            self._green.switch()
+        else:
+            self._thread.start()
+            self._paused.wait()
+            self._paused.clear()
+
+    def pause(self) -> None:
+        """Called by the coroutine itself: hand the turn back until :meth:`resume`."""
+        if greenlet is not None:
+            self._parent.switch()
+        else:
+            self._paused.set()
+            self._resume.wait()
+            self._resume.clear()
+
+    def resume(self) -> None:
+        """Run the rest of the call, then drop what it held (the greenlet, its body and
+        job refer back to this slot: left to the cyclic collector, a round's jobs, with
+        their weights, stayed in memory for many rounds)."""
+        if greenlet is not None:
+            if not self._green.dead:
+                self._green.switch()
+            self._green = None
+        else:
+            if not self.done:
+                self._resume.set()
+                self._paused.wait()
+            self._thread.join()
+            self._thread = None
+        self._body = None
+        self.job = None
+
+
+_SLOT: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("fededge_cohort_slot", default=None)
+_refused_logged: set[str] = set()
+
+
+def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, lr: float, momentum: float = 0.0,
+              weight_decay: float = 0.0, sampler: BatchSampler, proximal_mu: float = 0.0,
+              momentum_buffers: dict[str, torch.Tensor] | None = None) -> LocalResult:
+    """:func:`fededge.clients.train.local_sgd`, trained in a cohort when the caller runs
+    inside :func:`run_together` (and the model can be stacked), else on its own.
+
+    The effects are the per-client path's: ``model`` holds the trained weights,
+    ``sampler`` has advanced ``steps`` batches, ``momentum_buffers`` (when given) holds
+    the buffers after the last step. In a cohort the result's ``compute_s`` is the
+    seconds one client of the cohort's group took training on its own (measured once
+    per process, :func:`run_together`), so the simulated clock charges what a device
+    would, whichever path trained it."""
+    kwargs = dict(steps=steps, lr=lr, momentum=momentum, weight_decay=weight_decay, sampler=sampler,
+                  proximal_mu=proximal_mu, momentum_buffers=momentum_buffers)
+    slot = _SLOT.get()
+    if slot is None or slot.job is not None:  # not in a cohort run (or a second call in one message)
+        return _train.local_sgd(model, x, y, **kwargs)
+    refusal = cohort_refusal(model)
+    if refusal is not None:
+        key = type(model).__name__
+        if key not in _refused_logged:
+            _refused_logged.add(key)
+            log.info("cohort training: the model (%s) trains per client: %s", key, refusal)
+        return _train.local_sgd(model, x, y, **kwargs)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    job = CohortJob(model=model, weights=weights, buffers=buffers, x=x, y=y, sampler=sampler,
+                    threads=torch.get_num_threads(), **{
+        k: v for k, v in kwargs.items() if k not in ("sampler",)})
+    slot.job = job
+    slot.pause()  # back to the coordinator, until the cohort has run
+    if job.error is not None:
+        raise job.error
+    if job.per_client:  # the model holds another client's weights by now: this one's first
+        _load(model, weights, buffers)
+        return _train.local_sgd(model, x, y, **kwargs)
+    assert job.trained is not None and job.result is not None and job.trained_buffers is not None
+    _load(model, job.trained, job.trained_buffers)
+    model.train()
+    return job.result
+
+
+#: group key -> the seconds one client of that group took training on its own (its
+#: ``compute_s`` in every cohort of the group; measured once per process).
+_alone_s: dict[tuple, float] = {}
+
+
+#: group key -> whether its cohorts train faster per client than one client alone, judged
+#: on the group's second cohort (the first also traces the model). False sends the group
+#: to the per-client path for the rest of the process (a CNN on a CPU: vmap's batched
+#: convolutions there ran at half the per-client speed, benchmarks/bench_cohort.py).
+_faster: dict[tuple, bool] = {}
+_seen: dict[tuple, int] = {}
+
+
+def _judge(key: tuple, per_client_s: float, alone_s: float, model: nn.Module) -> None:
+    _seen[key] = _seen.get(key, 0) + 1
+    if key in _faster or _seen[key] < 2:
+        return
+    _faster[key] = per_client_s < alone_s
+    device = next(model.parameters()).device
+    if _faster[key]:
+        log.info("cohort training: %s on %s, %.1f ms a client in a cohort against %.1f ms alone: cohorts it is",
+                 type(model).__name__, device, 1e3 * per_client_s, 1e3 * alone_s)
+    else:
+        log.warning("cohort training: %s on %s took %.1f ms a client in a cohort against %.1f ms alone: its clients "
+                    "train one by one from now on (cohort = true pays where batched kernels are fast: GPUs, "
+                    "small dense models)", type(model).__name__, device, 1e3 * per_client_s, 1e3 * alone_s)
+
+
+def _train_alone(job: CohortJob) -> float:
+    """Train ``job`` on the per-client path (its result is that path's, exactly), with
+    the threads it would have had, and return its seconds: what the simulated clock
+    charges every client of its group, so that a cohort does not change ``sim_s``."""
+    model, device = job.model, job.x.device
+    _load(model, job.weights, job.buffers)
+    torch.set_num_threads(job.threads)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    res = _train.local_sgd(model, job.x, job.y, steps=job.steps, lr=job.lr, momentum=job.momentum,
+                           weight_decay=job.weight_decay, sampler=job.sampler, proximal_mu=job.proximal_mu,
+                           momentum_buffers=job.momentum_buffers)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    job.trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in job.weights}
+    job.trained_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    job.result = LocalResult(mean_loss=res.mean_loss, steps=res.steps, examples_seen=res.examples_seen,
+                             compute_s=seconds)
+    return seconds
+
+
+def _load(model: nn.Module, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in weights:
+                p.copy_(weights[n])
+        for n, b in model.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+
+
+def run_together(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` as the per-client path would, one after another in order, except
+    that the local SGD they reach (this module's :func:`local_sgd`) trains as cohorts.
+
+    Each call runs as a coroutine (:class:`_Slot`), never two at once: call i runs until it
+    pauses in :func:`local_sgd` or returns, then call i+1 starts. When all have, the jobs
+    train (one cohort per :meth:`CohortJob.group_key`, on this thread, with this
+    thread's torch threads), and the paused calls resume one at a time, in order. An
+    exception a call raises is raised here (after every call has ended).
+
+    The first time a group's settings are seen in this process, its first client trains
+    on its own (the per-client path, timed with the client's own threads) and the rest as
+    the cohort; that client's seconds are every cohort client's ``compute_s`` from then
+    on (a cohort's own seconds shared out would make the simulated clock depend on how
+    many clients trained together). On the group's second cohort its seconds per client
+    are set against that: where the cohort is slower, the group trains per client for the
+    rest of the process (logged once, as is the verdict either way)."""
+    n = len(calls)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    threads_before = torch.get_num_threads()
+
+    def body(i: int, slot: _Slot) -> None:
+        _SLOT.set(slot)
+        try:
+            results[i] = calls[i]()
+        except BaseException as err:  # noqa: BLE001 - re-raised by the coordinator
+            errors[i] = err
+        finally:
+            slot.done = True
+
+    slots = [_Slot(partial(body, i), i) for i in range(n)]
+    for slot in slots:  # phase 1: each call up to its local SGD, in order
+        slot.start()
+    waiting = [s for s in slots if not s.done and s.job is not None]
+    groups: dict[tuple, list[CohortJob]] = {}
+    for s in waiting:
+        assert s.job is not None
+        groups.setdefault(s.job.group_key(), []).append(s.job)
+    threads_now = torch.get_num_threads()
+    try:
+        for key, jobs in groups.items():
+            if len(jobs) == 1:
+                jobs[0].per_client = True
+                continue
+            if _faster.get(key) is False:  # measured slower than per client: not again
+                for j in jobs:
+                    j.per_client = True
+                continue
+            try:
+                alone = _alone_s.get(key)
+                if alone is None:  # the group's first cohort: its first client trains alone, timed
+                    alone = _alone_s[key] = _train_alone(jobs[0])
+                    jobs = jobs[1:]
+                    if len(jobs) == 1:
+                        jobs[0].per_client = True
+                        continue
+                torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
+                seconds = cohort_sgd(jobs, charge_s=alone)
+                _judge(key, seconds / len(jobs), alone, jobs[0].model)
+            except Exception as err:  # noqa: BLE001 - each client of the cohort fails with it
+                for j in jobs:
+                    j.error = err
+    finally:
+        torch.set_num_threads(threads_now)
+    for slot in slots:  # phase 2: the rest of each call, in order
+        slot.resume()
+    for err in errors:
+        if err is not None:
+            raise err
+    return results

@@ -1,0 +1,332 @@
+"""Cohort training (fededge/clients/cohort.py) against the per-client path, to float rounding.
+
+Tolerance: a batched matmul rounds differently from C separate ones, so the weights
+agree to float32 rounding, not bit for bit. After 10-20 SGD steps on these models the
+largest difference seen is ~1e-7; the tests allow ATOL = 1e-5 (absolute and relative) on weights and buffers and
+1e-5 relative on the mean loss, far below any difference a wrong step would make (one
+step of lr 0.05 moves weights by ~1e-3).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from fededge.clients import cohort
+from fededge.clients.cohort import CohortJob, cohort_refusal, cohort_sgd, local_sgd, run_together
+from fededge.clients.train import BatchSampler
+from fededge.clients.train import local_sgd as per_client_sgd
+from fededge.models.zoo import build_model
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_timings():
+    """Each test sees its groups for the first time (run_together times a group's first
+    client alone, once per process)."""
+    for table in (cohort._alone_s, cohort._faster, cohort._seen):
+        table.clear()
+    yield
+    for table in (cohort._alone_s, cohort._faster, cohort._seen):
+        table.clear()
+
+
+def _clients(sizes, seed=0, shape=(1, 8, 8)):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _per_client(model, start, x, y, sampler, buffers=None, **kw):
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(start[n])
+    res = per_client_sgd(m, x, y, sampler=sampler, momentum_buffers=buffers, **kw)
+    return _weights(m), res
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("momentum,weight_decay,mu", [(0.0, 0.0, 0.0), (0.9, 5e-4, 0.0), (0.9, 0.0, 0.1)])
+def test_cohort_equals_per_client(name, momentum, weight_decay, mu):
+    """Partitions of different sizes, each with its own sampler (some mid-epoch), start
+    weights that differ per client: each client's trained weights, loss and sampler
+    position are the per-client path's."""
+    model = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([40, 75, 120, 33])
+    kw = dict(steps=12, lr=0.05, momentum=momentum, weight_decay=weight_decay, proximal_mu=mu)
+    jobs, expected = [], []
+    for c, (x, y) in enumerate(data):
+        start = {n: t + 0.01 * c for n, t in _weights(model).items()}
+        sampler = BatchSampler(len(x), 16, seed=7, stream=c)
+        for _ in range(c):  # clients at different places in their epochs
+            sampler.next_batch()
+        twin = copy.deepcopy(sampler)
+        expected.append((*_per_client(model, start, x, y, twin, **kw), twin.state_dict()))
+        jobs.append(CohortJob(model=model, weights=start, x=x, y=y, sampler=sampler, momentum_buffers=None, **kw))
+    cohort_sgd(jobs)
+    for (w, res, pos), job in zip(expected, jobs):
+        for n in w:
+            torch.testing.assert_close(job.trained[n], w[n], atol=ATOL, rtol=ATOL)
+        assert job.result.mean_loss == pytest.approx(res.mean_loss, rel=1e-5)
+        assert job.result.steps == res.steps and job.result.examples_seen == res.examples_seen
+        assert job.sampler.state_dict() == pos
+        assert job.result.compute_s is not None and job.result.compute_s >= 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "cnn-bn"])
+def test_cohort_is_the_per_client_arithmetic_in_float64(name):
+    """In float64 the rounding differences vanish (1e-16 per operation): the cohort's
+    weights and statistics equal the per-client path's to 1e-10 after 20 steps with
+    momentum, so every float32 difference the other tests allow is rounding, not a
+    different step. (In float32, BatchNorm amplifies the rounding of its variance:
+    1e-5 relative after 20 steps, more over rounds with a compressed uplink.)"""
+    model = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=0).double()
+    data = [(x.double(), y) for x, y in _clients([100, 150, 120], seed=5)]
+    kw = dict(steps=20, lr=0.05, momentum=0.9, weight_decay=1e-4, proximal_mu=0.0)
+    jobs, expected = [], []
+    for c, (x, y) in enumerate(data):
+        m = copy.deepcopy(model)
+        start, buffers = _weights(m), {n: b.clone() for n, b in m.named_buffers()}
+        per_client_sgd(m, x, y, sampler=BatchSampler(len(x), 32, seed=0, stream=c), **kw)
+        expected.append((_weights(m), {n: b.clone() for n, b in m.named_buffers()}))
+        jobs.append(CohortJob(model=model, weights=start, buffers=buffers, x=x, y=y,
+                              sampler=BatchSampler(len(x), 32, seed=0, stream=c), momentum_buffers=None, **kw))
+    cohort_sgd(jobs)
+    for (w, buffers), job in zip(expected, jobs):
+        for n in w:
+            torch.testing.assert_close(job.trained[n], w[n], atol=1e-10, rtol=1e-10)
+        for n, b in buffers.items():
+            torch.testing.assert_close(job.trained_buffers[n], b, atol=1e-10, rtol=1e-10)
+
+
+def test_kept_momentum_continues_per_client():
+    """keep-momentum: a client with kept buffers continues them, a client without starts
+    from its first gradient; the buffers after the last step are the per-client ones."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=1)
+    data = _clients([50, 60, 70], seed=1)
+    start = _weights(model)
+    kw = dict(steps=8, lr=0.05, momentum=0.9, weight_decay=0.0, proximal_mu=0.0)
+    kept = [{}, {n: torch.randn_like(t) * 0.01 for n, t in start.items()}, {}]
+    jobs, expected = [], []
+    for c, ((x, y), buffers) in enumerate(zip(data, kept)):
+        theirs = {n: t.clone() for n, t in buffers.items()}
+        expected.append((*_per_client(model, start, x, y, BatchSampler(len(x), 16, seed=0, stream=c), theirs, **kw),
+                         theirs))
+        jobs.append(CohortJob(model=model, weights=dict(start), x=x, y=y, sampler=BatchSampler(len(x), 16, seed=0,
+                                                                                               stream=c),
+                              momentum_buffers={n: t.clone() for n, t in buffers.items()}, **kw))
+    cohort_sgd(jobs)
+    for (w, _, buffers), job in zip(expected, jobs):
+        assert set(job.momentum_buffers) == set(buffers) == set(w)
+        for n in w:
+            torch.testing.assert_close(job.trained[n], w[n], atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(job.momentum_buffers[n], buffers[n], atol=ATOL, rtol=ATOL)
+
+
+def test_jobs_of_two_groups_are_refused_together():
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    (x, y), = _clients([40])
+    kw = dict(model=model, weights=_weights(model), x=x, y=y, lr=0.05, momentum=0.0, weight_decay=0.0,
+              proximal_mu=0.0, momentum_buffers=None)
+    jobs = [CohortJob(steps=5, sampler=BatchSampler(40, 16, seed=0), **kw),
+            CohortJob(steps=6, sampler=BatchSampler(40, 16, seed=0), **kw)]
+    with pytest.raises(ValueError, match="one group"):
+        cohort_sgd(jobs)
+
+
+def test_dropout_is_refused_by_name_and_batchnorm_is_not():
+    drop = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.Dropout(0.5),
+                               torch.nn.Linear(32, 10))
+    reason = cohort_refusal(drop)
+    assert reason is not None and "'2'" in reason and "Dropout" in reason
+    assert cohort_refusal(build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)) is None
+    assert cohort_refusal(build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)) is None
+
+
+def test_batchnorm_statistics_are_each_clients_own():
+    """cnn-bn: each client's running mean, variance and counter start from its own
+    received values and follow its own batches, as on the per-client path."""
+    model = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([40, 64, 50], seed=4)
+    kw = dict(steps=6, lr=0.05, momentum=0.9, weight_decay=0.0, proximal_mu=0.0)
+    jobs, expected = [], []
+    for c, (x, y) in enumerate(data):
+        m = copy.deepcopy(model)
+        with torch.no_grad():  # different statistics received by each client
+            for name, b in m.named_buffers():
+                if b.is_floating_point():
+                    b.add_(0.1 * (c + 1))
+        start, buffers = _weights(m), {n: b.clone() for n, b in m.named_buffers()}
+        per_client_sgd(m, x, y, sampler=BatchSampler(len(x), 16, seed=0, stream=c), **kw)
+        expected.append((_weights(m), {n: b.clone() for n, b in m.named_buffers()}))
+        jobs.append(CohortJob(model=model, weights=start, buffers=buffers, x=x, y=y,
+                              sampler=BatchSampler(len(x), 16, seed=0, stream=c), momentum_buffers=None, **kw))
+    cohort_sgd(jobs)
+    for (w, buffers), job in zip(expected, jobs):
+        for n in w:
+            torch.testing.assert_close(job.trained[n], w[n], atol=ATOL, rtol=ATOL)
+        assert set(job.trained_buffers) == set(buffers)
+        for n, b in buffers.items():
+            # the running variance is a batch reduction, summed in another order: 10x looser
+            torch.testing.assert_close(job.trained_buffers[n], b, atol=10 * ATOL, rtol=10 * ATOL)
+
+
+def _client_call(model, start, x, y, stream, log, i, steps=6, fail=False):
+    """What a ClientApp's train does around local SGD: load, train, read the weights."""
+    def call():
+        log.append(("start", i, threading.get_ident()))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        sampler = BatchSampler(len(x), 16, seed=3, stream=stream)
+        res = local_sgd(model, x, y, steps=steps, lr=0.05, momentum=0.9, sampler=sampler)
+        if fail:
+            raise RuntimeError(f"client {i} failed after training")
+        log.append(("end", i, threading.get_ident()))
+        return _weights(model), res, sampler.state_dict()
+    return call
+
+
+def test_run_together_runs_calls_in_order_and_trains_them_as_cohorts():
+    """One call at a time, in order (all reach local SGD, then all finish, in order); a
+    client whose batch size differs (a partition smaller than the batch) is a group of
+    one and trains per client from its own weights, not the model's last ones; the
+    results equal the per-client path's."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=2)
+    data = _clients([50, 64, 10, 90], seed=2)
+    starts = [{n: t * (1 + 0.1 * c) for n, t in _weights(model).items()} for c in range(len(data))]
+    log: list = []
+    calls = [_client_call(model, s, x, y, c, log, c) for c, (s, (x, y)) in enumerate(zip(starts, data))]
+    sizes = []
+    real = cohort.cohort_sgd
+
+    def spy(jobs, **kw):
+        sizes.append(len(jobs))
+        return real(jobs, **kw)
+
+    cohort.cohort_sgd = spy
+    try:
+        out = run_together(calls)
+        again = run_together([_client_call(model, s, x, y, c, [], c) for c, (s, (x, y)) in enumerate(zip(starts, data))])
+    finally:
+        cohort.cohort_sgd = real
+    # The 10-example client (batch 10) trains on its own; of the other three, the first
+    # trains alone the first time (timed: every cohort client's compute_s), then none.
+    assert sizes == [2, 3]
+    key = next(iter(cohort._alone_s))
+    assert all(res.compute_s == cohort._alone_s[key] for c, (_, res, _) in enumerate(again) if c != 2)
+    assert [(e, i) for e, i, _ in log] == [("start", i) for i in range(4)] + [("end", i) for i in range(4)]
+    for c, ((w, res, pos), s, (x, y)) in enumerate(zip(out, starts, data)):
+        sampler = BatchSampler(len(x), 16, seed=3, stream=c)
+        ref_w, ref = _per_client(model, s, x, y, sampler, steps=6, lr=0.05, momentum=0.9)
+        for n in w:
+            torch.testing.assert_close(w[n], ref_w[n], atol=ATOL, rtol=ATOL)
+        assert res.mean_loss == pytest.approx(ref.mean_loss, rel=1e-5)
+        assert pos == sampler.state_dict()
+
+
+def test_run_together_reraises_after_every_call_ended():
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([40, 40, 40])
+    log: list = []
+    calls = [_client_call(model, _weights(model), x, y, c, log, c, fail=(c == 1)) for c, (x, y) in enumerate(data)]
+    with pytest.raises(RuntimeError, match="client 1 failed"):
+        run_together(calls)
+    assert [(e, i) for e, i, _ in log if e == "end"] == [("end", 0), ("end", 2)]
+
+
+def test_a_dropout_model_trains_per_client_inside_run_together():
+    """A model the cohort refuses never pauses: each call trains on its own, bit for
+    bit the per-client path."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 10))
+    data = _clients([40, 50])
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def call_for(c, x, y):
+        def call():
+            model.load_state_dict(start)
+            torch.manual_seed(c)
+            local_sgd(model, x, y, steps=4, lr=0.05, sampler=BatchSampler(len(x), 16, seed=0, stream=c))
+            return {k: v.clone() for k, v in model.state_dict().items()}
+        return call
+
+    out = run_together([call_for(c, x, y) for c, (x, y) in enumerate(data)])
+    for c, ((x, y), got) in enumerate(zip(data, out)):
+        model.load_state_dict(start)
+        torch.manual_seed(c)
+        per_client_sgd(model, x, y, steps=4, lr=0.05, sampler=BatchSampler(len(x), 16, seed=0, stream=c))
+        for k, v in model.state_dict().items():
+            assert torch.equal(got[k], v), k
+
+
+def test_local_sgd_outside_run_together_is_the_per_client_one():
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    twin = copy.deepcopy(model)
+    (x, y), = _clients([40])
+    a = local_sgd(model, x, y, steps=5, lr=0.05, sampler=BatchSampler(40, 16, seed=0))
+    b = per_client_sgd(twin, x, y, steps=5, lr=0.05, sampler=BatchSampler(40, 16, seed=0))
+    assert a.compute_s is None and a.mean_loss == b.mean_loss
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("carrier", ["greenlet", "threads"])
+def test_both_coroutine_carriers_give_the_same_clients(monkeypatch, carrier):
+    """Greenlets (where installed) and the threads fallback run the same protocol: the
+    same order, the same cohorts, the same results; with greenlets every call runs on
+    the caller's thread (one OpenMP team)."""
+    if carrier == "threads":
+        monkeypatch.setattr(cohort, "greenlet", None)
+    elif cohort.greenlet is None:
+        pytest.skip("greenlet is not installed here (fededge's x86-64 and aarch64 installs have it)")
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=3)
+    start = _weights(model)
+    data = _clients([50, 60, 70], seed=3)
+    log: list = []
+    out = run_together([_client_call(model, start, x, y, c, log, c) for c, (x, y) in enumerate(data)])
+    assert [(e, i) for e, i, _ in log] == [("start", i) for i in range(3)] + [("end", i) for i in range(3)]
+    here = threading.get_ident()
+    assert all((t == here) == (carrier == "greenlet") for _, _, t in log)
+    for c, ((w, res, _), (x, y)) in enumerate(zip(out, data)):
+        ref_w, ref = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), steps=6, lr=0.05,
+                                 momentum=0.9)
+        for n in w:
+            torch.testing.assert_close(w[n], ref_w[n], atol=ATOL, rtol=ATOL)
+        assert res.mean_loss == pytest.approx(ref.mean_loss, rel=1e-5)
+
+
+def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch, caplog):
+    """Judged on the group's second cohort: slower per client than one client alone, and
+    the group's clients train per client from then on (logged once, naming the times)."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([40, 40, 40], seed=6)
+    real = cohort.cohort_sgd
+    sizes = []
+
+    def slow(jobs, **kw):
+        sizes.append(len(jobs))
+        real(jobs, **kw)
+        return 1e3  # seconds: far slower than any client alone
+
+    monkeypatch.setattr(cohort, "cohort_sgd", slow)
+    start = _weights(model)
+    for _ in range(4):
+        out = run_together([_client_call(model, start, x, y, c, [], c) for c, (x, y) in enumerate(data)])
+    assert sizes == [2, 3]  # first: one alone + two; second: three, judged slower; then none
+    assert "train one by one from now on" in caplog.text
+    for c, ((w, res, _), (x, y)) in enumerate(zip(out, data)):
+        ref_w, _ = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), steps=6, lr=0.05,
+                               momentum=0.9)
+        assert res.compute_s is None  # timed by the caller: the per-client path
+        for n in w:
+            assert torch.equal(w[n], ref_w[n]), n
