@@ -53,14 +53,23 @@ def _per_client(model, start, x, y, sampler, buffers=None, **kw):
     return _weights(m), res
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                     reason="no CUDA device here: this case runs on a GPU machine"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "cnn-bn"])
 @pytest.mark.parametrize("momentum,weight_decay,mu", [(0.0, 0.0, 0.0), (0.9, 5e-4, 0.0), (0.9, 0.0, 0.1)])
-def test_cohort_equals_per_client(name, momentum, weight_decay, mu):
+def test_cohort_equals_per_client(name, momentum, weight_decay, mu, device, monkeypatch):
     """Partitions of different sizes, each with its own sampler (some mid-epoch), start
     weights that differ per client: each client's trained weights, loss and sampler
-    position are the per-client path's."""
-    model = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=0)
-    data = _clients([40, 75, 120, 33])
+    position are the per-client path's, on the CPU and (where there is one) on CUDA
+    (with TF32 off: cuDNN's convolutions use it by default, 1e-3 rounding)."""
+    if device == "cuda":
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=0).to(device)
+    data = [(x.to(device), y.to(device)) for x, y in _clients([40, 75, 120, 33])]
     kw = dict(steps=12, lr=0.05, momentum=momentum, weight_decay=weight_decay, proximal_mu=mu)
     jobs, expected = [], []
     for c, (x, y) in enumerate(data):

@@ -144,3 +144,13 @@ def test_cohort_trains_batchnorm_models_with_each_clients_statistics(tmp_path, c
     assert checked_cohorts.sizes and lines[-1]["failures"] == 0
     close = [d <= 1e-5 for d in checked_cohorts.diffs]
     assert sum(close) >= 0.75 * len(close), checked_cohorts.diffs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: this case runs on a GPU machine")
+@pytest.mark.parametrize("codec", [{}, {"compressor": "signsgd", "error-feedback": True}], ids=["none", "signsgd"])
+def test_cohort_clients_equal_per_client_training_on_cuda(tmp_path, checked_cohorts, monkeypatch, codec):
+    """The same check with the clients on CUDA (TF32 off: cuDNN uses it by default)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    lines = _run(tmp_path, codec | {"cohort": True, "device": "cuda", "momentum": 0.9}, "cohort-cuda")
+    assert checked_cohorts.sizes and lines[-1]["failures"] == 0
