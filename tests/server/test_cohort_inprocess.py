@@ -118,11 +118,20 @@ def test_cohort_clients_equal_per_client_training(tmp_path, checked_cohorts, i, 
                                         "error-feedback": True, "momentum": 0.9}],
                          ids=["fedavg", "signsgd-disk-states", "dga-topk"])
 def test_cohort_run_meters_the_same_bytes_and_learns_the_same(tmp_path, overrides):
+    """Uncompressed and signSGD bytes depend on no value: equal exactly. Top-k's index
+    gaps do (varints): where float rounding swaps a near-tie at the k-th largest entry,
+    a client's reply may differ by a few bytes, so within 0.5 % there."""
     per_client = _run(tmp_path, overrides | {"cohort": False}, "per-client")
     together = _run(tmp_path, overrides | {"cohort": True}, "cohort")
+    exact = overrides.get("compressor") != "topk"
     for a, b in zip(per_client, together, strict=True):
-        assert (a["bytes_up"], a["bytes_down"]) == (b["bytes_up"], b["bytes_down"])
-        assert [c["bytes_up"] for c in a["clients"]] == [c["bytes_up"] for c in b["clients"]]
+        assert a["bytes_down"] == b["bytes_down"] or not exact
+        if exact:
+            assert a["bytes_up"] == b["bytes_up"]
+            assert [c["bytes_up"] for c in a["clients"]] == [c["bytes_up"] for c in b["clients"]]
+        else:
+            assert b["bytes_up"] == pytest.approx(a["bytes_up"], rel=5e-3)
+            assert b["bytes_down"] == pytest.approx(a["bytes_down"], rel=5e-3)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["accuracy"] == pytest.approx(a["accuracy"], abs=0.01)
 
@@ -135,15 +144,16 @@ def test_cohort_trains_batchnorm_models_with_each_clients_statistics(tmp_path, c
     zero (digits have constant pixels; a ReLU unit can be dead for most of a batch):
     most clients agree to 1e-6, a few by up to ~5e-3 after 20 steps. In float64 both
     paths agree to 1e-10 for this model (tests/clients/test_cohort.py), so the spread is
-    rounding. Here: most jobs within 1e-5, every job within 0.05 (one step moves a
-    weight by ~1e-3, a wrong statistic or step by far more within 20 steps).
+    rounding. Here: half the jobs or more within 1e-5 (9 of 11 on this machine), every
+    job within 0.05 (one step moves a weight by ~1e-3, a wrong statistic or step by far
+    more within 20 steps, and then in every job).
     """
     checked_cohorts.tol.update(weights=0.05, stats=0.5, loss=0.01)
     lines = _run(tmp_path, {"model": "cnn-bn", "cohort": True, "compressor": "signsgd", "error-feedback": True},
                  "cohort")
     assert checked_cohorts.sizes and lines[-1]["failures"] == 0
     close = [d <= 1e-5 for d in checked_cohorts.diffs]
-    assert sum(close) >= 0.75 * len(close), checked_cohorts.diffs
+    assert sum(close) >= 0.5 * len(close), checked_cohorts.diffs  # 9 of 11 here; a wrong step: none
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: this case runs on a GPU machine")
