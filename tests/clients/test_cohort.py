@@ -22,6 +22,11 @@ from fededge.clients.train import local_sgd as per_client_sgd
 from fededge.models.zoo import build_model
 
 ATOL = 1e-5
+#: BatchNorm divides by each batch's standard deviation, which amplifies the rounding
+#: where a channel's variance is small: 3.2e-5 after 6 steps with torch's scalar kernels
+#: (ATEN_CPU_CAPABILITY=default, scripts/test_portable.sh). Still 30x below one step's
+#: change; the float64 test holds both paths to 1e-10.
+BN_ATOL = 2e-4
 
 
 @pytest.fixture(autouse=True)
@@ -81,10 +86,11 @@ def test_cohort_equals_per_client(name, momentum, weight_decay, mu, device, monk
         expected.append((*_per_client(model, start, x, y, twin, **kw), twin.state_dict()))
         jobs.append(CohortJob(model=model, weights=start, x=x, y=y, sampler=sampler, momentum_buffers=None, **kw))
     cohort_sgd(jobs)
+    tol = BN_ATOL if name == "cnn-bn" else ATOL
     for (w, res, pos), job in zip(expected, jobs):
         for n in w:
-            torch.testing.assert_close(job.trained[n], w[n], atol=ATOL, rtol=ATOL)
-        assert job.result.mean_loss == pytest.approx(res.mean_loss, rel=1e-5)
+            torch.testing.assert_close(job.trained[n], w[n], atol=tol, rtol=tol)
+        assert job.result.mean_loss == pytest.approx(res.mean_loss, rel=tol)
         assert job.result.steps == res.steps and job.result.examples_seen == res.examples_seen
         assert job.sampler.state_dict() == pos
         assert job.result.compute_s is not None and job.result.compute_s >= 0
@@ -181,11 +187,10 @@ def test_batchnorm_statistics_are_each_clients_own():
     cohort_sgd(jobs)
     for (w, buffers), job in zip(expected, jobs):
         for n in w:
-            torch.testing.assert_close(job.trained[n], w[n], atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(job.trained[n], w[n], atol=BN_ATOL, rtol=BN_ATOL)
         assert set(job.trained_buffers) == set(buffers)
         for n, b in buffers.items():
-            # the running variance is a batch reduction, summed in another order: 10x looser
-            torch.testing.assert_close(job.trained_buffers[n], b, atol=10 * ATOL, rtol=10 * ATOL)
+            torch.testing.assert_close(job.trained_buffers[n], b, atol=BN_ATOL, rtol=BN_ATOL)
 
 
 def _client_call(model, start, x, y, stream, log, i, steps=6, fail=False):
