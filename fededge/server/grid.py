@@ -37,7 +37,7 @@ import logging
 import os
 import random
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -408,17 +408,10 @@ class InProcessGrid(Grid):
             waves[w].append(item)
             last_wave[item[1]] = w
         for wave in waves:
-            # The states are taken and put back on this thread (the disk store's SQLite
-            # connection is this thread's); the calls run on run_together's threads.
-            calls = [partial(run_message, self.client_app, self._run.run_id, self.run_config, nid, mid, root,
-                             objects, self.node_config(nid), self.states.take(nid))
-                     for mid, nid, root, objects in wave]
-            for (mid, nid, _, _), (back, state, failure) in zip(wave, run_together(calls)):
-                self.messages_run += 1
-                self.states.put(nid, state)
-                if failure is not None:
-                    self._log_failure(nid, *failure)
-                replies[mid] = back
+            # The states are taken and put back here (the disk store's SQLite connection is
+            # this thread's); the calls may run on run_together's threads (its fallback).
+            results = run_together([self._call(*item) for item in wave])
+            replies.update((item[0], self._settle(item[1], result)) for item, result in zip(wave, results))
         return replies
 
     def _finish(self, job: Job, result: Any, running: set[int]) -> Message:
@@ -434,9 +427,17 @@ class InProcessGrid(Grid):
         return received(reply_root, reply_objects, reply_root)
 
     def _execute(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Message:
+        return self._settle(node_id, self._call(mid, node_id, root, objects)())
+
+    def _call(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Callable[[], tuple]:
+        """The message as a call of the ClientApp, with the node's state taken now."""
+        return partial(run_message, self.client_app, self._run.run_id, self.run_config, node_id, mid, root, objects,
+                       self.node_config(node_id), self.states.take(node_id))
+
+    def _settle(self, node_id: int, result: tuple) -> Message:
+        """A call's result: the node's new state kept, a failure logged; the reply."""
+        back, state, failure = result
         self.messages_run += 1
-        back, state, failure = run_message(self.client_app, self._run.run_id, self.run_config, node_id, mid, root,
-                                           objects, self.node_config(node_id), self.states.take(node_id))
         self.states.put(node_id, state)
         if failure is not None:
             self._log_failure(node_id, *failure)
