@@ -19,6 +19,7 @@ client mod                server side                            what
 ``StateStoreMod``         ``Experiment(checkpoint_every=...)``   node state kept for a resume
 ``StateSpillMod``         (none)                                 idle nodes' state on disk
 (none)                    ``Experiment`` (wraps any strategy)    bytes, simulated clock, results
+(none)                    ``OwnLoop`` (a base class)             a strategy with its own loop
 ========================  =====================================  ================================
 
 Importing this module imports neither fededge's own ClientApp nor its run-config
@@ -53,6 +54,7 @@ from fededge.strategies.fedasync import FedAsync
 from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
+from fededge.strategies.ownloop import OwnLoop
 from fededge.strategies.ssp import SSP
 
 __all__ = [
@@ -60,7 +62,7 @@ __all__ = [
     "CompressionMod", "DGAMod", "GossipMod", "PreviewMod", "StateSpillMod", "StateStoreMod", "config_error_mod",
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
-    "Experiment", "ExperimentResult",
+    "Experiment", "ExperimentResult", "OwnLoop",
     # config objects
     "AsyncConfig", "ChocoConfig", "ClockConfig", "DGAConfig", "DownlinkConfig", "GossipConfig", "LoopConfig",
     "ResultsConfig", "StalenessFunction", "UpdateConfig",

@@ -29,39 +29,22 @@ from typing import Any, TypeVar, Union
 
 from fededge.algorithms.asyncfl import AsyncConfig, LoopConfig, StalenessFunction
 from fededge.algorithms.dga import DGAConfig
+from fededge.algorithms.schedules import LR_SCHEDULES
 from fededge.algorithms.gossip import GOSSIP_ALGORITHMS, ChocoConfig, GossipConfig, check_choco_codec
-from fededge.clients.train import LR_SCHEDULES
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.data.datasets import DATASETS
+from fededge.catalog import BUILTIN_NAMES, strategy_names, strategy_record
 from fededge.errors import ConfigError  # raised here for the run config; defined apart for the library
 from fededge.data.partition import PARTITIONS
 from fededge.models.zoo import MODELS, is_model_name
 from fededge.netem.runclock import ClockConfig
-from fededge.server.results import ResultsConfig
+from fededge.results_config import ResultsConfig
 
 __all__ = ["CLIENT_STATES", "ConfigError", "OWNED", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
 
-#: Strategies selectable with ``strategy=...``; fededge.strategies.registry builds them.
-#: ``dga`` and ``diloco`` are fededge's (fededge.strategies); the others are Flower's own
-#: classes from ``flwr.serverapp.strategy``.
-STRATEGIES: tuple[str, ...] = (
-    "fedavg",
-    "fedavgm",
-    "fedprox",
-    "fedadam",
-    "fedadagrad",
-    "fedyogi",
-    "fedmedian",
-    "fedtrimmedavg",
-    "krum",
-    "dga",
-    "diloco",
-    "gossip",
-    "fedasync",
-    "fedbuff",
-    "ssp",
-    "backup",
-)
+#: The built-in strategies (``strategy=...``): each is one record of :mod:`fededge.catalog`,
+#: which also holds those a user registers (:func:`fededge.catalog.register_strategy`).
+STRATEGIES: tuple[str, ...] = BUILTIN_NAMES
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 #: Where nodes keep their ``context.state`` between messages (``client-states``).
 CLIENT_STATES: tuple[str, ...] = ("memory", "disk")
@@ -392,7 +375,7 @@ class RunConfig:
     progress: str = ResultsConfig.progress
 
     def __post_init__(self) -> None:
-        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("strategy", self.strategy, strategy_names())
         _choice("dataset", self.dataset, DATASETS)
         _choice("partition", self.partition, PARTITIONS)
         if not is_model_name(self.model):
@@ -461,57 +444,13 @@ class RunConfig:
             raise ConfigError(f"run-config key 'proximal-mu' must be >= 0, got {self.proximal_mu}")
         for owner in dict.fromkeys(owner for owner, _ in OWNED.values()):
             self.owned(owner)  # each owned knob's check is its owner's
-        if self.strategy == "dga" and self.downlink_compressor != "none" and self.compressor == "none":
-            raise ConfigError(
-                "run-config key 'downlink-compressor' with strategy='dga' needs a 'compressor' too: "
-                "the clients start from the rounded G(g) and the server keeps the exact one, so "
-                "replies must be deltas (compressed uplinks, rebuilt on the exact G(g)); a full-"
-                "weight reply would carry the rounding into every later global model. Set "
-                "compressor (e.g. \"raw\", lossless) or downlink-compressor=\"none\""
-            )
-        self._check_gossip()
-        if self.strategy in ("fedasync", "fedbuff", "ssp", "backup") and (
-                self.compressor != "none" or self.downlink_compressor != "none"):
+        record = strategy_record(self.strategy)
+        if record.compression == "none" and (self.compressor != "none" or self.downlink_compressor != "none"):
             raise ConfigError(
                 f"run-config keys 'compressor' / 'downlink-compressor' are not supported with "
                 f"strategy={self.strategy!r} yet (its replies are used one by one, against the "
                 "model version each client trained on); set them to 'none'")
-
-    def _check_gossip(self) -> None:
-        """What gossip asks of the keys of other domains (its own knobs: GossipConfig)."""
-        if self.strategy != "gossip":
-            return
-        if self.clients_per_round != 1.0 or isinstance(self.clients_per_round, int):
-            raise ConfigError(
-                "run-config key 'clients-per-round' must be 1.0 with strategy='gossip': every "
-                f"connected node is a node of the graph and trains every round (got "
-                f"{self.clients_per_round!r}); use min-available-nodes to wait for N nodes")
-        if self.fraction_evaluate > 0:
-            raise ConfigError(
-                "run-config key 'fraction-evaluate' must be 0 with strategy='gossip': there is no "
-                "global model to send; the server evaluates every node's model and their average "
-                "on the test set each round")
-        if self.downlink_compressor != "none":
-            raise ConfigError(
-                "run-config key 'downlink-compressor' must be 'none' with strategy='gossip': the "
-                "relay forwards the nodes' own messages; compress them with gossip-algorithm="
-                "'choco' and 'compressor'")
-        if self.gossip_algorithm == "dpsgd" and self.compressor != "none":
-            raise ConfigError(
-                f"run-config key 'compressor' is {self.compressor!r} but gossip-algorithm='dpsgd' "
-                "sends whole models (compressing them without CHOCO's estimates drifts); use "
-                "gossip-algorithm='choco' for compressed gossip, or compressor='none'")
-        if self.gossip_algorithm == "choco":
-            try:
-                check_choco_codec(self.compressor, self.error_feedback)
-            except ValueError as err:
-                key = "error-feedback" if self.error_feedback and "error_feedback" in str(err) else "compressor"
-                raise ConfigError(f"run-config key '{key}' with gossip-algorithm='choco': {err}") from None
-            if self.topology == "one-peer-exponential":
-                raise ConfigError(
-                    "run-config key 'topology': 'one-peer-exponential' changes peers every round, "
-                    "but CHOCO's public estimates assume a static graph; use gossip-algorithm="
-                    "'dpsgd' with it, or a static topology such as 'exponential'")
+        record.check_config(self)
 
     def owned(self, owner: type[T]) -> T:
         """The library config object ``owner`` (a class of :data:`OWNED`) built from this
@@ -578,6 +517,55 @@ class RunConfig:
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (snake_case names), validated again."""
         return dataclasses.replace(self, **changes)
+
+
+def check_dga_keys(cfg: RunConfig) -> None:
+    """What DGA asks of the keys of other domains (its own knobs: DGAConfig); the
+    ``check`` of its :mod:`fededge.catalog` record."""
+    if cfg.downlink_compressor != "none" and cfg.compressor == "none":
+        raise ConfigError(
+            "run-config key 'downlink-compressor' with strategy='dga' needs a 'compressor' too: "
+            "the clients start from the rounded G(g) and the server keeps the exact one, so "
+            "replies must be deltas (compressed uplinks, rebuilt on the exact G(g)); a full-"
+            "weight reply would carry the rounding into every later global model. Set "
+            "compressor (e.g. \"raw\", lossless) or downlink-compressor=\"none\""
+        )
+
+
+def check_gossip_keys(cfg: RunConfig) -> None:
+    """What gossip asks of the keys of other domains (its own knobs: GossipConfig); the
+    ``check`` of its :mod:`fededge.catalog` record."""
+    if cfg.clients_per_round != 1.0 or isinstance(cfg.clients_per_round, int):
+        raise ConfigError(
+            "run-config key 'clients-per-round' must be 1.0 with strategy='gossip': every "
+            f"connected node is a node of the graph and trains every round (got "
+            f"{cfg.clients_per_round!r}); use min-available-nodes to wait for N nodes")
+    if cfg.fraction_evaluate > 0:
+        raise ConfigError(
+            "run-config key 'fraction-evaluate' must be 0 with strategy='gossip': there is no "
+            "global model to send; the server evaluates every node's model and their average "
+            "on the test set each round")
+    if cfg.downlink_compressor != "none":
+        raise ConfigError(
+            "run-config key 'downlink-compressor' must be 'none' with strategy='gossip': the "
+            "relay forwards the nodes' own messages; compress them with gossip-algorithm="
+            "'choco' and 'compressor'")
+    if cfg.gossip_algorithm == "dpsgd" and cfg.compressor != "none":
+        raise ConfigError(
+            f"run-config key 'compressor' is {cfg.compressor!r} but gossip-algorithm='dpsgd' "
+            "sends whole models (compressing them without CHOCO's estimates drifts); use "
+            "gossip-algorithm='choco' for compressed gossip, or compressor='none'")
+    if cfg.gossip_algorithm == "choco":
+        try:
+            check_choco_codec(cfg.compressor, cfg.error_feedback)
+        except ValueError as err:
+            key = "error-feedback" if cfg.error_feedback and "error_feedback" in str(err) else "compressor"
+            raise ConfigError(f"run-config key '{key}' with gossip-algorithm='choco': {err}") from None
+        if cfg.topology == "one-peer-exponential":
+            raise ConfigError(
+                "run-config key 'topology': 'one-peer-exponential' changes peers every round, "
+                "but CHOCO's public estimates assume a static graph; use gossip-algorithm="
+                "'dpsgd' with it, or a static topology such as 'exponential'")
 
 
 def _owned_error(owner: type, params: Mapping[str, str], kwargs: Mapping[str, Any], err: ValueError) -> str:

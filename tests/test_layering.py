@@ -36,6 +36,10 @@ PURE = {
     "fededge.algorithms.*": "the arithmetic of DGA, outer SGD, gossip and the async rules",
     "fededge.analysis.*": "tools over finished runs (plots, replay)",
     "fededge.config": "the run config, parsed once, testable without a runtime",
+    "fededge.results_config": "what a run writes and where (ResultsConfig), read by the run config",
+    "fededge.settings": "one rule for settings given as one object or as keywords",
+    "fededge.wrapping": "how a wrapper is followed to what it wraps (inner), one protocol",
+    "fededge.catalog": "the selectable strategies, one record each, read by the run config",
     "fededge.keys": "record and config names, readable by pure code and other languages",
     "fededge.errors": "ConfigError, which config_error_mod catches without the run config",
     "fededge.workload": "run config -> data set, partition, initial model",
@@ -110,6 +114,10 @@ RULES = [
     Rule(who=("fededge.strategies.*",), never=("fededge.server.*",), allowed=("fededge.server.results",),
          why="the server drives the strategies, never the other way; a strategy tells the "
              "measurement what its round did through strategies/report.py"),
+    Rule(who=("fededge.config", "fededge.catalog", "fededge.results_config"),
+         never=("fededge.clients.*", "fededge.server.*", "fededge.strategies.*"),
+         why="the run config sits below the pieces it configures: it reads their config objects "
+             "and the strategy catalog, never a client, server or strategy module"),
     Rule(who=("fededge.api", "fededge.protocol"), never=tuple(APP), transitive=True,
          why="the library (any Flower app's pieces) never imports fededge's own app"),
     Rule(who=("fededge.*",), exempt=("fededge._flwr_internals",), never=("flwr.*",),

@@ -31,6 +31,7 @@ from torch import nn
 from fededge import keys
 from fededge._flwr_internals import ClientAppCallable, Mod
 from fededge.arrays import record_from_torch, record_to_torch
+from fededge.catalog import strategy_record
 from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.mods import CompressionMod, DGAMod, GossipMod, config_error_mod, offer_norm_statistics
 from fededge.clients.preview import PreviewMod
@@ -74,17 +75,18 @@ def client_mods(cfg: RunConfig, *, inprocess: bool = False) -> tuple[Mod, ...]:
     ['StateSpillMod', 'StateStoreMod', 'CompressionMod']
     """
     mods: list[Mod] = []
+    side = strategy_record(cfg.strategy).client_side  # what the strategy's record asks of the ClientApp
     if cfg.client_states == "disk" and not inprocess:
         mods.append(StateSpillMod())
-    if cfg.strategy == "dga" and cfg.dga_compute_ahead:
+    if side == "dga" and cfg.dga_compute_ahead:
         mods.append(PreviewMod())
     if cfg.checkpoint_every > 0:  # acts only when the server asks (its runtime keeps no client state)
         mods.append(StateStoreMod())
-    if cfg.strategy != "gossip" and (cfg.compressor != "none" or cfg.downlink_compressor != "none"):
+    if side != "gossip" and (cfg.compressor != "none" or cfg.downlink_compressor != "none"):
         mods.append(CompressionMod(cfg.update_config()))
-    if cfg.strategy == "dga":
+    if side == "dga":
         mods.append(DGAMod())
-    if cfg.strategy == "gossip":
+    if side == "gossip":
         mods.append(GossipMod(cfg.update_config(), choco_scale=cfg.choco_scale))
     return tuple(mods)
 

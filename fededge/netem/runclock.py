@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fededge.settings import whole_or_keywords
 from fededge.netem.assign import assign_links, check_netem_spec, check_speed_spec
 from fededge.netem.clock import ClientLink, SimClock, clock_compute_s
 
@@ -127,10 +128,14 @@ class RunClock:
                  sim_step_s: float = ClockConfig.sim_step_s, compute_s: float | None = ClockConfig.compute_s,
                  message_overhead_s: float = ClockConfig.message_overhead_s,
                  nodes_pull: bool = ClockConfig.nodes_pull,
-                 run_dir: str | Path | None = None) -> None:
-        self.config = ClockConfig(netem=netem, netem_file=netem_file, compute_speed=compute_speed,
-                                  sim_step_s=sim_step_s, compute_s=compute_s, message_overhead_s=message_overhead_s,
-                                  nodes_pull=nodes_pull)
+                 run_dir: str | Path | None = None, config: ClockConfig | None = None) -> None:
+        knobs = whole_or_keywords(ClockConfig, config, owner="RunClock", netem=netem, netem_file=netem_file,
+                                  compute_speed=compute_speed, sim_step_s=sim_step_s, compute_s=compute_s,
+                                  message_overhead_s=message_overhead_s, nodes_pull=nodes_pull)
+        self.config = knobs
+        netem, netem_file, compute_speed = knobs.netem, knobs.netem_file, knobs.compute_speed
+        sim_step_s, compute_s, message_overhead_s = knobs.sim_step_s, knobs.compute_s, knobs.message_overhead_s
+        nodes_pull = knobs.nodes_pull
         self.nodes_pull = nodes_pull
         self.netem = netem
         self.netem_file = netem_file

@@ -34,8 +34,10 @@ from fededge.server.grid import InProcessGrid
 from fededge.server.measure import (
     RESUME_MAY_CHANGE, Experiment, ExperimentResult, NotEnoughNodesError, RoundFailedError, seeded_sampling, wait_for_nodes,
 )
-from fededge.server.results import new_run_id
+from fededge.netem.runclock import ClockConfig
+from fededge.server.results import ResultsConfig, new_run_id
 from fededge.strategies.registry import build_strategy
+from fededge.wrapping import innermost
 from fededge.workload import check_partition, dataset_for, model_for
 
 __all__ = [
@@ -59,9 +61,7 @@ def simulated_data_splits(grid: Grid, timeout_s: float) -> list[tuple[int, str |
     split replies with a named configuration error, which stops the run
     (:func:`fededge.clients.mods.config_error_mod`).
     """
-    inner = grid
-    while hasattr(inner, "inner"):
-        inner = inner.inner
+    inner = innermost(grid)
     if isinstance(inner, InProcessGrid):
         return inner.data_splits()
     if not fi.is_flower_simulation(inner):
@@ -169,10 +169,8 @@ def run_experiment(
     if plan.entries:  # printed once; the whole plan, tensor by tensor, is in config.json
         plan.log(log)
     experiment = Experiment(
-        evaluate_fn=evaluate_fn, results_dir=cfg.results_dir, run_id=run_id or new_run_id(cfg.run_name),
-        netem=cfg.netem, netem_file=cfg.netem_file, compute_speed=cfg.compute_speed, sim_step_s=cfg.sim_step_s,
-        message_overhead_s=cfg.message_overhead_s, nodes_pull=cfg.nodes_pull, seed=cfg.seed, target_accuracy=cfg.target_accuracy, progress=cfg.progress, save_model=cfg.save_model,
-        checkpoint_every=cfg.checkpoint_every, evaluate_every=cfg.evaluate_every,
+        evaluate_fn=evaluate_fn, run_id=run_id or new_run_id(cfg.run_name), seed=cfg.seed,
+        results=cfg.owned(ResultsConfig), clock=cfg.owned(ClockConfig),
         min_nodes=max(needed, cfg.min_available_nodes), config=cfg.to_mapping(),
         metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
                   **({"inprocess_nodes": len(list(grid.get_node_ids()))} if isinstance(grid, InProcessGrid) else {}),

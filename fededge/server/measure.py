@@ -34,6 +34,8 @@ that is reproducible and that does not depend on the machine.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import random
 import time
@@ -59,6 +61,8 @@ from fededge.server.metering import MeteredGrid, RoundTraffic
 from fededge.server.checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, states_file_for, write_checkpoint
 from fededge.server.results import PROGRESS_MODES, Progress, ResultsConfig, RoundRecord, RunRecorder, new_run_id
 from fededge.strategies.report import RoundReport, attach_clock, report_of
+from fededge.settings import whole_or_keywords
+from fededge.wrapping import innermost
 from fededge.strategies.resume import (
     FromRound, ResumeError, arrays_from_state, arrays_to_state, attach_checkpoint, load_strategy_state,
     strategy_state,
@@ -161,6 +165,12 @@ class Experiment:
         generators, clock, recorder and, on fededge's in-process runtime, every client's
         ``context.state``) is written after every k-th round; :meth:`run` with
         ``resume_from`` continues from it.
+    results : ResultsConfig, optional
+        The results knobs above as one object (``results=ResultsConfig(results_dir="out",
+        checkpoint_every=1)``), in place of those keywords (giving both is refused).
+    clock : ClockConfig, optional
+        The clock knobs below as one object (``clock=ClockConfig(netem="4g")``), in place
+        of those keywords (giving both is refused).
     run_id : str, optional
         The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
         existing one is never overwritten (``-2``, ``-3``, ... are appended).
@@ -217,29 +227,35 @@ class Experiment:
         config: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         title: str | None = None,
+        results: ResultsConfig | None = None,
+        clock: ClockConfig | None = None,
     ) -> None:
         if not callable(evaluate_fn):
             raise ValueError(f"evaluate_fn must be a callable (server_round, arrays) -> MetricRecord, "
                              f"got {evaluate_fn!r}")
-        ResultsConfig(results_dir=str(results_dir), run_name=run_name, target_accuracy=target_accuracy,
-                      progress=progress, save_model=save_model, checkpoint_every=checkpoint_every,
-                      evaluate_every=evaluate_every)  # checks them
+        # The settings objects, built once (their checks run now, not after the run
+        # started) and kept: given whole, or from the keywords.
+        self.results = whole_or_keywords(
+            ResultsConfig, results, owner="Experiment", name="results", results_dir=str(results_dir),
+            run_name=run_name, target_accuracy=target_accuracy, progress=progress, save_model=save_model,
+            checkpoint_every=checkpoint_every, evaluate_every=evaluate_every)
+        self.clock_config = whole_or_keywords(
+            ClockConfig, clock, owner="Experiment", name="clock", netem=netem, netem_file=netem_file,
+            compute_speed=compute_speed, sim_step_s=sim_step_s, compute_s=compute_s,
+            message_overhead_s=message_overhead_s, nodes_pull=nodes_pull)
         if min_nodes < 0:
             raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
-        self.clock_settings = {"netem": netem, "netem_file": netem_file, "compute_speed": compute_speed,
-                               "seed": seed, "sim_step_s": sim_step_s, "compute_s": compute_s,
-                               "message_overhead_s": message_overhead_s, "nodes_pull": nodes_pull}
-        RunClock(**self.clock_settings)  # validates them now, not after the run started
         self.evaluate_fn = evaluate_fn
-        self.results_dir = Path(results_dir)
+        r = self.results
+        self.results_dir = Path(r.results_dir)
         self.run_id = run_id
-        self.run_name = run_name
+        self.run_name = r.run_name
         self.seed = seed
-        self.target_accuracy = target_accuracy
-        self.progress = progress
-        self.save_model = save_model
-        self.checkpoint_every = checkpoint_every
-        self.evaluate_every = evaluate_every
+        self.target_accuracy = r.target_accuracy
+        self.progress = r.progress
+        self.save_model = r.save_model
+        self.checkpoint_every = r.checkpoint_every
+        self.evaluate_every = r.evaluate_every
         self.min_nodes = min_nodes
         self.config = dict(config or {})
         self.metadata = dict(metadata or {})
@@ -301,14 +317,16 @@ class Experiment:
                 self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
                 target_accuracy=self.target_accuracy,
                 extra={**self.metadata, "strategy_class": strategy_class,
-                       "clock": {k.replace("_", "-"): v for k, v in self.clock_settings.items()}})
+                       "clock": {k.replace("_", "-"): v for k, v in
+                                 {**dataclasses.asdict(self.clock_config), "seed": self.seed}.items()}})
         progress = Progress(self.progress, num_rounds)
         done = 0 if checkpoint is None else int(checkpoint["round"])
         progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "
                       + (f"resumed after round {done} from {path.name}; " if checkpoint is not None else "")
                       + f"results in {recorder.run_dir.resolve()}")
-        clock = RunClock(**self.clock_settings, run_dir=None if checkpoint is not None else recorder.run_dir)
-        rounds = _Rounds(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout, num_rounds)
+        clock = RunClock(config=self.clock_config, seed=self.seed,
+                         run_dir=None if checkpoint is not None else recorder.run_dir)
+        rounds = _RoundCloser(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout, num_rounds)
         rounds.final = initial_arrays
         attach_clock(strategy, clock)
         own_loop = attach_checkpoint(strategy, rounds)
@@ -368,8 +386,14 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-class _Rounds:
-    """One run's state between rounds: Flower calls :meth:`close` after every round."""
+class _RoundCloser:
+    """Closes each round of one run, and keeps the run's state between rounds.
+
+    The strategy's loop calls :meth:`close` after every round (as its ``evaluate_fn``):
+    it evaluates the model when due, times the round on the clock and records its line
+    of metrics.jsonl. As the strategy's checkpoint hook (:meth:`due`, :meth:`save`,
+    :class:`fededge.strategies.resume.CheckpointHook`) it writes the checkpoints, and
+    :meth:`restore` reads one back."""
 
     def __init__(self, exp: Experiment, strategy: Strategy, metered: MeteredGrid, clock: RunClock,
                  recorder: RunRecorder, progress: Progress, timeout: float, num_rounds: int) -> None:
@@ -393,10 +417,7 @@ class _Rounds:
                                                                 resumed=self.resumed)
 
     def _inner_grid(self) -> Any:
-        inner: Any = self.metered.inner
-        while hasattr(inner, "inner"):
-            inner = inner.inner
-        return inner
+        return innermost(self.metered.inner)
 
     def save(self, server_round: int) -> None:
         """Write the checkpoint of ``server_round`` (recorded already, nothing of a later

@@ -62,31 +62,29 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
-from fededge._flwr_internals import is_deployment, runs_messages_in_order, wire_size, wire_sizes
+from fededge._flwr_internals import runs_messages_in_order, wire_sizes
 from fededge.algorithms.asyncfl import (
     ASYNC_ORDERS, AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue, LoopConfig,
 )
-from fededge.netem.clock import SimClock
 from fededge.netem.runclock import RunClock
-from fededge.strategies._replies import (
-    dropout_partition, fixed_participants, is_dropout, reported_partition, usable_reply,
-)
+from fededge.strategies._replies import fixed_participants, is_dropout, usable_reply
+from fededge.strategies.arrivals import Puller, ReplyTiming, reply_metrics, resolve_order
+from fededge.strategies.ownloop import OwnLoop
 from fededge.strategies.report import RoundReport
-from fededge.strategies.resume import CheckpointHook, ResumeError, check_nodes, message_from_state, message_to_state
+from fededge.strategies.resume import check_nodes, message_from_state, message_to_state
 
-__all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncLoop", "AsyncRoundInfo", "Puller", "ReplyTiming"]
+# Puller, ReplyTiming and resolve_order live in fededge.strategies.arrivals; named here for existing imports.
+__all__ = ["ASYNC_ORDERS", "AsyncFL", "AsyncLoop", "AsyncRoundInfo", "Puller", "ReplyTiming", "resolve_order"]
 
 log = logging.getLogger("fededge")
 
@@ -109,195 +107,11 @@ class AsyncRoundInfo:
     order: str = "clock"
 
 
-def _metrics(reply: Message) -> Any:
-    return next(iter(reply.content.metric_records.values()), {})
-
-
-class ReplyTiming:
-    """Puts one node's message on the simulated clock, once its reply is in.
-
-    The clock comes from the experiment (:meth:`attach`); without one the network is
-    ideal and compute is as reported (or measured). A node is named by the partition id
-    its replies report, else by its node id; it is placed on a link by
-    :meth:`RunClock.place <fededge.netem.runclock.RunClock.place>`.
-    """
-
-    def __init__(self) -> None:
-        self.source: RunClock | None = None
-        self._rules = RunClock()  # the compute rule when no clock is attached
-        self.clock: SimClock | None = None
-        self.partition: dict[int, int] = {}  # reported
-        self.placed: dict[int, int] = {}  # reported, or by node id (a ClientApp that reports none)
-        self._clock_clients: int | None = None  # loaded: the clock to time on again (resume_clock)
-        self.step_s = 0.0  # > 0: seconds per reported local step where the clock would measure
-
-    def compute_rule(self, step_s: float) -> tuple[str, bool]:
-        """Charge ``step_s`` seconds per reported local step where the attached clock
-        would take the measured compute time (``sim_step_s`` 0, no fixed ``compute_s``).
-        Returns the rule in words, for the log, and whether it is the measured time (the
-        wall clock), which the log warns of."""
-        source = self.source or self._rules
-        if source.sim_step_s > 0 or source.default_compute_s is not None:
-            self.step_s = 0.0
-            return ("compute as the clock's own rule says (sim-step-s / compute-s): the order is "
-                    "deterministic"), False
-        self.step_s = step_s
-        if step_s > 0:
-            return (f"compute charged {step_s:g} s per reported local step (async-step-s): the order is "
-                    "deterministic for a config and seed; a reply reporting no steps is charged its "
-                    "measured time"), False
-        return ("compute as measured on the wall clock (async-step-s=0): the order follows this machine's "
-                "speed and load, and two runs of one config may differ"), True
-
-    def attach(self, source: RunClock | None) -> None:
-        self.source = source
-
-    def learn(self, reply: Message) -> int | None:
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            pid = dropout_partition(reply)
-            if pid is not None:
-                self.partition[node] = self.placed[node] = pid[0]
-            return self.partition.get(node)
-        metrics = _metrics(reply)
-        reported = reported_partition(reply)
-        if reported is not None:
-            self.partition[node] = reported
-        if self.source is not None:
-            pid = self.source.place(node, reported)
-            if pid is not None:
-                self.placed[node] = pid
-                num = metrics.get(keys.REPLY_NUM_PARTITIONS, pid + 1 if reported is not None else None)
-                if self.clock is None:
-                    self.clock = self.source.build(max(self.source.num_clients(num), pid + 1))
-        return self.partition.get(node)
-
-    def name(self, node: int) -> int:
-        """The partition id of ``node`` where known (what users assign), else its node id."""
-        return self.partition.get(node, node)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Who is placed where (plain values); of the clock only whether it was built: the
-        clock itself is the experiment's to save."""
-        return {"partition": dict(self.partition), "placed": dict(self.placed),
-                "clock_clients": None if self.clock is None else len(self.clock.clients)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; :meth:`resume_clock` then finds the clock."""
-        self.partition = {int(k): int(v) for k, v in state["partition"].items()}
-        self.placed = {int(k): int(v) for k, v in state["placed"].items()}
-        self.clock = None
-        self._clock_clients = state["clock_clients"]
-
-    def resume_clock(self) -> None:
-        """After :meth:`load_state_dict`: time replies on the attached clock again, the
-        one the experiment restored (:meth:`RunClock.build
-        <fededge.netem.runclock.RunClock.build>` returns it)."""
-        n, self._clock_clients = self._clock_clients, None
-        if n is None or self.clock is not None:
-            return
-        if self.source is None or self.source.clock is None:
-            raise ResumeError("the checkpoint's replies were timed on a simulated clock, but the clock attached "
-                              "has none: load the clock's state (RunClock.load_state_dict) and attach it "
-                              "(attach_clock) before start")
-        self.clock = self.source.build(int(n))
-        if len(self.clock.clients) != int(n):
-            raise ResumeError(f"the checkpoint's clock has {n} clients, the restored one "
-                              f"{len(self.clock.clients)}")
-
-    def compute_s(self, reply: Message, measured_s: float | None = None) -> float:
-        metrics = _metrics(reply)
-        reported = float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None
-        steps = int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None
-        if self.step_s > 0 and steps is not None:
-            return steps * self.step_s
-        return (self.source or self._rules).compute_s(reported, steps, measured_s)
-
-    def arrival(self, node: int, sent_at: float, bytes_down: int, reply: Message,
-                measured_s: float | None = None) -> float:
-        """When ``reply`` reached the server: download, compute, upload on the node's link.
-        ``measured_s``: the real seconds from push to pull, for a reply that reports no
-        compute time."""
-        pid = self.placed.get(node)
-        compute = 0.0 if reply.has_error() else self.compute_s(reply, measured_s)
-        if self.clock is None or pid is None or pid >= len(self.clock.clients):
-            return sent_at + compute
-        down = self.clock.send_down(pid, bytes_down, sent_at)
-        done = self.clock.compute(pid, compute, down)
-        return self.clock.send_up(pid, wire_size(reply), done)
-
-
-def resolve_order(requested: str, grid: Grid) -> str:
-    """``clock`` or ``arrival`` for ``requested`` (``auto``: arrival on a SuperLink)."""
-    LoopConfig(order=requested)  # checks the name
-    if requested != "auto":
-        return requested
-    return "arrival" if is_deployment(grid) else "clock"
-
-
-class Puller:
-    """Pulls replies without one slow upload holding up the others.
-
-    On a SuperLink, Flower's ``HttpGrid.pull_messages`` returns a reply as soon as its
-    message is registered and then waits (retrying, up to two hours) until all of its
-    objects have been uploaded: a client on a slow uplink would hold every other
-    reply pulled in the same call, and the whole loop, until its upload is done. That
-    is head-of-line blocking, the opposite of asynchrony (seen in the deployment test:
-    a fast node's reply waited behind a 20 s upload). So on a SuperLink each message is
-    pulled on its own, in a daemon thread (one per message still out, so that a
-    ServerApp never waits at exit for an upload nobody needs), and :meth:`poll`
-    returns whatever has fully arrived. Other grids (in-process, Ray) deliver a reply
-    whole and are pulled directly.
-    """
-
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
-        self.threaded = is_deployment(grid)
-        self._lock = threading.Lock()
-        self._running: set[str] = set()
-        self._done: dict[str, list[Message]] = {}
-        self._errors: list[BaseException] = []
-
-    def _pull(self, mid: str) -> None:
-        try:
-            got = list(self.grid.pull_messages([mid]))
-        except BaseException as err:  # noqa: BLE001 - re-raised in poll()
-            with self._lock:
-                self._errors.append(err)
-                self._running.discard(mid)
-            return
-        with self._lock:
-            self._running.discard(mid)
-            self._done[mid] = got
-
-    def poll(self, message_ids: Iterable[str]) -> list[Message]:
-        ids = list(message_ids)
-        if not self.threaded:
-            return list(self.grid.pull_messages(ids)) if ids else []
-        out: list[Message] = []
-        with self._lock:
-            if self._errors:
-                raise self._errors[0]
-            for mid in ids:
-                if mid in self._done:
-                    out.extend(self._done.pop(mid))  # [] while no reply: asked again
-                elif mid not in self._running:
-                    self._running.add(mid)
-                    threading.Thread(target=self._pull, args=(mid,), daemon=True,
-                                     name=f"fededge-pull-{mid[:8]}").start()
-        return out
-
-    def forget(self, message_id: str) -> None:
-        """Stop waiting for a message (written off); a pull in progress ends alone."""
-        with self._lock:
-            self._done.pop(message_id, None)
-
-
 def _counts(c: Counter) -> dict[str, int]:
     return {str(k): v for k, v in sorted(c.items())}
 
 
-class AsyncLoop(FedAvg):
+class AsyncLoop(OwnLoop):
     """The base of fededge's asynchronous strategies: the clock, the per-version reports.
 
     Parameters
@@ -313,7 +127,7 @@ class AsyncLoop(FedAvg):
         (``arrayrecord_key``, ``configrecord_key``) and the weight (``weighted_by_key``).
     """
 
-    #: How a compressed uplink goes with this strategy (``Compressed`` refuses to wrap it).
+    label = "async loop"
     compressed_form = ("not supported yet: the asynchronous strategies and BackupWorkers use each reply against the "
                        "model version its client trained on, which Compressed does not know; send "
                        "uncompressed updates")
@@ -331,22 +145,22 @@ class AsyncLoop(FedAvg):
         self.tally: dict[str, Counter] = {"staleness": Counter(), "contributions": Counter(),
                                           "dropped": Counter(), "late": Counter()}
         self.participants: list[int] = []
-        self._hook: CheckpointHook | None = None
-        self._resume: dict[str, Any] | None = None  # a loaded state, for the next start()
 
     def attach_clock(self, clock: RunClock) -> None:
         """Order and stamp replies on the experiment's clock (see :class:`ReplyTiming`)."""
+        super().attach_clock(clock)
         self.timing.attach(clock)
 
     # -- checkpoints (fededge.strategies.resume) -------------------------------------
-    def attach_checkpoint(self, hook: CheckpointHook) -> None:
-        """Ask ``hook`` after every version (round) whether to checkpoint; when it is
-        due, the loop first takes in every reply still out (used later, in order, as
-        if it had not been), then calls ``hook.save`` (:mod:`fededge.strategies.resume`)."""
-        self._hook = hook
+    # OwnLoop.attach_checkpoint: when a checkpoint is due after a version (round), the
+    # loop first takes in every reply still out (used later, in order, as if it had
+    # not been), then calls ``hook.save``.
+    def _extra_state(self) -> dict[str, Any]:
+        return self._loop_state()
 
-    def _due(self, server_round: int) -> bool:
-        return self._hook is not None and self._hook.due(server_round)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._load_loop_state(state)
 
     def _loop_state(self) -> dict[str, Any]:
         """What every loop keeps between versions: timing, tallies, reports not yet taken."""
@@ -406,13 +220,7 @@ class AsyncLoop(FedAvg):
                             weight_key=self.weighted_by_key)
 
     def _weight(self, reply: Message) -> float:
-        return float(_metrics(reply)[self.weighted_by_key])
-
-    def _evaluate(self, v: int, arrays: ArrayRecord, evaluate_fn: Callable | None) -> None:
-        if evaluate_fn:
-            res = evaluate_fn(v, arrays)
-            if res is not None:
-                self._result.evaluate_metrics_serverapp[v] = res
+        return float(reply_metrics(reply)[self.weighted_by_key])
 
     # Flower's per-round hooks are not how these run: start() drives them.
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -451,47 +259,53 @@ class AsyncFL(AsyncLoop):
     >>> strategy = AsyncFL(config=AsyncConfig(mode="fedbuff", buffer_size=5), seed=1)
     """
 
+    #: A checkpoint of another mode is refused by name.
+    resume_settings = ("config.mode",)
+
     def __init__(self, *, config: AsyncConfig, concurrency: int | None = None, seed: int = 0,
                  **loop: Any) -> None:
         super().__init__(**loop)
         self.config = config if concurrency is None else replace(config, concurrency=concurrency)
         self.seed = seed
         self._run: _AsyncRun | None = None  # the loop of a start() in progress
+        self._order = "clock"
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return self.config.mode
 
     def summary(self) -> None:
         log.info("%s: %s", self.config.mode, self.config)
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        order = resolve_order(self.order, grid)
+    def _prepare(self, grid: Grid, initial_arrays: ArrayRecord, resume: dict[str, Any] | None) -> None:
+        self._order = order = resolve_order(self.order, grid)
         if order == "arrival" and runs_messages_in_order(grid) is False:
             log.info("%s: replies used in real arrival order on a grid that may run two messages "
                      "of one node at once; this loop keeps one message per node", self.config.mode)
-        train_config = ConfigRecord() if train_config is None else train_config
-        self._result = Result()
-        resume, self._resume = self._resume, None
         if resume is None:
             self._keys = set(initial_arrays.keys())
-            self._evaluate(0, initial_arrays, evaluate_fn)
-            self.participants = fixed_participants(
-                grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
-                min_available=self.min_available_nodes)
-            run = _AsyncRun(self, self._server(initial_arrays.to_torch_state_dict()), self._scheduler(), order)
-            run.arrays = {0: initial_arrays}
-        else:  # continue after the checkpoint's version: no evaluation of version 0, same participants
-            check_nodes(self.participants, grid, f"{self.config.mode} resumed")
-            self.timing.resume_clock()
-            run = _AsyncRun.resumed(self, resume, order)
-            self._keys = set(run.server.model)
-        if order == "clock":
+
+    def _fresh(self, grid: Grid, initial_arrays: ArrayRecord) -> None:
+        self.participants = fixed_participants(
+            grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
+            min_available=self.min_available_nodes)
+        self._run = _AsyncRun(self, self._server(initial_arrays.to_torch_state_dict()), self._scheduler(),
+                              self._order)
+        self._run.arrays = {0: initial_arrays}
+
+    def _restore(self, grid: Grid, state: dict[str, Any]) -> int:
+        """Continue after the checkpoint's version: no evaluation of version 0, the same
+        participants."""
+        check_nodes(self.participants, grid, f"{self.config.mode} resumed")
+        self.timing.resume_clock()
+        self._run = _AsyncRun.resumed(self, state["run"], self._order)
+        self._keys = set(self._run.server.model)
+        return self._run.server.version
+
+    def _rounds(self, grid: Grid, done: int, num_rounds: int, timeout: float) -> None:
+        run = self._run
+        assert run is not None
+        if self._order == "clock":
             rule, measured = self.timing.compute_rule(self.step_s)
         else:  # real asynchrony: the clock only stamps each version, with the measured compute
             self.timing.compute_rule(0.0)
@@ -499,15 +313,17 @@ class AsyncFL(AsyncLoop):
         log.log(logging.WARNING if measured else logging.INFO,
                 "%s: %d participants, %d training at once, replies used in %s order (%s)%s%s",
                 self.config.mode, len(self.participants), run.sched.concurrency,
-                "simulated-clock" if order == "clock" else "real arrival", rule,
+                "simulated-clock" if self._order == "clock" else "real arrival", rule,
                 f", SSP bound {self.config.ssp_bound}" if self.config.mode == "ssp" else "",
-                "" if resume is None else f", resumed after version {run.server.version}")
-        self._run = run
+                "" if done == 0 else f", resumed after version {done}")
         try:
-            run.loop(grid, num_rounds, timeout, train_config, evaluate_fn)
+            run.loop(grid, num_rounds, timeout, self._train_config)
         finally:
             self._run = None
-        return self._result
+
+    def _checkpoint(self, t: int) -> None:
+        assert self._run is not None
+        self._run._checkpoint(t)
 
     def _server(self, initial: dict[str, Any]) -> AsyncServer:
         return AsyncServer(self.config, initial, num_clients=len(self.participants))
@@ -517,7 +333,7 @@ class AsyncFL(AsyncLoop):
                               ssp_bound=self.config.ssp_bound if self.config.mode == "ssp" else None,
                               seed=self.seed)
 
-    def state_dict(self) -> dict[str, Any]:
+    def _extra_state(self) -> dict[str, Any]:
         """The run at a checkpoint, as plain values (:mod:`fededge.strategies.resume`): the
         server (model versions kept, FedBuff's buffer), the scheduler (messages running,
         its generator), the queue of replies not yet used, the version being assembled,
@@ -526,17 +342,7 @@ class AsyncFL(AsyncLoop):
         if self._run is None:
             raise RuntimeError(f"{self.config.mode}: state_dict() is read at a checkpoint (hook.save), "
                                "while start() stands between two versions")
-        return {"mode": self.config.mode, **self._loop_state(), "run": self._run.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next :meth:`start` resumes after the
-        checkpoint's version (its ``initial_arrays`` unused) on the same participants
-        (:class:`~fededge.strategies.resume.ResumeError` at ``start`` if the grid lacks
-        one of them)."""
-        if state["mode"] != self.config.mode:
-            raise ResumeError(f"the checkpoint is of a {state['mode']} run, this strategy runs {self.config.mode}")
-        self._load_loop_state(state)
-        self._resume = state["run"]
+        return {**super()._extra_state(), "run": self._run.state_dict()}
 
 
 class _AsyncRun:
@@ -604,15 +410,14 @@ class _AsyncRun:
                 time.sleep(self.fl.poll_s)
         self.mid_instant = True
         try:
-            self.fl._hook.save(version)
+            OwnLoop._checkpoint(self.fl, version)
         finally:
             self.mid_instant = False
 
     # -- the loop ------------------------------------------------------------------------
-    def loop(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
-             evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None) -> None:
+    def loop(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord) -> None:
         self.grid, self.num_rounds, self.timeout = grid, num_rounds, timeout
-        self.train_config, self.evaluate_fn = train_config, evaluate_fn
+        self.train_config = train_config
         self.puller = Puller(grid)
         if self.mid_instant:  # resumed inside the instant whose event made the checkpoint's version
             self.mid_instant = False
@@ -746,6 +551,5 @@ class _AsyncRun:
         self.arrays[v] = fl._result.arrays
         # A reply waiting in the queue still counts as running until it is used.
         server.keep({x.version for x in sched.running.values()})
-        fl._evaluate(v, fl._result.arrays, self.evaluate_fn)
-        if fl._due(v):
-            self._checkpoint(v)
+        fl._evaluate(v)
+        fl._round_done(v)  # a checkpoint when due: _checkpoint(v) here

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 
 from fededge._flwr_internals import wire_sizes
 from fededge.algorithms.asyncfl import LoopConfig, first_arrivals
-from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, Puller, log, resolve_order
+from fededge.strategies.arrivals import Puller, resolve_order
+from fededge.strategies.asyncloop import AsyncLoop, AsyncRoundInfo, log
 from fededge.strategies.resume import arrays_from_state, arrays_to_state
 
 __all__ = ["BackupWorkers"]
@@ -48,47 +47,45 @@ class BackupWorkers(AsyncLoop):
     2
     """
 
+    label = "BackupWorkers"
+
     def __init__(self, *, backup: int | float = LoopConfig.backup, **loop: Any) -> None:
         super().__init__(**loop)
         self.loop_config = LoopConfig(order=self.order, backup=backup)
         self.backup = backup
         self._saving: dict[str, Any] | None = None  # the round being checkpointed
+        self._order = "clock"
 
     def backups_for(self, sampled: int) -> int:
         """e for a round of ``sampled`` clients (at least one is always aggregated)."""
         return self.loop_config.backups_for(sampled)
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        order = resolve_order(self.order, grid)
-        if order == "clock":
+    # -- the run (OwnLoop's start) ---------------------------------------------------
+    def _prepare(self, grid: Grid, initial_arrays: ArrayRecord, resume: dict[str, Any] | None) -> None:
+        self._order = resolve_order(self.order, grid)
+        if self._order == "clock":
             rule, measured = self.timing.compute_rule(self.step_s)
             log.log(logging.WARNING if measured else logging.INFO,
                     "BackupWorkers: the first replies on the simulated clock; %s", rule)
-        train_config = ConfigRecord() if train_config is None else train_config
-        self._result = Result()
-        resume, self._resume = self._resume, None
         if resume is None:
             self._keys = set(initial_arrays.keys())
-            self._evaluate(0, initial_arrays, evaluate_fn)
-            arrays, now, first_round = initial_arrays, 0.0, 1
-        else:  # continue with the round after the checkpoint's (its own model, not initial_arrays)
-            self.timing.resume_clock()
-            arrays = arrays_from_state(resume["arrays"])
-            now, first_round = float(resume["now"]), int(resume["round"]) + 1
-            self._keys = set(arrays.keys())
-            if resume["result_arrays"]:
-                self._result.arrays = arrays
-        for rnd in range(first_round, num_rounds + 1):
-            msgs = list(self.configure_train(rnd, arrays, train_config, grid))
+        self._at: tuple[ArrayRecord, float] = (initial_arrays, 0.0)  # the model and the simulated time
+
+    def _restore(self, grid: Grid, state: dict[str, Any]) -> int:
+        """Continue with the round after the checkpoint's (its own model, not initial_arrays)."""
+        self.timing.resume_clock()
+        arrays = arrays_from_state(state["arrays"])
+        self._at = (arrays, float(state["now"]))
+        self._keys = set(arrays.keys())
+        if state["result_arrays"]:
+            self._result.arrays = arrays
+        return int(state["round"])
+
+    def _rounds(self, grid: Grid, done: int, num_rounds: int, timeout: float) -> None:
+        order = self._order
+        arrays, now = self._at
+        for rnd in range(done + 1, num_rounds + 1):
+            msgs = list(self.configure_train(rnd, arrays, self._train_config, grid))
             for m in msgs:
                 m.metadata.group_id = str(rnd)
             sizes = wire_sizes(msgs)
@@ -134,35 +131,30 @@ class BackupWorkers(AsyncLoop):
                 if metrics is not None:
                     self._result.train_metrics_clientapp[rnd] = metrics
             self._made(info)
-            self._evaluate(rnd, arrays, evaluate_fn)
-            if self._due(rnd):
-                # A reply not waited for (arrival order, on a SuperLink) is of this round
-                # and is never used: nothing of a later round is out.
-                self._saving = {"round": rnd, "arrays": arrays, "now": now}
-                try:
-                    self._hook.save(rnd)
-                finally:
-                    self._saving = None
+            self._evaluate(rnd, arrays)
+            # A reply not waited for (arrival order, on a SuperLink) is of this round and
+            # is never used: nothing of a later round is out at a checkpoint.
+            self._at = (arrays, now)
+            self._round_done(rnd)
         if self._result.arrays is None:
             self._result.arrays = arrays
-        return self._result
 
-    def state_dict(self) -> dict[str, Any]:
+    def _checkpoint(self, t: int) -> None:
+        self._saving = {"round": t, "arrays": self._at[0], "now": self._at[1]}
+        try:
+            super()._checkpoint(t)
+        finally:
+            self._saving = None
+
+    def _extra_state(self) -> dict[str, Any]:
         """The run after a round, as plain values (:mod:`fededge.strategies.resume`): the
         round, its model, the simulated time, who is placed where, the tallies and
         reports not yet taken. Read by ``hook.save`` at a checkpoint."""
         if self._saving is None:
             raise RuntimeError("backup workers: state_dict() is read at a checkpoint (hook.save), "
                                "after a round")
-        return {**self._loop_state(), "round": self._saving["round"],
-                "arrays": arrays_to_state(self._saving["arrays"]), "now": self._saving["now"],
-                "result_arrays": self._result.arrays is not None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next :meth:`start` runs the rounds after
-        the checkpoint's, from its model (``initial_arrays`` unused)."""
-        self._load_loop_state(state)
-        self._resume = state
+        return {**super()._extra_state(), "arrays": arrays_to_state(self._saving["arrays"]),
+                "now": self._saving["now"], "result_arrays": self._result.arrays is not None}
 
     def _collect(self, grid: Grid, ids: list[str], m_needed: int, timeout: float,
                  order: str) -> tuple[dict[str, Message], dict[str, float]]:

@@ -35,14 +35,12 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
 from fededge._flwr_internals import average_arrayrecords, runs_messages_in_order, wire_size, wire_sizes
@@ -51,13 +49,12 @@ from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.protocol import cast_downlink
+from fededge.settings import whole_or_keywords
 from fededge.netem.clock import ClientRound
-from fededge.netem.runclock import RunClock
 from fededge.strategies._replies import fixed_participants, reported_partition, usable_reply
 from fededge.strategies.report import RoundReport
-from fededge.strategies.resume import (
-    CheckpointHook, ResumeError, arrays_from_state, arrays_to_state, check_nodes,
-)
+from fededge.strategies.ownloop import OwnLoop
+from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes
 from fededge.strategies.compressed import (
     CodecMismatchError, CompressionStats, check_uncompressed, decode_compressed,
 )
@@ -82,7 +79,7 @@ class DGARoundInfo:
     mismatched: int = 0  # of the rejected: in another codec than ``DGA(update=...)``
 
 
-class DGA(FedAvg):
+class DGA(OwnLoop):
     """Delayed Gradient Averaging (Zhu et al., NeurIPS 2021) over Flower's Grid.
 
     Parameters
@@ -90,6 +87,9 @@ class DGA(FedAvg):
     delay, correction, warmup_rounds, pipeline, compute_ahead
         :class:`fededge.algorithms.dga.DGAConfig`'s knobs (their defaults, checks and
         meaning are declared there, once).
+    config : DGAConfig, optional
+        The same knobs as one object (``DGA(config=DGAConfig(delay=2))``), in place of the
+        keywords above (giving both is refused).
     downlink : str
         ``none``, ``fp16`` or ``bf16``: cast ``G(g)`` for the messages that carry it. The
         clients then start from the rounded copy, while the server keeps the exact
@@ -116,7 +116,11 @@ class DGA(FedAvg):
         Flower's FedAvg arguments (sampling, record keys, weighting).
     """
 
-    #: How a compressed uplink goes with this strategy (``Compressed`` refuses to wrap it).
+    label = "DGA"
+    #: A checkpoint of another delay, warm-up or correction is refused by name.
+    resume_settings = ("config.delay", "config.warmup_rounds", "config.correction")
+    #: Who must be sent the global model again, and the participants (node ids).
+    state_attrs = ("_resync", "participants")
     compressed_form = ("DGA(..., update=update) beside the clients' CompressionMod(update): DGA decodes "
                        "each reply itself, against the global model of the round it was trained on")
 
@@ -129,24 +133,25 @@ class DGA(FedAvg):
                  warmup_rounds: int = DGAConfig.warmup_rounds, pipeline: str = DGAConfig.pipeline,
                  compute_ahead: bool = DGAConfig.compute_ahead,
                  downlink: str = DownlinkConfig.downlink, poll_s: float = 0.5,
-                 update: UpdateConfig | None = None, norm_momentum: float = 0.1, **fedavg: Any) -> None:
+                 update: UpdateConfig | None = None, norm_momentum: float = 0.1,
+                 config: DGAConfig | None = None, **fedavg: Any) -> None:
         super().__init__(**fedavg)
+        knobs = whole_or_keywords(DGAConfig, config, owner="DGA", delay=delay, correction=correction,
+                                  warmup_rounds=warmup_rounds, pipeline=pipeline, compute_ahead=compute_ahead)
         if not 0.0 < norm_momentum <= 1.0:
             raise ValueError(f"norm_momentum must be in (0, 1], got {norm_momentum}")
         self.norm_momentum = norm_momentum  # the model's BatchNorm momentum (DGAServer's statistics rule)
         DownlinkConfig(downlink=downlink)  # checks the name
         self.downlink = downlink
         self._down: dict[int, dict[str, ArrayRecord]] = {}  # g -> G(g) cast for the downlink (built once)
-        self.config = DGAConfig(delay=delay, correction=correction, warmup_rounds=warmup_rounds, pipeline=pipeline,
-                                compute_ahead=compute_ahead)
-        self.pipeline = pipeline
+        self.config = knobs
+        self.pipeline = knobs.pipeline
         self.poll_s = poll_s
         self._info: dict[int, DGARoundInfo] = {}
         self.participants: list[int] = []
         self.pipelined = False
         self._stats = CompressionStats()
         # The simulated clock (attach_clock): each round's per-client work, on DGA's timeline.
-        self._clock: RunClock | None = None
         self._timeline: DGATimeline | None = None
         self._bytes_down: dict[int, dict[int, int]] = {}  # round -> node -> bytes of its message
         # round -> (its messages carried the next round's content, the nodes sent a reference)
@@ -156,9 +161,6 @@ class DGA(FedAvg):
         self._wait_s: float | None = None
         self._local_steps: int | None = None
         self.update = update
-        self._hook: CheckpointHook | None = None
-        self._resume: dict[str, Any] | None = None  # a loaded state, for the next start()
-        self._done = 0  # rounds averaged so far (by start)
 
     def take_round_info(self, rnd: int) -> DGARoundInfo | None:
         """The round's :class:`DGARoundInfo` (once; the experiment records it). A caller
@@ -170,10 +172,6 @@ class DGA(FedAvg):
         """Compressed replies decoded and rejected since the previous call (one round)."""
         s, self._stats = self._stats, CompressionStats()
         return s
-
-    def attach_clock(self, clock: RunClock) -> None:
-        """Time the rounds on ``clock`` with DGA's overlap (:class:`DGATimeline`)."""
-        self._clock = clock
 
     def round_report(self, server_round: int) -> RoundReport:
         """Round ``server_round``: its own messages (others are in flight), its duration
@@ -243,31 +241,21 @@ class DGA(FedAvg):
         self._bytes_down.pop(t, None)
 
     # ----------------------------------------------------------------- checkpoints
-    def attach_checkpoint(self, hook: CheckpointHook) -> None:
-        """Ask ``hook`` after every round whether to checkpoint
-        (:mod:`fededge.strategies.resume`). A pipelined run pushes no round past a due
-        one, so that when round ``t`` is saved nothing of a later round is out: the
-        rounds before it still overlap, the pipeline refills after it."""
-        self._hook = hook
-
-    def _due(self, t: int) -> bool:
-        return self._hook is not None and self._hook.due(t)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The run after its last averaged round, as plain values: the global models still
-        needed (``DGAServer``), each as sent (``G(g)``), who must be sent the model again,
-        the participants, and DGA's timeline on the clock (when each client is free,
-        when each average was ready). Read by ``hook.save`` between two rounds."""
+    # OwnLoop.attach_checkpoint: a pipelined run pushes no round past a due one, so that
+    # when round t is saved nothing of a later round is out: the rounds before it still
+    # overlap, the pipeline refills after it.
+    def _extra_state(self) -> dict[str, Any]:
+        """Besides the settings, rounds done, participants and who must be sent the model
+        again (OwnLoop's): the global models still needed (``DGAServer``), each as sent
+        (``G(g)``), and DGA's timeline on the clock (when each client is free, when each
+        average was ready). Read by ``hook.save`` between two rounds."""
         if self._work or self._bytes_down:
             raise RuntimeError(f"DGA: state_dict() at round {self._done} with rounds "
                                f"{sorted({*self._work, *self._bytes_down})} still out")
         tl = self._timeline
         return {
-            "round": self._done, "config": {"delay": self.config.delay, "warmup": self.config.warmup_rounds,
-                                            "correction": self.config.correction},
             "globals": {int(s): {k: v.detach().clone() for k, v in w.items()} for s, w in self._server.globals.items()},
             "arrays_of": {int(g): arrays_to_state(a) for g, a in self._arrays_of.items()},
-            "resync": sorted(self._resync), "participants": list(self.participants),
             "timeline": None if tl is None else {
                 "clients": list(tl.clients), "free": {int(j): float(v) for j, v in tl._free.items()},
                 "replied": {int(j): float(v) for j, v in tl._replied.items()},
@@ -275,28 +263,17 @@ class DGA(FedAvg):
                 "ready": {int(r): float(v) for r, v in tl.ready.items()}},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next :meth:`start` goes on with the round
-        after it (its ``initial_arrays`` unused) on the same participants
-        (:class:`~fededge.strategies.resume.ResumeError` at ``start`` if the grid lacks one)."""
-        mine = {"delay": self.config.delay, "warmup": self.config.warmup_rounds, "correction": self.config.correction}
-        if dict(state["config"]) != mine:
-            raise ResumeError(f"DGA: the checkpoint ran with {dict(state['config'])}, this strategy with {mine}")
-        self._resume = state
-
-    def _resumed(self, grid: Grid) -> int:
-        """Put back a loaded state (before the loop); return the rounds done."""
-        state, self._resume = self._resume, None
-        assert state is not None
-        check_nodes(state["participants"], grid, "DGA")
+    def _restore(self, grid: Grid, state: dict[str, Any]) -> int:
+        """Put back a loaded state (before the loop) on the same participants
+        (:class:`~fededge.strategies.resume.ResumeError` if the grid lacks one); the
+        rounds done."""
+        check_nodes(self.participants, grid, "DGA")
         done = int(state["round"])
         self._server.globals = {int(s): dict(w) for s, w in state["globals"].items()}
         self._server.round = done
         self._arrays_of = {int(g): arrays_from_state(a) for g, a in state["arrays_of"].items()}
         self._result.arrays = self._arrays_of[done]
         self._keys = set(self._result.arrays.keys())
-        self._resync = {int(n) for n in state["resync"]}
-        self.participants = [int(n) for n in state["participants"]]
         tl = state["timeline"]
         if tl is not None:
             if self._clock is None or self._clock.clock is None:
@@ -309,23 +286,8 @@ class DGA(FedAvg):
             self._timeline.ready = {int(r): float(v) for r, v in tl["ready"].items()}
         return done
 
-    def _checkpoint(self, t: int) -> None:
-        self._done = t
-        if self._due(t):
-            assert self._hook is not None
-            self._hook.save(t)
-
     # ----------------------------------------------------------------- the run
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
+    def _prepare(self, grid: Grid, initial_arrays: ArrayRecord, resume: dict[str, Any] | None) -> None:
         in_order = runs_messages_in_order(grid)
         if self.pipeline == "on" and not in_order:
             raise ValueError(
@@ -336,8 +298,7 @@ class DGA(FedAvg):
         if self.pipelined and self.fraction_evaluate > 0:
             log.warning("DGA: federated evaluation (fraction-evaluate > 0) is skipped when rounds "
                         "are pipelined; the server evaluates the global model every round")
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        train_config = self._train_config
         self._local_steps = int(train_config[keys.LOCAL_STEPS]) if keys.LOCAL_STEPS in train_config else None
         # BatchNorm's running statistics decay by (1 - norm_momentum)^K over a round's K steps;
         # without K in the train config the server takes their average.
@@ -349,29 +310,21 @@ class DGA(FedAvg):
         self._arrays_of: dict[int, ArrayRecord] = {0: initial_arrays}
         self._resync: set[int] = set()
         self._previewed: dict[int, int] = {}  # node -> the round whose content it got as a preview
-        self._result = Result()
-        self._evaluate_fn = evaluate_fn
         log.info("DGA: delay %d rounds, correction %s, warm-up %d rounds, %s%s", self.config.delay,
                  self.config.correction, self.config.warmup_rounds,
                  "pipelined (rounds pushed ahead)" if self.pipelined else "lock-step (one message per node)",
                  ", compute-ahead (messages carry the next round's content)" if self.config.compute_ahead else "")
-        if self._resume is not None:
-            done = self._resumed(grid)
-        else:
-            done = 0
-            self._result.arrays = initial_arrays  # the model a round without updates keeps
-            if evaluate_fn:
-                res = evaluate_fn(0, initial_arrays)
-                if res is not None:
-                    self._result.evaluate_metrics_serverapp[0] = res
-            self.participants = fixed_participants(grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
-                                                   min_available=self.min_available_nodes)
-        self._done = done
+
+    def _fresh(self, grid: Grid, initial_arrays: ArrayRecord) -> None:
+        self._result.arrays = initial_arrays  # the model a round without updates keeps
+        self.participants = fixed_participants(grid, fraction=self.fraction_train, min_nodes=self.min_train_nodes,
+                                               min_available=self.min_available_nodes)
+
+    def _rounds(self, grid: Grid, done: int, num_rounds: int, timeout: float) -> None:
         if self.pipelined:
-            self._run_pipelined(grid, num_rounds, timeout, train_config, done)
+            self._run_pipelined(grid, num_rounds, timeout, self._train_config, done)
         else:
-            self._run_lockstep(grid, num_rounds, timeout, train_config, evaluate_config, done)
-        return self._result
+            self._run_lockstep(grid, num_rounds, timeout, self._train_config, self._evaluate_config, done)
 
     def _messages(self, t: int, train_config: ConfigRecord, *, preview: bool = False) -> list[Message]:
         """Round t's train messages, in this round's (seeded) order of participants. With
@@ -443,7 +396,7 @@ class DGA(FedAvg):
                 if agg is not None:
                     self._result.evaluate_metrics_clientapp[t] = agg
             self._evaluate(t)
-            self._checkpoint(t)
+            self._round_done(t)
 
     def _run_pipelined(self, grid: Grid, num_rounds: int, timeout: float, train_config: ConfigRecord,
                        done: int = 0) -> None:
@@ -480,7 +433,7 @@ class DGA(FedAvg):
                             "left out", t, len(replies), len(self.participants), timeout)
             self._finish_round(t, replies)
             self._evaluate(t)
-            self._checkpoint(t)
+            self._round_done(t)
             done, current_since = t, time.monotonic()
 
     # ----------------------------------------------------------------- aggregation
@@ -550,12 +503,6 @@ class DGA(FedAvg):
             info.mismatched += 1
             return f"{type(err).__name__}: {err}"
         return None
-
-    def _evaluate(self, t: int) -> None:
-        if self._evaluate_fn:
-            res = self._evaluate_fn(t, self._result.arrays)
-            if res is not None:
-                self._result.evaluate_metrics_serverapp[t] = res
 
     # Flower's per-round hooks are not how DGA runs: start() drives it.
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

@@ -50,13 +50,12 @@ resynchronised (``gossip-hat/*``). The failed node itself keeps its last trained
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
 
 from fededge import keys
 from fededge._flwr_internals import sample_nodes, wire_size
@@ -74,12 +73,10 @@ from fededge.algorithms.gossip import (
     mixing_row,
 )
 from fededge.protocol import decode_update_record
-from fededge.netem.runclock import RunClock
 from fededge.strategies._replies import reported_partition
 from fededge.strategies.report import RoundReport
-from fededge.strategies.resume import (
-    CheckpointHook, ResumeError, arrays_from_state, arrays_to_state, check_nodes,
-)
+from fededge.strategies.ownloop import OwnLoop
+from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes
 from fededge.topology import Topology, build_topology
 
 __all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
@@ -117,7 +114,7 @@ class GossipRoundInfo:
     failed: list[int] = field(default_factory=list)  # indices whose reply was an error
 
 
-class Gossip(FedAvg):
+class Gossip(OwnLoop):
     """Decentralized training (D-PSGD or CHOCO-SGD) with the server as a relay.
 
     See the module docstring for the messages and the order of operations.
@@ -145,7 +142,12 @@ class Gossip(FedAvg):
     >>> s = Gossip(topology="ring", algorithm="choco", gamma=0.05)
     """
 
-    #: How a compressed uplink goes with this strategy (``Compressed`` refuses to wrap it).
+    label = "gossip"
+    #: A checkpoint of another algorithm or topology is refused by name.
+    resume_settings = ("algorithm", "topology_name")
+    #: Who holds a model (completed a round), who must be resynchronised (CHOCO), and
+    #: each node index's partition on the clock.
+    state_attrs = ("_synced", "_resync", "_partition")
     compressed_form = ("Gossip(algorithm=\"choco\", ...) beside the clients' GossipMod(update=update): "
                        "CHOCO-SGD compresses each node's message itself (its estimates keep what Q drops)")
 
@@ -164,12 +166,8 @@ class Gossip(FedAvg):
         self.topology: Topology | None = None
         self.nodes: list[int] = []  # index -> node id
         self._info: dict[int, GossipRoundInfo] = {}
-        self._clock: RunClock | None = None  # attach_clock: rounds timed edge by edge
-        self._timeline: GossipTimeline | None = None
+        self._timeline: GossipTimeline | None = None  # attach_clock: rounds timed edge by edge
         self._wait_s: float | None = None
-        self._hook: CheckpointHook | None = None
-        self._resume: dict[str, Any] | None = None  # a loaded state, for the next start()
-        self._done = 0
 
     def summary(self) -> None:
         log.info("Gossip: %s on %s (%s mixing)", self.algorithm, self.topology_name, self.mixing_rule)
@@ -177,10 +175,6 @@ class Gossip(FedAvg):
     def take_round_info(self, rnd: int) -> GossipRoundInfo | None:
         """The round's :class:`GossipRoundInfo` (once; the experiment records it)."""
         return self._info.pop(rnd, None)
-
-    def attach_clock(self, clock: RunClock) -> None:
-        """Time the rounds on ``clock``, edge by edge (:class:`GossipTimeline`)."""
-        self._clock = clock
 
     def round_report(self, server_round: int) -> RoundReport:
         """Round ``server_round``: every node's mixed model (evaluated by the caller), their
@@ -241,51 +235,33 @@ class Gossip(FedAvg):
                 "topology_summary": self.topology.summary(rule=self.mixing_rule)}
 
     # ----------------------------------------------------------------- checkpoints
-    def attach_checkpoint(self, hook: CheckpointHook) -> None:
-        """Ask ``hook`` after every round whether to checkpoint
-        (:mod:`fededge.strategies.resume`); rounds run in lock-step, so nothing is out
-        between two of them."""
-        self._hook = hook
-
-    def state_dict(self) -> dict[str, Any]:
-        """The run after its last round, as plain values: the nodes (index -> node id),
-        the initial model (sent to a node that never completed a round), the messages
-        to relay in the next round, who holds a model and who must be resynchronised,
-        CHOCO's public estimates, the nodes' places on the clock and the gossip
+    # OwnLoop.attach_checkpoint: rounds run in lock-step, so nothing is out between two.
+    def _extra_state(self) -> dict[str, Any]:
+        """Besides the settings, rounds done, who holds a model, who must be
+        resynchronised and the nodes' places on the clock (OwnLoop's): the nodes (index
+        -> node id), the initial model (sent to a node that never completed a round), the
+        messages to relay in the next round, CHOCO's public estimates and the gossip
         timeline."""
         tl = self._timeline
         return {
-            "round": self._done, "algorithm": self.algorithm, "topology": self.topology_name,
             "nodes": list(self.nodes), "initial": arrays_to_state(self._initial),
             "result": arrays_to_state(self._result.arrays),
             "last": {int(i): arrays_to_state(a) for i, a in self._last.items()},
-            "synced": sorted(self._synced), "resync": sorted(self._resync),
             "hats": [{k: v.detach().clone() for k, v in h.items()} for h in self._hats],
-            "partition": {int(i): int(p) for i, p in self._partition.items()},
             "timeline": None if tl is None else {
                 "free": {int(c): float(v) for c, v in tl.free.items()},
                 "ready": {int(c): float(v) for c, v in tl.ready.items()},
                 "end": {int(r): float(v) for r, v in tl.end.items()}},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next :meth:`start` goes on with the round
-        after it on the same nodes (:class:`~fededge.strategies.resume.ResumeError` at
-        ``start`` if the grid lacks one)."""
-        if (state["algorithm"], state["topology"]) != (self.algorithm, self.topology_name):
-            raise ResumeError(f"gossip: the checkpoint ran {state['algorithm']} on {state['topology']}, "
-                              f"this strategy {self.algorithm} on {self.topology_name}")
-        self._resume = state
-
-    def _resumed(self, grid: Grid, state: dict[str, Any]) -> int:
+    def _restore(self, grid: Grid, state: dict[str, Any]) -> int:
+        """The same nodes (:class:`~fededge.strategies.resume.ResumeError` if the grid
+        lacks one), their models, estimates and timeline; the rounds done."""
         check_nodes(state["nodes"], grid, "gossip")
         self._initial = arrays_from_state(state["initial"])
         self._result.arrays = arrays_from_state(state["result"])
         self._last = {int(i): arrays_from_state(a) for i, a in state["last"].items()}
-        self._synced = {int(i) for i in state["synced"]}
-        self._resync = {int(i) for i in state["resync"]}
         self._hats = [dict(h) for h in state["hats"]]
-        self._partition = {int(i): int(p) for i, p in state["partition"].items()}
         tl = state["timeline"]
         if tl is not None:
             if self._clock is None or self._clock.clock is None:
@@ -298,17 +274,7 @@ class Gossip(FedAvg):
         return int(state["round"])
 
     # ----------------------------------------------------------------- the run
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        resume, self._resume = self._resume, None
+    def _prepare(self, grid: Grid, initial_arrays: ArrayRecord, resume: dict[str, Any] | None) -> None:
         if resume is None:
             _, nodes = sample_nodes(grid, self.min_available_nodes, 0)  # waits, samples nothing
             self.nodes = sorted(int(n) for n in nodes)
@@ -321,7 +287,6 @@ class Gossip(FedAvg):
             self.topology.mixing(t, rule=self.mixing_rule)  # validated now, not in round t
         log.info("Gossip: %s, %d nodes (node i = the i-th node id in increasing order); %s",
                  self.algorithm, n, self.topology.summary(rule=self.mixing_rule))
-        self._train_config = ConfigRecord() if train_config is None else train_config
         self._initial = initial_arrays
         self._float_keys = [k for k, v in initial_arrays.to_torch_state_dict().items() if v.is_floating_point()]
         self._max_elements = max((v.numel() for v in initial_arrays.to_torch_state_dict().values()), default=1)
@@ -330,30 +295,19 @@ class Gossip(FedAvg):
         self._resync: set[int] = set()  # CHOCO nodes whose estimates must be resent
         init = {k: v.detach().clone() for k, v in initial_arrays.to_torch_state_dict().items()}
         self._hats: list[Weights] = [{k: init[k].clone() for k in self._float_keys} for _ in range(n)]
-        self._result = Result(arrays=initial_arrays)
-        self._evaluate_fn = evaluate_fn
+        self._result.arrays = initial_arrays
         self._partition: dict[int, int] = {}
-        done = 0
-        if resume is not None:
-            done = self._resumed(grid, resume)
-        elif evaluate_fn:
+        if resume is None and self._evaluate_fn:  # round 0's report: every node holds the initial model
             self._info[0] = GossipRoundInfo(algorithm=self.algorithm, models={})
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                self._result.evaluate_metrics_serverapp[0] = res
+
+    def _rounds(self, grid: Grid, done: int, num_rounds: int, timeout: float) -> None:
         for t in range(done + 1, num_rounds + 1):
-            messages = [self._message(t, i) for i in range(n)]
+            messages = [self._message(t, i) for i in range(len(self.nodes))]
             down = {i: m[1] for i, m in enumerate(messages)}
             replies = list(grid.send_and_receive([m[0] for m in messages], timeout=timeout))
             self._finish_round(t, replies, down)
-            if self._evaluate_fn:
-                res = self._evaluate_fn(t, self._result.arrays)
-                if res is not None:
-                    self._result.evaluate_metrics_serverapp[t] = res
-            self._done = t
-            if self._hook is not None and self._hook.due(t):
-                self._hook.save(t)
-        return self._result
+            self._evaluate(t)
+            self._round_done(t)
 
     # ----------------------------------------------------------------- messages
     def _row(self, t: int, i: int) -> dict[int, float]:

@@ -1,4 +1,4 @@
-"""Build the server strategy a run config names.
+"""Build the server strategy a run config names, from its :mod:`fededge.catalog` record.
 
 fededge works with Flower rather than replacing it: every name but the fededge-specific
 ones (``dga``: delayed gradient averaging; ``diloco``: FedAvg with an outer Nesterov
@@ -15,7 +15,9 @@ from flwr.serverapp import strategy as fs
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.config import STRATEGIES, RunConfig
+from fededge.catalog import strategy_record
+from fededge.config import RunConfig
+from fededge.algorithms.dga import DGAConfig
 from fededge.algorithms.asyncfl import StalenessFunction
 from fededge.strategies.backup import BackupWorkers
 from fededge.strategies.compressed import Compressed
@@ -26,7 +28,7 @@ from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
 from fededge.strategies.ssp import SSP
 
-__all__ = ["build_strategy", "sampling_kwargs"]
+__all__ = ["build_strategy", "sampling_kwargs"]  # and the built-in records' build_* functions
 
 # A fraction this small makes Flower's sample size max(int(n * f), min_train_nodes)
 # equal to min_train_nodes exactly, for any realistic n: count-based selection.
@@ -52,78 +54,105 @@ def sampling_kwargs(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-#: Strategies that decode compressed messages themselves (gossip's CHOCO messages are
-#: not uplink updates of a global model; DGA rebuilds its replies' deltas on G(g)), so
-#: they are not wrapped in :class:`~fededge.strategies.compressed.Compressed`.
-_OWN_COMPRESSION = ("dga", "gossip")
-
-
 def build_strategy(cfg: RunConfig) -> Strategy:
-    """The strategy named by ``cfg.strategy``, configured from ``cfg``; wrapped in
+    """The strategy named by ``cfg.strategy`` (its :mod:`fededge.catalog` record's
+    ``build``), configured from ``cfg``; wrapped in
     :class:`~fededge.strategies.compressed.Compressed` when the run compresses updates
-    (``compressor`` or ``downlink-compressor``) and the strategy does not decode them
-    itself.
+    (``compressor`` or ``downlink-compressor``) and the record says the strategy does not
+    decode them itself (``compression="wrapped"``).
 
     ``clients-per-round`` as a count samples exactly that many nodes; as a fraction it
     samples ``int(n * fraction)`` (at least one) of the ``n`` nodes connected at the
     time. ``run_experiment`` waits for enough nodes first, with a deadline.
     """
-    strategy = _build(cfg)
+    record = strategy_record(cfg.strategy)
+    strategy = record.builder()(cfg, sampling_kwargs(cfg))
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy {record.name!r}: its record's build returned a {type(strategy).__name__}, "
+                        "not a flwr.serverapp.strategy.Strategy")
     compresses = cfg.compressor != "none" or cfg.downlink_compressor != "none"
-    if compresses and cfg.strategy not in _OWN_COMPRESSION:
+    if compresses and record.compression == "wrapped":
         # The codec the clients were told to use: a reply in another one is rejected by name.
         expect = cfg.update_config() if cfg.compressor != "none" else None
         return Compressed(strategy, downlink=cfg.downlink_compressor, update=expect)
     return strategy
 
 
-def _build(cfg: RunConfig) -> Strategy:
-    kw = sampling_kwargs(cfg)
-    lr = {"eta": cfg.server_lr} if cfg.server_lr > 0 else {}
-    name = cfg.strategy
-    if name == "fedavg":
-        return fs.FedAvg(**kw)
-    if name == "fedavgm":
-        return fs.FedAvgM(**kw, server_learning_rate=cfg.server_lr or 1.0,
-                          server_momentum=cfg.server_momentum)
-    if name == "fedprox":
-        return fs.FedProx(**kw, proximal_mu=cfg.proximal_mu)
-    if name == "fedadam":
-        return fs.FedAdam(**kw, eta_l=cfg.local_lr, **lr)
-    if name == "fedadagrad":
-        return fs.FedAdagrad(**kw, eta_l=cfg.local_lr, **lr)
-    if name == "fedyogi":
-        return fs.FedYogi(**kw, eta_l=cfg.local_lr, **lr)
-    if name == "fedmedian":
-        return fs.FedMedian(**kw)
-    if name == "fedtrimmedavg":
-        return fs.FedTrimmedAvg(**kw, beta=cfg.trimmed_beta)
-    if name == "krum":
-        return fs.Krum(**kw, num_malicious_nodes=cfg.krum_byzantine)
-    if name == "dga":
-        # The codec the clients were told to use: a reply in another one is rejected by name.
-        return DGA(**kw, delay=cfg.dga_delay, correction=cfg.dga_correction,
-                   warmup_rounds=cfg.dga_warmup_rounds, pipeline=cfg.dga_pipeline,
-                   compute_ahead=cfg.dga_compute_ahead,
-                   downlink=cfg.downlink_compressor,
-                   update=cfg.update_config() if cfg.compressor != "none" else None)
-    if name == "diloco":
-        return FedAvgOuter(**kw, **({"lr": cfg.server_lr} if cfg.server_lr > 0 else {}),
-                           momentum=cfg.server_momentum, nesterov=cfg.server_momentum > 0)
-    if name == "gossip":
-        return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
-                      mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma,
-                      seed=cfg.seed)
-    loop = {"order": cfg.async_order, "step_s": cfg.async_step_s, "concurrency": cfg.async_concurrency,
+# The built-in strategies' builders (their records in fededge.catalog name them):
+# ``build(cfg, kw)``, ``kw`` being :func:`sampling_kwargs`.
+def _server_lr(cfg: RunConfig) -> dict[str, Any]:
+    return {"eta": cfg.server_lr} if cfg.server_lr > 0 else {}
+
+
+def build_fedavg(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedAvg(**kw)
+
+
+def build_fedavgm(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedAvgM(**kw, server_learning_rate=cfg.server_lr or 1.0, server_momentum=cfg.server_momentum)
+
+
+def build_fedprox(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedProx(**kw, proximal_mu=cfg.proximal_mu)
+
+
+def build_fedadam(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedAdam(**kw, eta_l=cfg.local_lr, **_server_lr(cfg))
+
+
+def build_fedadagrad(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedAdagrad(**kw, eta_l=cfg.local_lr, **_server_lr(cfg))
+
+
+def build_fedyogi(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedYogi(**kw, eta_l=cfg.local_lr, **_server_lr(cfg))
+
+
+def build_fedmedian(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedMedian(**kw)
+
+
+def build_fedtrimmedavg(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.FedTrimmedAvg(**kw, beta=cfg.trimmed_beta)
+
+
+def build_krum(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return fs.Krum(**kw, num_malicious_nodes=cfg.krum_byzantine)
+
+
+def build_dga(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    # The codec the clients were told to use: a reply in another one is rejected by name.
+    return DGA(**kw, config=cfg.owned(DGAConfig), downlink=cfg.downlink_compressor,
+               update=cfg.update_config() if cfg.compressor != "none" else None)
+
+
+def build_diloco(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return FedAvgOuter(**kw, **({"lr": cfg.server_lr} if cfg.server_lr > 0 else {}),
+                       momentum=cfg.server_momentum, nesterov=cfg.server_momentum > 0)
+
+
+def build_gossip(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return Gossip(**kw, topology=cfg.topology, topology_params=cfg.topology_params(),
+                  mixing=cfg.mixing, algorithm=cfg.gossip_algorithm, gamma=cfg.gossip_gamma, seed=cfg.seed)
+
+
+def _loop(cfg: RunConfig) -> dict[str, Any]:
+    return {"order": cfg.async_order, "step_s": cfg.async_step_s, "concurrency": cfg.async_concurrency,
             "seed": cfg.seed}
-    staleness = cfg.owned(StalenessFunction)
-    if name == "fedasync":
-        return FedAsync(**kw, **loop, alpha=cfg.async_alpha, staleness=staleness)
-    if name == "fedbuff":
-        return FedBuff(**kw, **loop, buffer_size=cfg.buffer_size, staleness=staleness,
-                       **({"server_lr": cfg.server_lr} if cfg.server_lr > 0 else {}))
-    if name == "ssp":
-        return SSP(**kw, **loop, bound=cfg.ssp_bound)
-    if name == "backup":
-        return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order, step_s=cfg.async_step_s)
-    raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+
+
+def build_fedasync(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return FedAsync(**kw, **_loop(cfg), alpha=cfg.async_alpha, staleness=cfg.owned(StalenessFunction))
+
+
+def build_fedbuff(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return FedBuff(**kw, **_loop(cfg), buffer_size=cfg.buffer_size, staleness=cfg.owned(StalenessFunction),
+                   **({"server_lr": cfg.server_lr} if cfg.server_lr > 0 else {}))
+
+
+def build_ssp(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return SSP(**kw, **_loop(cfg), bound=cfg.ssp_bound)
+
+
+def build_backup(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
+    return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order, step_s=cfg.async_step_s)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from fededge.netem.runclock import RunClock
+from fededge.wrapping import first_with
 
 __all__ = ["MeasuredStrategy", "RoundReport", "attach_clock", "report_of"]
 
@@ -159,8 +160,6 @@ def report_of(strategy: object, server_round: int) -> RoundReport:
 def attach_clock(strategy: object, clock: RunClock) -> None:
     """Hand ``clock`` to a strategy that times its own rounds, or to the strategy a wrapper
     without ``attach_clock`` of its own wraps (its ``inner``); others need none."""
-    while not hasattr(strategy, "attach_clock") and hasattr(strategy, "inner"):
-        strategy = strategy.inner
-    attach = getattr(strategy, "attach_clock", None)
-    if attach is not None:
-        attach(clock)
+    target = first_with(strategy, "attach_clock")
+    if target is not None:
+        target.attach_clock(clock)

@@ -54,8 +54,8 @@ from fededge import _flwr_internals as fi
 
 __all__ = [
     "CheckpointHook", "CheckpointedStrategy", "FromRound", "ResumeError", "STATE_TYPES", "arrays_from_state",
-    "arrays_to_state", "attach_checkpoint", "check_nodes", "load_strategy_state", "message_from_state",
-    "message_to_state", "strategy_state",
+    "arrays_to_state", "attach_checkpoint", "check_nodes", "from_plain", "load_strategy_state", "message_from_state",
+    "message_to_state", "strategy_state", "to_plain",
 ]
 
 #: The value types a ``state_dict()`` may hold (nested in dicts, lists and tuples):
@@ -156,15 +156,17 @@ class _Unsaved(Exception):
     pass
 
 
-def _to_plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     if isinstance(value, ArrayRecord):
         return {"__arrayrecord__": arrays_to_state(value)}
     if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_to_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     if isinstance(value, tuple):
-        return {"__tuple__": [_to_plain(v) for v in value]}
+        return {"__tuple__": [to_plain(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [to_plain(v) for v in sorted(value)]}
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.Tensor)):
         return value
     if isinstance(value, np.generic):  # a numpy scalar: its Python value
@@ -174,17 +176,19 @@ def _to_plain(value: Any) -> Any:
     raise _Unsaved(type(value).__name__)
 
 
-def _from_plain(value: Any) -> Any:
+def from_plain(value: Any) -> Any:
     if isinstance(value, dict) and set(value) == {"__arrayrecord__"}:
         return arrays_from_state(value["__arrayrecord__"])
     if isinstance(value, dict) and set(value) == {"__ndarray__"}:
         return value["__ndarray__"].numpy()
     if isinstance(value, dict) and set(value) == {"__tuple__"}:
-        return tuple(_from_plain(v) for v in value["__tuple__"])
+        return tuple(from_plain(v) for v in value["__tuple__"])
+    if isinstance(value, dict) and set(value) == {"__set__"}:
+        return {from_plain(v) for v in value["__set__"]}
     if isinstance(value, dict):
-        return {k: _from_plain(v) for k, v in value.items()}
+        return {k: from_plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_from_plain(v) for v in value]
+        return [from_plain(v) for v in value]
     return value
 
 
@@ -202,7 +206,7 @@ def strategy_state(strategy: Strategy) -> dict[str, Any]:
             children[name] = strategy_state(value)
             continue
         try:
-            attrs[name] = _to_plain(value)
+            attrs[name] = to_plain(value)
         except _Unsaved as err:
             key = (type(strategy).__qualname__, name)
             if key not in _UNSAVED_WARNED:
@@ -220,7 +224,7 @@ def load_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:
         strategy.load_state_dict(state["state_dict"])
         return
     for attr, value in state.get("attrs", {}).items():
-        setattr(strategy, attr, _from_plain(value))
+        setattr(strategy, attr, from_plain(value))
     children = dict(state.get("strategies", {}))
     if "inner" in state:  # older checkpoints: the wrapped strategy under "inner"
         children["inner"] = state["inner"]
