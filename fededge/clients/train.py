@@ -20,9 +20,6 @@ from fededge.algorithms.schedules import LR_SCHEDULES, scheduled_lr
 __all__ = ["LR_SCHEDULES", "BatchSampler", "LocalResult", "local_sgd", "evaluate", "norm_statistics", "scheduled_lr",
            "sgd_step"]
 
-#: The learning-rate schedules :func:`scheduled_lr` knows (run-config ``lr-schedule``).
-
-
 class BatchSampler:
     """Seeded mini-batches over ``n`` local examples that continue across rounds.
 

@@ -34,7 +34,6 @@ that is reproducible and that does not depend on the machine.
 
 from __future__ import annotations
 
-import dataclasses
 
 import logging
 import random
@@ -261,6 +260,13 @@ class Experiment:
         self.metadata = dict(metadata or {})
         self.title = title
 
+    def _clock_json(self) -> dict[str, Any]:
+        """The clock's settings for config.json (read back by ``fededge.analysis.replay``)."""
+        c = self.clock_config
+        return {"netem": c.netem, "netem-file": c.netem_file, "compute-speed": c.compute_speed, "seed": self.seed,
+                "sim-step-s": c.sim_step_s, "compute-s": c.compute_s, "message-overhead-s": c.message_overhead_s,
+                "nodes-pull": c.nodes_pull}
+
     def run(
         self,
         strategy: Strategy,
@@ -317,8 +323,7 @@ class Experiment:
                 self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
                 target_accuracy=self.target_accuracy,
                 extra={**self.metadata, "strategy_class": strategy_class,
-                       "clock": {k.replace("_", "-"): v for k, v in
-                                 {**dataclasses.asdict(self.clock_config), "seed": self.seed}.items()}})
+                       "clock": self._clock_json()})
         progress = Progress(self.progress, num_rounds)
         done = 0 if checkpoint is None else int(checkpoint["round"])
         progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "

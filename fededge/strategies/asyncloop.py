@@ -158,8 +158,7 @@ class AsyncLoop(OwnLoop):
     def _extra_state(self) -> dict[str, Any]:
         return self._loop_state()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _loaded(self, state: dict[str, Any]) -> None:
         self._load_loop_state(state)
 
     def _loop_state(self) -> dict[str, Any]:
@@ -332,6 +331,10 @@ class AsyncFL(AsyncLoop):
         return AsyncScheduler(self.participants, concurrency=self.config.concurrency,
                               ssp_bound=self.config.ssp_bound if self.config.mode == "ssp" else None,
                               seed=self.seed)
+
+    def _upgrade(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of fededge before OwnLoop: its ``mode`` key."""
+        return {**state, "settings": {"mode": state["mode"]}, "attrs": {}}
 
     def _extra_state(self) -> dict[str, Any]:
         """The run at a checkpoint, as plain values (:mod:`fededge.strategies.resume`): the

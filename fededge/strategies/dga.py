@@ -54,7 +54,7 @@ from fededge.netem.clock import ClientRound
 from fededge.strategies._replies import fixed_participants, reported_partition, usable_reply
 from fededge.strategies.report import RoundReport
 from fededge.strategies.ownloop import OwnLoop
-from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes
+from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes, to_plain
 from fededge.strategies.compressed import (
     CodecMismatchError, CompressionStats, check_uncompressed, decode_compressed,
 )
@@ -262,6 +262,15 @@ class DGA(OwnLoop):
                 "handled": {int(j): float(v) for j, v in tl._handled.items()},
                 "ready": {int(r): float(v) for r, v in tl.ready.items()}},
         }
+
+    def _upgrade(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of fededge before OwnLoop: its ``config``, ``resync`` and
+        ``participants`` keys."""
+        c = state["config"]
+        return {**state, "settings": {"delay": c["delay"], "warmup_rounds": c["warmup"],
+                                      "correction": c["correction"]},
+                "attrs": {"_resync": to_plain({int(n) for n in state["resync"]}),
+                          "participants": [int(n) for n in state["participants"]]}}
 
     def _restore(self, grid: Grid, state: dict[str, Any]) -> int:
         """Put back a loaded state (before the loop) on the same participants

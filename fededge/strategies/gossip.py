@@ -76,7 +76,7 @@ from fededge.protocol import decode_update_record
 from fededge.strategies._replies import reported_partition
 from fededge.strategies.report import RoundReport
 from fededge.strategies.ownloop import OwnLoop
-from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes
+from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes, to_plain
 from fededge.topology import Topology, build_topology
 
 __all__ = ["Gossip", "GossipNode", "GossipRoundInfo"]
@@ -253,6 +253,14 @@ class Gossip(OwnLoop):
                 "ready": {int(c): float(v) for c, v in tl.ready.items()},
                 "end": {int(r): float(v) for r, v in tl.end.items()}},
         }
+
+    def _upgrade(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of fededge before OwnLoop: its ``algorithm``, ``topology``,
+        ``synced``, ``resync`` and ``partition`` keys."""
+        return {**state, "settings": {"algorithm": state["algorithm"], "topology_name": state["topology"]},
+                "attrs": {"_synced": to_plain({int(i) for i in state["synced"]}),
+                          "_resync": to_plain({int(i) for i in state["resync"]}),
+                          "_partition": {int(i): int(p) for i, p in state["partition"].items()}}}
 
     def _restore(self, grid: Grid, state: dict[str, Any]) -> int:
         """The same nodes (:class:`~fededge.strategies.resume.ResumeError` if the grid

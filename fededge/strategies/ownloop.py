@@ -189,8 +189,19 @@ class OwnLoop(FedAvg):
         """Continue from :meth:`state_dict`: the next :meth:`start` goes on after its
         round. A checkpoint made with other :attr:`resume_settings` is refused
         (:class:`~fededge.strategies.resume.ResumeError`, naming both)."""
-        saved, mine = dict(state.get("settings", {})), self.settings()
+        if "settings" not in state:  # a checkpoint of fededge before OwnLoop
+            state = self._upgrade(state)
+        saved, mine = dict(state["settings"]), self.settings()
         if saved != mine:
             raise ResumeError(f"{self.label}: the checkpoint ran with {saved}, this strategy with {mine}; "
                               "resume it with the run config it was made with")
+        self._loaded(state)
         self._resume = state
+
+    def _upgrade(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before this base existed, in today's form (``settings``,
+        ``attrs``): each strategy maps its own former keys."""
+        return {**state, "settings": {}, "attrs": {}}
+
+    def _loaded(self, state: dict[str, Any]) -> None:
+        """What a strategy takes from a loaded state at once, before :meth:`start`."""

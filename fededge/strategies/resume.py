@@ -166,7 +166,11 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return {"__tuple__": [to_plain(v) for v in value]}
     if isinstance(value, (set, frozenset)):
-        return {"__set__": [to_plain(v) for v in sorted(value)]}
+        try:
+            items = sorted(value)  # a checkpoint's bytes do not depend on the set's order
+        except TypeError:  # items of types that do not compare: named in a warning, as before
+            raise _Unsaved(f"set of {', '.join(sorted({type(v).__name__ for v in value}))}") from None
+        return {"__set__": [to_plain(v) for v in items]}
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.Tensor)):
         return value
     if isinstance(value, np.generic):  # a numpy scalar: its Python value

@@ -196,3 +196,51 @@ def test_the_declared_state_round_trips_and_other_settings_are_refused():
     same = LockStep(tag="a")
     same.load_state_dict(state)
     assert same._resume is state
+
+
+def test_checkpoints_written_before_ownloop_still_load():
+    """The state formats of ecf749b and older (DGA's ``config``/``resync``/``participants``,
+    gossip's ``algorithm``/``topology``/``synced``/``resync``/``partition``, the async
+    loop's ``mode``) load, their settings are still checked, and their sets come back as
+    sets."""
+    from fededge.strategies.dga import DGA
+    from fededge.strategies.fedbuff import FedBuff
+    from fededge.strategies.gossip import Gossip
+    from fededge.strategies.resume import from_plain
+
+    dga = DGA(delay=1)
+    dga.load_state_dict({"round": 3, "config": {"delay": 1, "warmup": 0, "correction": True},
+                         "resync": [5, 2], "participants": [2, 5, 9], "globals": {}, "arrays_of": {},
+                         "timeline": None})
+    assert dga._resume["settings"] == dga.settings()
+    assert from_plain(dga._resume["attrs"]["_resync"]) == {2, 5}
+    assert from_plain(dga._resume["attrs"]["participants"]) == [2, 5, 9]
+    with pytest.raises(ResumeError, match="DGA: the checkpoint ran with"):
+        DGA(delay=2).load_state_dict({"round": 3, "config": {"delay": 1, "warmup": 0, "correction": True},
+                                      "resync": [], "participants": []})
+
+    gossip = Gossip(topology="ring", algorithm="choco")
+    gossip.load_state_dict({"round": 2, "algorithm": "choco", "topology": "ring", "nodes": [1, 2, 3],
+                            "synced": [1, 0], "resync": [], "partition": {0: 0, 1: 1}})
+    assert from_plain(gossip._resume["attrs"]["_synced"]) == {0, 1}
+    with pytest.raises(ResumeError, match="gossip"):
+        Gossip(topology="torus").load_state_dict({"round": 2, "algorithm": "dpsgd", "topology": "ring",
+                                                   "synced": [], "resync": [], "partition": {}})
+
+    with pytest.raises(ResumeError, match="fedasync"):
+        FedBuff().load_state_dict({"mode": "fedasync"})
+
+
+def test_a_set_is_saved_sorted_and_a_set_of_mixed_types_is_named_not_raised(caplog):
+    from fededge.strategies.resume import from_plain, load_strategy_state, strategy_state, to_plain
+
+    assert to_plain({3, 1, 2}) == {"__set__": [1, 2, 3]} and from_plain(to_plain({3, 1})) == {1, 3}
+    s = FedAvg()
+    s.seen = {3, 1}
+    s.odd = {1, "a"}
+    with caplog.at_level("WARNING", logger="fededge"):
+        state = strategy_state(s)
+    assert "odd" not in state["attrs"] and any("FedAvg.odd" in r.getMessage() for r in caplog.records)
+    t = FedAvg()
+    load_strategy_state(t, state)
+    assert t.seen == {1, 3}
