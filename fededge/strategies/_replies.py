@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -11,7 +12,7 @@ from fededge import keys
 from fededge._flwr_internals import sample_nodes
 
 __all__ = ["DROPOUT_REASON", "dropout_partition", "dropout_reason", "fixed_participants", "is_dropout",
-           "reported_partition", "usable_reply"]
+           "reply_metrics", "reported_partition", "usable_reply"]
 
 #: Start of the error reason of a reply the client marked as a simulated dropout
 #: (``dropout`` in the run config); :class:`fededge.server.metering.MeteredGrid` turns
@@ -56,6 +57,11 @@ def fixed_participants(grid: Grid, *, fraction: float, min_nodes: int, min_avail
     return sorted(nodes)
 
 
+def reply_metrics(reply: Message) -> Any:
+    """A reply's (first) metric record, empty when it has none."""
+    return next(iter(reply.content.metric_records.values()), {})
+
+
 def reported_partition(reply: Message) -> int | None:
     """The partition id a reply's metrics report (fededge's ClientApp sends ``partition-id``),
     else None: a user's own ClientApp reports none. Give it to
@@ -63,7 +69,7 @@ def reported_partition(reply: Message) -> int | None:
     node by its node id, the same way every round and for every strategy."""
     if reply.has_error():
         return None
-    metrics = next(iter(reply.content.metric_records.values()), {})
+    metrics = reply_metrics(reply)
     return int(metrics[keys.REPLY_PARTITION_ID]) if keys.REPLY_PARTITION_ID in metrics else None
 
 

@@ -22,15 +22,10 @@ from fededge._flwr_internals import is_deployment, wire_size
 from fededge.algorithms.asyncfl import LoopConfig
 from fededge.netem.clock import SimClock
 from fededge.netem.runclock import RunClock
-from fededge.strategies._replies import dropout_partition, reported_partition
+from fededge.strategies._replies import dropout_partition, reply_metrics, reported_partition
 from fededge.strategies.resume import ResumeError
 
-__all__ = ["Puller", "ReplyTiming", "reply_metrics", "resolve_order"]
-
-
-def reply_metrics(reply: Message) -> Any:
-    """The reply's (first) metric record."""
-    return next(iter(reply.content.metric_records.values()), {})
+__all__ = ["Puller", "ReplyTiming", "resolve_order"]
 
 
 class ReplyTiming:

@@ -77,8 +77,8 @@ from fededge.algorithms.asyncfl import (
     ASYNC_ORDERS, AsyncConfig, AsyncScheduler, AsyncServer, Dispatch, Event, EventQueue, LoopConfig,
 )
 from fededge.netem.runclock import RunClock
-from fededge.strategies._replies import fixed_participants, is_dropout, usable_reply
-from fededge.strategies.arrivals import Puller, ReplyTiming, reply_metrics, resolve_order
+from fededge.strategies._replies import fixed_participants, is_dropout, reply_metrics, usable_reply
+from fededge.strategies.arrivals import Puller, ReplyTiming, resolve_order
 from fededge.strategies.ownloop import OwnLoop
 from fededge.strategies.report import RoundReport
 from fededge.strategies.resume import check_nodes, message_from_state, message_to_state

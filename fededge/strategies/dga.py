@@ -51,7 +51,7 @@ from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.protocol import cast_downlink
 from fededge.settings import whole_or_keywords
 from fededge.netem.clock import ClientRound
-from fededge.strategies._replies import fixed_participants, reported_partition, usable_reply
+from fededge.strategies._replies import fixed_participants, reply_metrics, reported_partition, usable_reply
 from fededge.strategies.report import RoundReport
 from fededge.strategies.ownloop import OwnLoop
 from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes, to_plain
@@ -231,7 +231,7 @@ class DGA(OwnLoop):
             pid = None if r.has_error() else self._clock.place(r.metadata.src_node_id, reported_partition(r))
             if pid is None:  # an error, or a node the clock does not know
                 continue
-            metrics = next(iter(r.content.metric_records.values()), {})
+            metrics = reply_metrics(r)
             num = int(metrics[keys.REPLY_NUM_PARTITIONS]) if keys.REPLY_NUM_PARTITIONS in metrics else None
             compute = self._clock.compute_s(
                 float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None,
