@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fededge.compress.roles as roles_mod  # noqa: E402
 import fededge.compress.powersgd as psgd_mod  # noqa: E402
-import fededge.server.experiment as experiment_mod  # noqa: E402
+import fededge.server.runner as experiment_mod  # noqa: E402
 from fededge.server.inprocess import run_inprocess  # noqa: E402
 
 TASKS = {

@@ -193,7 +193,7 @@ def _timed_phases() -> AbstractContextManager[dict[str, list[float]]]:
     the server's evaluation (``evaluate``). The rest of a round is the server's own work
     (sampling, serialising, metering, aggregating)."""
     from fededge.server.grid import InProcessGrid
-    from fededge.server.measure import Experiment
+    from fededge.server.experiment import Experiment
 
     return timed_calls({"clients": (InProcessGrid, "_run_batch"), "evaluate": (Experiment, "evaluate")})
 

@@ -44,7 +44,7 @@ from fededge.clients.statestore import StateSpillMod, StateStoreMod
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.errors import ConfigError
 from fededge.netem.runclock import ClockConfig
-from fededge.server.measure import Experiment, ExperimentResult, NotEnoughNodesError, ResumeError, RoundFailedError
+from fededge.server.experiment import Experiment, ExperimentResult, NotEnoughNodesError, ResumeError, RoundFailedError
 from fededge.server.results import ResultsConfig
 from fededge.strategies.asyncloop import AsyncFL
 from fededge.strategies.backup import BackupWorkers
@@ -56,6 +56,10 @@ from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
 from fededge.strategies.ownloop import OwnLoop
 from fededge.strategies.ssp import SSP
+from fededge.tracking import MetricSink, MissingExtraError
+from fededge.tracking.mlflow_sink import MLflowSink
+from fededge.tracking.tensorboard_sink import TensorBoardSink
+from fededge.tracking.wandb_sink import WandbSink
 
 __all__ = [
     # client mods
@@ -63,9 +67,12 @@ __all__ = [
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
     "Experiment", "ExperimentResult", "OwnLoop",
+    # metric sinks (Experiment(sinks=[...]) or log_to=...)
+    "MetricSink", "MLflowSink", "TensorBoardSink", "WandbSink",
     # config objects
     "AsyncConfig", "ChocoConfig", "ClockConfig", "DGAConfig", "DownlinkConfig", "GossipConfig", "LoopConfig",
     "ResultsConfig", "StalenessFunction", "UpdateConfig",
     # errors
-    "CodecMismatchError", "ConfigError", "ModOrderError", "NotEnoughNodesError", "ResumeError", "RoundFailedError",
+    "CodecMismatchError", "ConfigError", "MissingExtraError", "ModOrderError", "NotEnoughNodesError", "ResumeError",
+    "RoundFailedError",
 ]

@@ -13,10 +13,13 @@ strategy, in one place:
 - ``client_side``: the client mods fededge's ClientApp adds for it (``""``: none,
   ``"dga"``: :class:`~fededge.clients.mods.DGAMod`, ``"gossip"``:
   :class:`~fededge.clients.mods.GossipMod` in place of the ``CompressionMod``);
+- ``client_mods``: for a strategy of one's own whose clients do more than train, the
+  Flower mods fededge's ClientApp adds for it (a callable of the run config, or its
+  ``"module:function"`` path), innermost, after the compression mod;
 - ``check``: what it asks of the other run-config keys, raised as a
   :class:`~fededge.errors.ConfigError` when the run config is read.
 
-``build`` and ``check`` are callables, or ``"module:function"`` paths imported when first
+``build``, ``check`` and ``client_mods`` are callables, or ``"module:function"`` paths imported when first
 used: this module is pure (no Flower, no torch), so :mod:`fededge.config` reads the names
 here without importing any strategy. Adding a strategy is one file (the strategy) and
 one record (:func:`register_strategy`); the run config, the server's registry and the
@@ -84,6 +87,12 @@ class StrategyRecord:
     check : callable or str, optional
         ``check(cfg) -> None``, raising :class:`~fededge.errors.ConfigError` for a run
         config the strategy cannot run with.
+    client_mods : callable or str, optional
+        ``client_mods(cfg) -> sequence of Flower mods`` (``mod(msg, context, call_next)``)
+        that fededge's ClientApp runs for this strategy, innermost: after the state store
+        and the compression mod, next to the training itself. For a strategy whose
+        clients reply with more than a trained model. Registered in the clients'
+        process too (a ServerApp's registration does not reach a SuperNode's ClientApp).
     """
 
     name: str
@@ -92,6 +101,7 @@ class StrategyRecord:
     compression: str = "wrapped"
     client_side: str = ""
     check: Hook | None = None
+    client_mods: Hook | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:
@@ -101,12 +111,25 @@ class StrategyRecord:
         if self.client_side not in CLIENT_SIDES:
             raise ValueError(f"client_side must be one of {', '.join(map(repr, CLIENT_SIDES))}, "
                              f"got {self.client_side!r}")
-        if not (callable(self.build) or isinstance(self.build, str)):
-            raise ValueError(f"build must be a callable or a 'module:function' path, got {self.build!r}")
+        for field in ("build", "check", "client_mods"):
+            hook = getattr(self, field)
+            if not (callable(hook) or isinstance(hook, str) or (hook is None and field != "build")):
+                raise ValueError(f"{field} must be a callable or a 'module:function' path, got {hook!r}")
 
     def builder(self) -> Callable[..., Any]:
         """``build`` as a callable (a path imported now)."""
         return _resolve(self.build, f"strategy {self.name!r}: build")
+
+    def mods_for(self, cfg: Any) -> tuple[Any, ...]:
+        """``client_mods(cfg)`` as a tuple (empty when there is none)."""
+        if self.client_mods is None:
+            return ()
+        mods = tuple(_resolve(self.client_mods, f"strategy {self.name!r}: client_mods")(cfg))
+        for mod in mods:
+            if not callable(mod):
+                raise TypeError(f"strategy {self.name!r}: client_mods gave {mod!r}, which is not a "
+                                f"Flower mod (a callable mod(msg, context, call_next))")
+        return mods
 
     def check_config(self, cfg: Any) -> None:
         """Run ``check`` on a run config (nothing when there is none)."""

@@ -12,7 +12,12 @@
 - ``fededge netem profiles | show NAME | proxy ... | apply ... | clear ...``: link
   profiles and the network-emulation backends.
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
-  round, simulated time and cumulative uplink bytes).
+  round, simulated time and cumulative uplink bytes); ``fededge plot --sweep DIR``: a
+  sweep's cells, mean ± sd over seeds.
+- ``fededge sweep --grid "strategy=fedavg,dga dga-delay=1,2" --seeds 0 1 2 [--run-config ...]
+  [--out DIR] [--jobs N] [--baseline CELL]``: every combination times every seed, N runs
+  at a time, and a table of mean ± sd and paired differences (``fededge.sweep``); the
+  same command again finishes a killed sweep.
 - ``fededge testbed up --clients N --profiles wifi:0.5,4g:0.5 [--shaping proxy|kernel|none]``,
   ``fededge testbed run --run-config ...``, ``fededge testbed status``, ``fededge testbed
   down``: a SuperLink and N SuperNodes, each in its own network namespace, on this
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -185,8 +191,42 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if run.ok else 1
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from fededge.sweep import SweepRunsFailed, format_table, parse_grid, plan, run_sweep
+
+    out = Path(args.out) if args.out else Path("results") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    try:
+        sweep = plan(out, parse_grid(args.grid), args.seeds, base=parse_run_config(args.run_config),
+                     num_clients=args.num_clients)
+        result = run_sweep(sweep, jobs=args.jobs, baseline=args.baseline)
+    except SweepRunsFailed as err:
+        print(f"fededge sweep: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # SweepError, ConfigError: nothing was run
+        print(f"fededge sweep: {err}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    print(f"table: {out / 'sweep.json'}, {out / 'sweep.csv'}; plot it with: fededge plot --sweep {out}")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from fededge.analysis.plot import plot_runs
+    from fededge.analysis.plot import plot_runs, plot_sweep
+
+    if args.sweep:
+        if args.run_dirs:
+            print("fededge plot: give run directories or --sweep DIR, not both", file=sys.stderr)
+            return 2
+        try:
+            path = plot_sweep(args.sweep, args.output, title=args.title)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"fededge plot: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
+        return 0
+    if not args.run_dirs:
+        print("fededge plot: give one or more run directories (or --sweep DIR)", file=sys.stderr)
+        return 2
 
     out = Path(args.output) if args.output else Path(args.run_dirs[0]) / "comparison.png"
     try:
@@ -265,8 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_testbed(sub)
 
+    sweep = sub.add_parser("sweep", help="a grid of run-config values x seeds, N runs at a time, one table")
+    sweep.add_argument("--grid", required=True,
+                       help='"key=v1,v2 key2=a,b": every combination is a cell (quote a value with a comma)')
+    sweep.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of every cell (default: 0)")
+    sweep.add_argument("--run-config", default=None, help='the other keys of every run: "num-rounds=30"')
+    sweep.add_argument("--out", default=None, help="sweep directory (default: results/sweep-<date>-<time>); "
+                       "the same --out again finishes a killed sweep")
+    sweep.add_argument("--jobs", type=int, default=0, help="runs at a time (default: one per core)")
+    sweep.add_argument("--num-clients", type=int, default=10, help="simulated nodes of each run")
+    sweep.add_argument("--baseline", default=None,
+                       help='the cell the paired differences are taken from, as the table names it '
+                            '("strategy=fedavg"; default: the first)')
+    sweep.set_defaults(func=_cmd_sweep)
+
     plot = sub.add_parser("plot", help="compare runs in one PNG")
-    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
+    plot.add_argument("--sweep", metavar="DIR", help="draw a fededge sweep's cells (its --out directory)")
     plot.add_argument("-o", "--output", help="PNG to write (default: RUN_DIR/comparison.png)")
     plot.add_argument("--labels", nargs="+", help="one legend label per run")
     plot.add_argument("--title")

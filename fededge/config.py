@@ -104,6 +104,8 @@ OWNED: dict[str, tuple[type, str]] = {
     "save-model": (ResultsConfig, "save_model"),
     "checkpoint-every": (ResultsConfig, "checkpoint_every"),
     "evaluate-every": (ResultsConfig, "evaluate_every"),
+    "log-to": (ResultsConfig, "log_to"),
+    "mlflow-uri": (ResultsConfig, "mlflow_uri"),
     "resume-from": (ResultsConfig, "resume_from"),
 }
 
@@ -272,8 +274,9 @@ class RunConfig:
     - ``netem``, ``netem-file``, ``compute-speed``, ``sim-step-s``,
       ``message-overhead-s``, ``nodes-pull``: the simulated clock,
       :class:`fededge.netem.runclock.ClockConfig`;
-    - ``results-dir``, ``run-name``, ``target-accuracy``, ``progress``, ``save-model``:
-      :class:`fededge.server.results.ResultsConfig`.
+    - ``results-dir``, ``run-name``, ``target-accuracy``, ``progress``, ``save-model``,
+      ``checkpoint-every``, ``evaluate-every``, ``log-to``, ``mlflow-uri``, ``resume-from``:
+      :class:`fededge.results_config.ResultsConfig`.
 
     ``server-lr`` and ``server-momentum`` are shared by several strategies; 0 for
     ``server-lr`` keeps each strategy's own default.
@@ -313,6 +316,8 @@ class RunConfig:
     save_model: bool = ResultsConfig.save_model
     checkpoint_every: int = ResultsConfig.checkpoint_every
     evaluate_every: int = ResultsConfig.evaluate_every
+    log_to: str = ResultsConfig.log_to
+    mlflow_uri: str = ResultsConfig.mlflow_uri
     resume_from: str = ResultsConfig.resume_from
     client_states: str = "memory"
     server_lr: float = 0.0

@@ -51,7 +51,7 @@ def checkpoint_due(server_round: int, *, every: int, resumed: int = 0) -> bool:
     """Whether a checkpoint is written after ``server_round``: after round 1 of a run (so
     that a run killed early resumes too, whatever ``every`` is) and after every
     ``every``-th round (0: never), never at or before the round a run was resumed from.
-    The server writes them (:class:`~fededge.server.measure.Experiment`); the nodes'
+    The server writes them (:class:`~fededge.server.experiment.Experiment`); the nodes'
     state stores keep what those checkpoints need (:func:`checkpoint_rounds`)."""
     return every > 0 and server_round > resumed and (server_round == 1 or server_round % every == 0)
 

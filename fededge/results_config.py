@@ -1,7 +1,7 @@
 """What a run writes and where: :class:`ResultsConfig`, the results knobs, declared once.
 
 The run directory, the run's name, the target accuracy, the progress display, the saved
-model, checkpoints and evaluation frequency. :class:`fededge.server.measure.Experiment`
+model, checkpoints and evaluation frequency. :class:`fededge.server.experiment.Experiment`
 takes it (or its knobs as keywords) and :mod:`fededge.config` builds it from the run
 config; it lives apart from :mod:`fededge.server.results` (what is written) so that the
 run config reads it without importing the server side.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fededge.tracking import parse_log_to
+
 __all__ = ["PROGRESS_MODES", "ResultsConfig"]
 
 
@@ -23,7 +25,7 @@ PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "off")
 @dataclass(frozen=True, kw_only=True)
 class ResultsConfig:
     """What a run records and shows. Run-config keys in brackets; declared here once for
-    :class:`~fededge.server.measure.Experiment` and fededge's app.
+    :class:`~fededge.server.experiment.Experiment` and fededge's app.
 
     Parameters
     ----------
@@ -63,6 +65,17 @@ class ResultsConfig:
         count evaluated rounds only, so a target is seen at the first evaluation at or
         after the round that reached it. For runs whose evaluation costs more than a
         round: K = 1 runs of a CNN, or a large test set with many small rounds.
+    log_to : str
+        [log-to] Where every round also goes, comma-separated: ``tensorboard`` (event
+        files in ``<run dir>/tensorboard/``), ``mlflow`` (an MLflow run; see
+        ``mlflow_uri``), ``wandb`` (a Weights & Biases run, offline by default). ``""``
+        (the default): ``metrics.jsonl`` only. Each tool is an extra (``pip install
+        'fededge[tensorboard]'``); a missing one stops the run before round 1, naming
+        it. See :mod:`fededge.tracking`.
+    mlflow_uri : str
+        [mlflow-uri] The MLflow tracking store for ``log_to = "mlflow"``: ``""`` (the
+        default) is ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results-dir>/mlflow.db``
+        with artifacts in ``<results-dir>/mlruns/``; a server's ``http://...`` works too.
     resume_from : str
         [resume-from] A run directory to continue from its newest intact checkpoint
         instead of starting a new run (``fededge resume`` sets it). The run config must
@@ -78,6 +91,8 @@ class ResultsConfig:
     save_model: bool = True
     checkpoint_every: int = 5
     evaluate_every: int = 1
+    log_to: str = ""
+    mlflow_uri: str = ""
     resume_from: str = ""
 
     def __post_init__(self) -> None:
@@ -97,5 +112,6 @@ class ResultsConfig:
                 or self.evaluate_every < 1:
             raise ValueError(f"evaluate_every must be an integer >= 1 (rounds; 1: after every round), "
                              f"got {self.evaluate_every!r}")
+        parse_log_to(self.log_to)  # an unknown sink is named with the choices
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")

@@ -30,7 +30,7 @@ from fededge.clients.mods import GossipMod
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.config import OWNED, ConfigError, RunConfig
 from fededge.netem.runclock import ClockConfig, RunClock
-from fededge.server.measure import Experiment
+from fededge.server.experiment import Experiment
 from fededge.server.results import ResultsConfig
 from fededge.strategies.asyncloop import AsyncFL, AsyncLoop
 from fededge.strategies.backup import BackupWorkers
@@ -105,8 +105,9 @@ CONTEXT = {
     "powersgd-rank": {"compressor": "powersgd"}, "powersgd-iters": {"compressor": "powersgd"}, "int8-block": {"compressor": "int8"},
     "threshold-tau": {"compressor": "threshold"},
 }
-#: Knobs every probe of which is valid: any path names a file (read when the clock or graph is built).
-UNBOUNDED = {"netem-file", "topology-file", "resume-from"}
+#: Knobs every probe of which is valid: any path names a file (read when the clock or graph is
+#: built), any text a tracking store (MLflow takes it as a SQLite path or a URI when the run starts).
+UNBOUNDED = {"netem-file", "topology-file", "resume-from", "mlflow-uri"}
 
 
 def _probes(owner, param):

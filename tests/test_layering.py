@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1] / "fededge"
 PURE = {
     "fededge.compress.*": "codecs, error feedback, wire format: pure torch",
     "fededge.topology.*": "graphs and mixing matrices: pure numpy",
+    "fededge.tracking.*": "metric sinks (TensorBoard, MLflow, W&B): each tool imported when its sink opens",
+    "fededge.sweep": "a grid of runs x seeds: plans and checks them, runs each as a fededge run process",
     "fededge.netem.*": "link profiles, the clock, the proxy, the kernel (tc) backend",
     "fededge.data.*": "data sets and partitioners",
     "fededge.models.*": "plain-torch models",
@@ -63,7 +65,7 @@ PURE_EXCEPTIONS = {
 
 #: fededge's own app: its run-config parsing, its workload and its Flower entry points.
 APP = ["fededge.config", "fededge.workload", "fededge.clients.app", "fededge.server.app",
-       "fededge.server.experiment", "fededge.server.inprocess", "fededge.strategies.registry"]
+       "fededge.server.runner", "fededge.server.inprocess", "fededge.strategies.registry"]
 
 #: Flower's public API; everything else of Flower is imported in fededge._flwr_internals
 #: only, whose check() a test runs, so that an upgrade that moves one fails loudly.

@@ -35,7 +35,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-__all__ = ["RunData", "load_run", "plot_runs", "CONFIG_FILE", "METRICS_FILE"]
+__all__ = ["RunData", "load_run", "plot_runs", "plot_sweep", "CONFIG_FILE", "METRICS_FILE"]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -430,6 +430,58 @@ def plot_runs(
         frameon=False,
     )
     out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=150)
+    return out_path
+
+
+def plot_sweep(sweep_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
+               title: str | None = None) -> Path:
+    """Draw a sweep (``fededge sweep``'s ``sweep.json``): each cell's final accuracy, mean
+    ± sd over its seeds, and its mean accuracy per round with a ± sd band.
+
+    ``out`` defaults to ``<sweep_dir>/sweep.png``. Raises ``FileNotFoundError`` when the
+    directory holds no ``sweep.json`` (the sweep has not finished once).
+    """
+    sweep_dir = Path(sweep_dir)
+    table_path = sweep_dir / "sweep.json"
+    if not table_path.is_file():
+        raise FileNotFoundError(f"{sweep_dir} has no sweep.json: give the --out directory of a fededge sweep "
+                                "(it is written when the sweep's runs have ended)")
+    result = json.loads(table_path.read_text())
+    cells = result["cells"]
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    ax_bar, ax_round = fig.subplots(1, 2, width_ratios=[1, 1.6])
+    names = [row["cell"] for row in cells]
+    means = [row["final_accuracy"]["mean"] or 0.0 for row in cells]
+    sds = [row["final_accuracy"]["sd"] or 0.0 for row in cells]
+    ax_bar.barh(range(len(cells)), means, xerr=sds, color=[f"C{i % 10}" for i in range(len(cells))], capsize=3)
+    ax_bar.set_yticks(range(len(cells)), names, fontsize=8)
+    ax_bar.invert_yaxis()
+    low = min((m - s for m, s in zip(means, sds)), default=0.0)
+    ax_bar.set_xlim(max(0.0, low - 0.05), 1.0)
+    ax_bar.set_xlabel("final accuracy (mean ± sd over seeds)")
+    ax_bar.set_title(f"baseline: {result['baseline']}", fontsize=9)
+    for i, row in enumerate(cells):
+        curves = [load_run(d) for d in (r["run_dir"] for r in result["runs"].get(row["cell"], {}).values())]
+        if not curves:
+            continue
+        n = min(len(c.rounds) for c in curves)
+        acc = np.vstack([c.accuracy[:n] for c in curves])
+        rounds = curves[0].rounds[:n]
+        seen = ~np.isnan(acc).any(axis=0)
+        mean = acc[:, seen].mean(axis=0)
+        sd = acc[:, seen].std(axis=0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
+        ax_round.plot(rounds[seen], mean, color=f"C{i % 10}", label=f"{row['cell']} (n={len(curves)})")
+        ax_round.fill_between(rounds[seen], mean - sd, mean + sd, color=f"C{i % 10}", alpha=0.15)
+    ax_round.set_xlabel("round")
+    ax_round.set_ylabel("accuracy")
+    ax_round.set_title("mean accuracy per round (± sd)")
+    ax_round.grid(True, alpha=0.3)
+    ax_round.legend(fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title)
+    out_path = Path(out) if out is not None else sweep_dir / "sweep.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=150)
     return out_path

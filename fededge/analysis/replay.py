@@ -8,7 +8,7 @@ rules as the run itself: synchronous rounds, or DGA's overlap for a DGA run. Rep
 a run under its own setting reproduces its ``sim_s``.
 
 What the run's clock was is read from the ``clock`` entry that
-:class:`~fededge.server.measure.Experiment` writes into ``config.json`` (so the run of a
+:class:`~fededge.server.experiment.Experiment` writes into ``config.json`` (so the run of a
 user's own app, whose run config has none of fededge's keys, replays too), and the
 strategy from its ``strategy_class`` entry (DGA's delay from its rounds' ``dga_delay``).
 Run directories written before those entries existed are read by fededge's run-config

@@ -75,7 +75,8 @@ def client_mods(cfg: RunConfig, *, inprocess: bool = False) -> tuple[Mod, ...]:
     ['StateSpillMod', 'StateStoreMod', 'CompressionMod']
     """
     mods: list[Mod] = []
-    side = strategy_record(cfg.strategy).client_side  # what the strategy's record asks of the ClientApp
+    record = strategy_record(cfg.strategy)  # what the strategy's record asks of the ClientApp
+    side = record.client_side
     if cfg.client_states == "disk" and not inprocess:
         mods.append(StateSpillMod())
     if side == "dga" and cfg.dga_compute_ahead:
@@ -88,6 +89,7 @@ def client_mods(cfg: RunConfig, *, inprocess: bool = False) -> tuple[Mod, ...]:
         mods.append(DGAMod())
     if side == "gossip":
         mods.append(GossipMod(cfg.update_config(), choco_scale=cfg.choco_scale))
+    mods.extend(record.mods_for(cfg))  # a registered strategy's own client mods, innermost
     return tuple(mods)
 
 
@@ -275,7 +277,7 @@ def round_lr(conf: ConfigRecord, default: float) -> float:
     """The local learning rate a train message's config asks for.
 
     ``local-lr`` (``default`` when absent). When the config carries ``lr-schedule`` (the
-    server's :func:`~fededge.server.experiment.train_config` with a schedule), the rate
+    server's :func:`~fededge.server.runner.train_config` with a schedule), the rate
     of round ``server-round`` of ``num-rounds`` under it
     (:func:`fededge.clients.train.scheduled_lr`). A ClientApp of one's own can call this
     on the config it receives to follow the same schedule.
@@ -290,7 +292,7 @@ def round_lr(conf: ConfigRecord, default: float) -> float:
     if missing:
         raise ValueError(f"the train config has '{keys.LR_SCHEDULE}' but no {' or '.join(repr(k) for k in missing)}: "
                          "the strategy must send the round (Flower's and fededge's do), and the server "
-                         "fededge.server.experiment.train_config's keys")
+                         "fededge.server.runner.train_config's keys")
     return scheduled_lr(base, int(conf[keys.SERVER_ROUND]), int(conf[keys.NUM_ROUNDS]),
                         schedule=str(conf[keys.LR_SCHEDULE]),
                         warmup_rounds=int(conf.get(keys.LR_WARMUP_ROUNDS, 0)))

@@ -9,7 +9,7 @@ empty ``context.state`` (a restarted SuperNode too). :class:`StateStoreMod` clos
 gap on the node's side.
 
 **What the server sends.** When a run writes checkpoints and its runtime does not keep
-the clients' states, :class:`fededge.server.measure.Experiment` adds to every train
+the clients' states, :class:`fededge.server.experiment.Experiment` adds to every train
 message's config: ``state-key`` (the run's id, the same after a resume),
 ``state-resumed-from`` (the checkpoint round the run continues after; 0 for a fresh
 run), ``state-attempt`` (a new id each time the server starts) and ``state-every``

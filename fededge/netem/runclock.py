@@ -38,7 +38,7 @@ __all__ = ["ClockConfig", "RunClock"]
 @dataclass(frozen=True, kw_only=True)
 class ClockConfig:
     """The simulated clock's knobs. Run-config keys in brackets; declared here once for
-    :class:`RunClock`, :class:`~fededge.server.measure.Experiment` and fededge's app.
+    :class:`RunClock`, :class:`~fededge.server.experiment.Experiment` and fededge's app.
 
     Parameters
     ----------

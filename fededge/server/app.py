@@ -7,7 +7,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fededge.config import RunConfig
 from fededge.keys import SERVER_RESULT_KEY
-from fededge.server.experiment import run_experiment
+from fededge.server.runner import run_experiment
 from fededge.server.grid import InProcessGrid
 from fededge.server.results import new_run_id
 

@@ -10,7 +10,7 @@ corrupt, another format), :func:`latest_checkpoint` refuses it by name and uses 
 before. The body is read with ``torch.load(weights_only=True)``: plain values and
 tensors only, no arbitrary objects.
 
-Pure: no Flower. What goes into the body is :class:`fededge.server.measure.Experiment`'s
+Pure: no Flower. What goes into the body is :class:`fededge.server.experiment.Experiment`'s
 business.
 """
 

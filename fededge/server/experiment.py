@@ -1,219 +1,669 @@
-"""fededge's own experiment: its run config turned into a measured run.
+"""Measure any Flower strategy's run, inside any ServerApp: :class:`Experiment`.
 
-:func:`run_experiment` is what fededge's ServerApp calls. It reads nothing the library
-pieces read themselves: it parses nothing (``RunConfig`` is parsed once by the app), it
-builds the data set, the evaluate function, the seeded initial model and the strategy
-(:mod:`fededge.strategies.registry`), and hands them to
-:class:`fededge.server.measure.Experiment`, which meters, times and records the run for
-fededge exactly as it would for any other Flower app.
+Around Flower's own ``Strategy.start`` (fededge writes no second round loop) an
+:class:`Experiment` adds
 
-Before round 1, in simulation, the server makes the clients' data split once itself
-(:func:`check_data_split`): a split that cannot work stops the run with one
-:class:`~fededge.config.ConfigError` instead of failing every client of every round.
+- a :class:`~fededge.server.metering.MeteredGrid`: the serialised bytes of every message,
+  per round (``bytes_up``, ``bytes_down``);
+- the simulated clock (:class:`~fededge.netem.runclock.RunClock`): each round's duration
+  under a network profile and device speeds (``sim_s``);
+- its ``evaluate_fn`` after every round, and one line of ``metrics.jsonl`` with the
+  round's figures, then ``summary.json`` (rounds, time and bytes to a target accuracy),
+  ``config.json``, ``netem.json`` and optionally ``model.pt``: a run directory that
+  ``fededge plot`` reads;
+- the progress display (a live bar on a terminal, one line per round elsewhere) and one
+  line per client problem: "a client failed" (its ClientApp raised; an error reply) or
+  "... was rejected" (its reply arrived but could not be used).
+
+It works with any strategy: Flower's (FedAvg, FedAdam, ...), fededge's, or a user's. A
+strategy that knows more about its rounds says so through
+:mod:`fededge.strategies.report` (one small interface, no class list here). It reads no
+run config: everything is a constructor argument, and fededge's own app
+(:func:`fededge.server.runner.run_experiment`) is just its first user.
+
+Any ClientApp works. The simulated clock places and times a reply by what it reports:
+fededge's ClientApp sends ``compute-s``, ``local-steps-done`` and ``partition-id``. For a
+reply without them the rules are :class:`~fededge.netem.runclock.RunClock`'s: a node is
+placed by the index of its node id among the run's node ids, and its compute time is
+``compute_s`` if given here, else the real time from the push of its message to the pull
+of its reply, as the server measured it. That measured time includes the wait for other
+clients on a runtime that runs them one after another (fededge's in-process grid,
+Flower's simulation with fewer actors than clients): pass ``compute_s`` for a ``sim_s``
+that is reproducible and that does not depend on the machine.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-from pathlib import Path
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from fededge import _flwr_internals as fi
 from fededge import keys
-from fededge.clients.device import resolve_device, set_cuda_determinism
-from fededge.clients.train import evaluate
-from fededge.compress.plan import UpdatePlan
-from fededge.config import ConfigError, RunConfig
-from fededge.models.zoo import count_parameters
-from fededge.server.grid import InProcessGrid
-from fededge.server.measure import (
-    RESUME_MAY_CHANGE, Experiment, ExperimentResult, NotEnoughNodesError, RoundFailedError, seeded_sampling, wait_for_nodes,
-)
-from fededge.netem.runclock import ClockConfig
-from fededge.server.results import ResultsConfig, new_run_id
-from fededge.strategies.registry import build_strategy
+from fededge.protocol import checkpoint_due
+from fededge.netem.clock import ClientRound, synchronous_round
+from fededge.netem.runclock import ClockConfig, RunClock
+from fededge.server.metering import MeteredGrid, RoundTraffic
+from fededge.server.checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, states_file_for, write_checkpoint
+from fededge.server.results import PROGRESS_MODES, Progress, ResultsConfig, RoundRecord, RunRecorder, new_run_id
+from fededge.strategies.report import RoundReport, attach_clock, report_of
+from fededge.settings import whole_or_keywords
+from fededge.tracking import MetricSink, Sinks, check_installed, make_sinks, parse_log_to
 from fededge.wrapping import innermost
-from fededge.workload import check_partition, dataset_for, model_for
+from fededge.strategies.resume import (
+    FromRound, ResumeError, arrays_from_state, arrays_to_state, attach_checkpoint, load_strategy_state,
+    strategy_state,
+)
+
+#: Run-config keys a resumed run may give other values than the run it resumes: they
+#: change what is recorded or how long it goes on, not what a round computes.
+RESUME_MAY_CHANGE = frozenset({
+    "num-rounds", "progress", "checkpoint-every", "save-model", "target-accuracy", "results-dir",
+    "run-name", "round-timeout", "resume-from", "evaluate-every", "log-to", "mlflow-uri",
+})
 
 __all__ = [
-    "ExperimentResult", "NotEnoughNodesError", "RoundFailedError", "check_data_split", "check_resumable", "run_experiment",
-    "seeded_sampling", "simulated_data_splits", "train_config", "wait_for_nodes",
+    "CheckpointError", "EvaluateFn", "Experiment", "RESUME_MAY_CHANGE", "ResumeError", "ExperimentResult", "NotEnoughNodesError", "PROGRESS_MODES", "RoundFailedError",
+    "seeded_sampling", "wait_for_nodes",
 ]
 
 log = logging.getLogger("fededge")
 
+#: ``evaluate_fn(server_round, arrays) -> MetricRecord`` with ``accuracy`` and ``loss``
+#: (Flower's own ``evaluate_fn`` signature).
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
 
-def simulated_data_splits(grid: Grid, timeout_s: float) -> list[tuple[int, str | None]]:
-    """The ``(num-partitions, data-dir)`` splits a simulation's clients will make; [] elsewhere.
 
-    fededge's in-process grid holds every node's config. Flower's simulation hands the
-    ServerApp no node configs, and its nodes register while the ServerApp starts, so
-    counting them could come too early: one node is asked instead, with a ``query``
-    message to fededge's ClientApp (:func:`fededge.clients.app.node_info`; not metered,
-    it is no part of training). No answer, or a ClientApp without that handler, leaves
-    the check to the clients. In a deployment each node has its own node config and
-    may have its own data, so the server does not guess: a client that cannot make its
-    split replies with a named configuration error, which stops the run
-    (:func:`fededge.clients.mods.config_error_mod`).
+class RoundFailedError(RuntimeError):
+    """No client update of a round could be used: every reply was an error (or none came).
+
+    A run that carried on would report a model nobody trained; it stops instead, with
+    the first client error in the message.
     """
-    inner = innermost(grid)
-    if isinstance(inner, InProcessGrid):
-        return inner.data_splits()
-    if not fi.is_flower_simulation(inner):
-        return []
-    node = next(iter(inner.get_node_ids()), None)
-    if node is None:
-        return []
-    msg = Message(RecordDict(), node, MessageType.QUERY, group_id="fededge-node-info")
-    replies = list(inner.send_and_receive([msg], timeout=timeout_s))
-    if not replies or replies[0].has_error() or keys.METRICS not in replies[0].content:
-        log.debug("no node config from node %d (%s); the clients check their own split", node,
-                  replies[0].error.reason if replies and replies[0].has_error() else "no usable reply")
-        return []
-    metrics = replies[0].content[keys.METRICS]
-    if keys.REPLY_NUM_PARTITIONS not in metrics:
-        return []
-    return [(int(metrics[keys.REPLY_NUM_PARTITIONS]), None)]
 
 
-def check_data_split(grid: Grid, cfg: RunConfig) -> float:
-    """In simulation, make the clients' data split once on the server; return its seconds.
+class NotEnoughNodesError(RuntimeError):
+    """Fewer nodes connected than the run needs, within the round timeout."""
 
-    Raises :class:`~fededge.config.ConfigError` (naming ``min-partition-size``, ``alpha``,
-    the sample count and the number of clients) when the clients could not make it:
-    exactly when, since it is the clients' own seeded partition
-    (:func:`fededge.workload.check_partition`). Without this, every client of round 1
-    would compute the same split only to fail, and the run would stop on a generic
-    "no client update could be used".
+
+def wait_for_nodes(grid: Grid, needed: int, timeout_s: float, *, poll_s: float = 1.0) -> int:
+    """Wait until ``needed`` nodes are connected; raise :class:`NotEnoughNodesError`.
+
+    Flower's own sampling waits for nodes forever; a count of ``clients-per-round`` above
+    the number of nodes that will ever connect would hang the run with no message.
     """
-    t0 = time.perf_counter()
-    for num_partitions, data_dir in simulated_data_splits(grid, cfg.round_timeout):
-        check_partition(cfg, num_partitions, data_dir)
-    return time.perf_counter() - t0
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = len(list(grid.get_node_ids()))
+        if n >= needed:
+            return n
+        if time.monotonic() >= deadline:
+            raise NotEnoughNodesError(
+                f"the run needs {needed} connected nodes (clients-per-round / "
+                f"min-available-nodes) but only {n} connected within round-timeout="
+                f"{timeout_s:g} s; lower clients-per-round, use a fraction such as 1.0, "
+                "or start more SuperNodes (num-supernodes in simulation)"
+            )
+        time.sleep(poll_s)
 
 
-def train_config(cfg: RunConfig) -> ConfigRecord:
-    """What the server sends with every train message (the strategy adds the round).
+@contextmanager
+def seeded_sampling(seed: int) -> Iterator[None]:
+    """Seed the module-level ``random`` for the run, then restore it.
 
-    With an lr schedule (``lr-schedule`` other than ``constant``, or ``lr-warmup-rounds``)
-    it also carries the schedule and ``num-rounds``; each client computes its round's rate
-    from them and ``server-round`` (:func:`fededge.clients.app.round_lr`). Without one the
-    config is what it always was, byte for byte.
+    Flower's strategies sample nodes with ``random.sample`` (``strategy_utils.
+    sample_nodes``), the global RNG. Seeding it makes client selection reproducible;
+    restoring it keeps the in-process runtime from changing its caller's RNG.
     """
-    config = ConfigRecord({
-        keys.LOCAL_STEPS: cfg.local_steps,
-        keys.LOCAL_LR: cfg.local_lr,
-        keys.MOMENTUM: cfg.momentum,
-        keys.WEIGHT_DECAY: cfg.weight_decay,
-        keys.BATCH_SIZE: cfg.batch_size,
-    })
-    if cfg.lr_schedule != "constant" or cfg.lr_warmup_rounds:
-        config[keys.LR_SCHEDULE] = cfg.lr_schedule
-        config[keys.LR_WARMUP_ROUNDS] = cfg.lr_warmup_rounds
-        config[keys.NUM_ROUNDS] = cfg.num_rounds
-    return config
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
-def run_experiment(
-    grid: Grid,
-    cfg: RunConfig,
-    *,
-    run_id: str | None = None,
-    runtime: str = "flower",
-    strategy: Strategy | None = None,
-) -> ExperimentResult:
-    """Train for ``cfg.num_rounds`` rounds and write ``<results-dir>/<run-id>/``.
+@dataclass
+class ExperimentResult:
+    """A finished run: its directory, the figures of its summary.json, Flower's Result."""
 
-    fededge's app as the first user of the library: the run config, parsed once, becomes
-    a test set and an evaluate function, a seeded initial model, a strategy
-    (:func:`~fededge.strategies.registry.build_strategy`) and an
-    :class:`~fededge.server.measure.Experiment`, which runs it.
+    run_dir: Path
+    summary: dict[str, Any]
+    flower_result: Result
+
+
+class Experiment:
+    """Bytes, simulated time and results for any strategy's run, in any ServerApp.
+
+    See the module docstring for what it measures and writes.
 
     Parameters
     ----------
-    grid : Grid
-        Flower's grid (simulation or deployment) or fededge's in-process grid.
-    cfg : RunConfig
-        The validated run config.
+    evaluate_fn : callable
+        ``evaluate_fn(server_round, arrays) -> MetricRecord`` with ``accuracy`` and
+        ``loss`` (Flower's ``evaluate_fn``): called on the global model after every round,
+        and on each node's model for decentralised strategies. Other metrics it returns
+        are written to ``metrics.jsonl`` too, under their own names.
+    results_dir, run_name, target_accuracy, progress, save_model, checkpoint_every, evaluate_every, log_to, mlflow_uri
+        :class:`fededge.server.results.ResultsConfig`'s knobs (defaults, checks and
+        meaning declared there, once). With ``evaluate_every = k > 1``, ``evaluate_fn``
+        runs before round 1, after every k-th round and after the last one only. With
+        ``checkpoint_every = k > 0`` a checkpoint of the whole run (model, strategy, random
+        generators, clock, recorder and, on fededge's in-process runtime, every client's
+        ``context.state``) is written after every k-th round; :meth:`run` with
+        ``resume_from`` continues from it. ``log_to = "tensorboard,mlflow"`` sends every
+        round to those tools too (:mod:`fededge.tracking`); a tool that is not installed
+        is refused here, naming its extra.
+    sinks : sequence of MetricSink, optional
+        Sinks of your own, or fededge's configured beyond ``log_to``
+        (``sinks=[MLflowSink(tracking_uri="http://mlflow:5000", experiment="fl")]``),
+        each given every round as :class:`fededge.tracking.MetricSink` says.
+    results : ResultsConfig, optional
+        The results knobs above as one object (``results=ResultsConfig(results_dir="out",
+        checkpoint_every=1)``), in place of those keywords (giving both is refused).
+    clock : ClockConfig, optional
+        The clock knobs below as one object (``clock=ClockConfig(netem="4g")``), in place
+        of those keywords (giving both is refused).
     run_id : str, optional
-        Name of the run directory (default: timestamp and pid).
-    runtime : str
-        Recorded in config.json (``flower-simulation``, ``inprocess``, ...).
-    strategy : Strategy, optional
-        A strategy to use, as it is, instead of the one ``cfg.strategy`` names.
+        The run directory's name (default: ``[run_name-]<date>-<time>-<pid>``); an
+        existing one is never overwritten (``-2``, ``-3``, ... are appended).
+    netem, netem_file, compute_speed, sim_step_s, compute_s, message_overhead_s, nodes_pull
+        The simulated clock: :class:`fededge.netem.runclock.ClockConfig`'s knobs
+        (``netem="4g"`` or ``"wifi:0.5,4g:0.5"``; ``compute_speed="lognormal:0.5"``;
+        ``""``: an ideal network, so ``sim_s`` is compute only).
+    seed : int
+        Seeds the links' assignment and Flower's client sampling (the global ``random``,
+        restored after the run).
+    min_nodes : int
+        Wait (up to the run's ``timeout``) for this many connected nodes before round 1;
+        fail with :class:`NotEnoughNodesError` otherwise.
+    config : mapping, optional
+        Recorded in ``config.json`` under ``config`` (your app's own run config); read
+        by ``fededge plot`` to label runs.
+    metadata : mapping, optional
+        Merged into ``config.json`` (device, data set sizes, runtime...).
+    title : str, optional
+        How the first progress line names the run (default: the strategy's class).
 
     Examples
     --------
-    >>> res = run_experiment(grid, RunConfig.from_mapping(context.run_config))  # doctest: +SKIP
+    In a ServerApp's main, with Flower's own strategy and any ClientApp:
+
+    >>> exp = Experiment(evaluate_fn=my_evaluate, results_dir="results", netem="4g",
+    ...                  target_accuracy=0.9, compute_s=1.0)            # doctest: +SKIP
+    >>> res = exp.run(FedAdam(), grid, initial_arrays=ArrayRecord(model.state_dict()),
+    ...               num_rounds=5, train_config=ConfigRecord({"lr": 0.1}))  # doctest: +SKIP
+    >>> res.summary["sim_s"], res.run_dir / "metrics.jsonl"            # doctest: +SKIP
     """
-    device = resolve_device(cfg.server_device)
-    set_cuda_determinism(device, cfg.deterministic)
-    ds = dataset_for(cfg)
-    x_test, y_test = ds.x_test.to(device), ds.y_test.to(device)
-    model = model_for(cfg, ds).to(device)
-    initial = ArrayRecord(model.state_dict())
-    strategy = strategy or build_strategy(cfg)
 
-    def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, acc = evaluate(model, x_test, y_test)
-        return MetricRecord({"accuracy": acc, "loss": loss})
+    def __init__(
+        self,
+        *,
+        evaluate_fn: EvaluateFn,
+        results_dir: str | Path = ResultsConfig.results_dir,
+        run_id: str | None = None,
+        run_name: str = ResultsConfig.run_name,
+        netem: str = ClockConfig.netem,
+        netem_file: str = ClockConfig.netem_file,
+        compute_speed: str = ClockConfig.compute_speed,
+        sim_step_s: float = ClockConfig.sim_step_s,
+        compute_s: float | None = ClockConfig.compute_s,
+        message_overhead_s: float = ClockConfig.message_overhead_s,
+        nodes_pull: bool = ClockConfig.nodes_pull,
+        seed: int = 0,
+        target_accuracy: float = ResultsConfig.target_accuracy,
+        progress: str = ResultsConfig.progress,
+        save_model: bool = ResultsConfig.save_model,
+        checkpoint_every: int = ResultsConfig.checkpoint_every,
+        evaluate_every: int = ResultsConfig.evaluate_every,
+        log_to: str = ResultsConfig.log_to,
+        mlflow_uri: str = ResultsConfig.mlflow_uri,
+        sinks: Sequence[MetricSink] = (),
+        min_nodes: int = 1,
+        config: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        title: str | None = None,
+        results: ResultsConfig | None = None,
+        clock: ClockConfig | None = None,
+    ) -> None:
+        if not callable(evaluate_fn):
+            raise ValueError(f"evaluate_fn must be a callable (server_round, arrays) -> MetricRecord, "
+                             f"got {evaluate_fn!r}")
+        # The settings objects, built once (their checks run now, not after the run
+        # started) and kept: given whole, or from the keywords.
+        self.results = whole_or_keywords(
+            ResultsConfig, results, owner="Experiment", name="results", results_dir=str(results_dir),
+            run_name=run_name, target_accuracy=target_accuracy, progress=progress, save_model=save_model,
+            checkpoint_every=checkpoint_every, evaluate_every=evaluate_every, log_to=log_to, mlflow_uri=mlflow_uri)
+        self.clock_config = whole_or_keywords(
+            ClockConfig, clock, owner="Experiment", name="clock", netem=netem, netem_file=netem_file,
+            compute_speed=compute_speed, sim_step_s=sim_step_s, compute_s=compute_s,
+            message_overhead_s=message_overhead_s, nodes_pull=nodes_pull)
+        if min_nodes < 0:
+            raise ValueError(f"min_nodes must be >= 0, got {min_nodes}")
+        self.evaluate_fn = evaluate_fn
+        r = self.results
+        self.results_dir = Path(r.results_dir)
+        self.run_id = run_id
+        self.run_name = r.run_name
+        self.seed = seed
+        self.target_accuracy = r.target_accuracy
+        self.progress = r.progress
+        self.save_model = r.save_model
+        self.checkpoint_every = r.checkpoint_every
+        self.evaluate_every = r.evaluate_every
+        self.log_to = parse_log_to(r.log_to)
+        check_installed(self.log_to)  # a missing tool stops here, before round 1, naming its extra
+        self.sinks = list(sinks)
+        Sinks(self.sinks)  # checks each is a sink
+        self.min_nodes = min_nodes
+        self.config = dict(config or {})
+        self.metadata = dict(metadata or {})
+        self.title = title
 
-    needed = cfg.clients_per_round if isinstance(cfg.clients_per_round, int) else 1
-    plan = UpdatePlan.build(cfg.update_config(), model.state_dict())
-    if plan.entries:  # printed once; the whole plan, tensor by tensor, is in config.json
-        plan.log(log)
-    experiment = Experiment(
-        evaluate_fn=evaluate_fn, run_id=run_id or new_run_id(cfg.run_name), seed=cfg.seed,
-        results=cfg.owned(ResultsConfig), clock=cfg.owned(ClockConfig),
-        min_nodes=max(needed, cfg.min_available_nodes), config=cfg.to_mapping(),
-        metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
-                  **({"inprocess_nodes": len(list(grid.get_node_ids()))} if isinstance(grid, InProcessGrid) else {}),
-                  "train_examples": len(ds.x_train), "test_examples": len(ds.x_test),
-                  **({"update_plan": plan.as_json()} if plan.entries else {})},
-        title=f"{cfg.strategy}, {cfg.model} on {cfg.dataset} ({cfg.partition}), device {device}",
-    )
+    def _sinks(self) -> Sinks:
+        """This run's sinks: fresh ones for ``log_to``, then the caller's own."""
+        return Sinks([*make_sinks(self.log_to, mlflow_uri=self.results.mlflow_uri), *self.sinks])
 
-    def before_start(g: Grid) -> None:
-        log.debug("the clients' data split checked in %.3f s", check_data_split(g, cfg))
+    def _clock_json(self) -> dict[str, Any]:
+        """The clock's settings for config.json (read back by ``fededge.analysis.replay``)."""
+        c = self.clock_config
+        return {"netem": c.netem, "netem-file": c.netem_file, "compute-speed": c.compute_speed, "seed": self.seed,
+                "sim-step-s": c.sim_step_s, "compute-s": c.compute_s, "message-overhead-s": c.message_overhead_s,
+                "nodes-pull": c.nodes_pull}
 
-    resume_from = None
-    if cfg.resume_from:
-        resume_from = Path(cfg.resume_from)
-        check_resumable(resume_from, cfg)
-    return experiment.run(strategy, grid, initial_arrays=initial, num_rounds=cfg.num_rounds,
-                          timeout=cfg.round_timeout, train_config=train_config(cfg), before_start=before_start,
-                          resume_from=resume_from)
+    def run(
+        self,
+        strategy: Strategy,
+        grid: Grid,
+        *,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float = 3600.0,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        before_start: Callable[[Grid], None] | None = None,
+        resume_from: str | Path | None = None,
+    ) -> ExperimentResult:
+        """Run ``strategy.start`` on a metered ``grid`` and record every round.
+
+        Parameters
+        ----------
+        strategy : Strategy
+            Any Flower strategy (see the module docstring).
+        grid : Grid
+            The ServerApp's grid (simulation, deployment or fededge's in-process grid).
+        initial_arrays, num_rounds, timeout, train_config, evaluate_config
+            Passed to ``strategy.start`` (``timeout``: seconds to wait for a round's
+            replies; a round with a node that never answered lasts at least that long on
+            the clock).
+        before_start : callable, optional
+            Called with the grid once the nodes are connected, before round 1 (fededge's
+            app checks the clients' data split there).
+        resume_from : path, optional
+            A run directory with checkpoints: continue that run from its newest intact
+            checkpoint (``initial_arrays`` is then not used), appending to its files.
+            ``strategy`` must be built as the run's was (the caller's job: fededge's app
+            compares the run config, :data:`RESUME_MAY_CHANGE`).
+
+        Raises
+        ------
+        RoundFailedError
+            A round had no usable update and not because its clients dropped out.
+        NotEnoughNodesError
+            Fewer than ``min_nodes`` nodes connected within ``timeout``.
+        CheckpointError, ResumeError
+            ``resume_from`` has no usable checkpoint, or it cannot be resumed here.
+        """
+        strategy_class = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+        checkpoint = None
+        if resume_from is not None:
+            path, checkpoint = latest_checkpoint(resume_from)
+            if checkpoint.get("strategy_class") != strategy_class:
+                raise ResumeError(f"{path} was written by a run of {checkpoint.get('strategy_class')}, "
+                                  f"not {strategy_class}: resume it with the strategy it was run with")
+            recorder = RunRecorder.reopen(resume_from, checkpoint["recorder"], target_accuracy=self.target_accuracy,
+                                          sinks=self._sinks())
+        else:
+            recorder = RunRecorder(
+                self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
+                target_accuracy=self.target_accuracy,
+                extra={**self.metadata, "strategy_class": strategy_class,
+                       "clock": self._clock_json()}, sinks=self._sinks())
+        progress = Progress(self.progress, num_rounds)
+        done = 0 if checkpoint is None else int(checkpoint["round"])
+        progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "
+                      + (f"resumed after round {done} from {path.name}; " if checkpoint is not None else "")
+                      + f"results in {recorder.run_dir.resolve()}")
+        clock = RunClock(config=self.clock_config, seed=self.seed,
+                         run_dir=None if checkpoint is not None else recorder.run_dir)
+        rounds = _RoundCloser(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout, num_rounds)
+        rounds.final = initial_arrays
+        attach_clock(strategy, clock)
+        own_loop = attach_checkpoint(strategy, rounds)
+        if not own_loop and type(strategy).start is not Strategy.start:
+            # Its own round loop, and no way to stop it at a round boundary: a checkpoint
+            # written from outside would not hold its state. Say so, write none.
+            rounds.uncheckpointable = (f"{type(strategy).__name__} runs its own round loop and does not "
+                                       "implement attach_checkpoint (fededge.strategies.resume)")
+            if checkpoint is not None:
+                raise ResumeError(f"{rounds.uncheckpointable}: it cannot be resumed")
+            if self.checkpoint_every > 0:
+                log.warning("%s: no checkpoints are written (checkpoint-every=%d)", rounds.uncheckpointable,
+                            self.checkpoint_every)
+        try:
+            connected = wait_for_nodes(grid, self.min_nodes, timeout)
+            clock.know_nodes(grid.get_node_ids())
+            clock.check(connected)  # an unknown profile stops the run before any training
+            if before_start is not None:
+                before_start(grid)
+            with seeded_sampling(self.seed), fi.fast_average():  # Flower's average, bit for bit, faster
+                runner: Strategy = strategy
+                if checkpoint is not None:
+                    initial_arrays = rounds.restore(checkpoint)
+                    if not own_loop:
+                        runner = FromRound(strategy, done)
+                train_config = rounds.client_state_config(train_config)
+                result = runner.start(
+                    grid=rounds.metered, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
+                    train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=rounds.close)
+        except BaseException as err:
+            progress.close()
+            recorder.close(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
+        progress.close()
+        if self.save_model:
+            torch.save(rounds.final.to_torch_state_dict(), recorder.run_dir / "model.pt")
+        summary = recorder.close(extra=rounds.summary, artifacts=_plot(recorder))
+        progress.note(
+            f"final accuracy {summary['final_accuracy']:.4f}; target {self.target_accuracy} "
+            f"reached at round {summary['rounds_to_target']} (sim {summary['sim_s_to_target']} s); "
+            f"results in {recorder.run_dir.resolve()}"
+        )
+        return ExperimentResult(recorder.run_dir, summary, result)
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> tuple[float, float, dict[str, Any]]:
+        """``(accuracy, loss, other metrics)`` of ``arrays`` by ``evaluate_fn``."""
+        metrics = self.evaluate_fn(server_round, arrays)
+        if metrics is None or "accuracy" not in metrics or "loss" not in metrics:
+            raise ValueError("evaluate_fn must return a MetricRecord with 'accuracy' and 'loss', got "
+                             f"{None if metrics is None else sorted(metrics.keys())}")
+        others = {k: v for k, v in metrics.items() if k not in ("accuracy", "loss")}
+        return float(metrics["accuracy"]), float(metrics["loss"]), others
 
 
-def check_resumable(run_dir: Path, cfg: RunConfig) -> None:
-    """Raise :class:`~fededge.config.ConfigError` unless ``cfg`` may resume ``run_dir``:
-    a run directory fededge wrote, whose run config equals ``cfg``'s but for the keys of
-    :data:`~fededge.server.measure.RESUME_MAY_CHANGE`; each other difference is named."""
-    meta_path = run_dir / "config.json"
+def _plot(recorder: RunRecorder) -> tuple[Path, ...]:
+    """The run's plot (``plot.png``: accuracy against rounds, simulated time and uplink
+    bytes), for the sinks that keep files; none without sinks, or if it cannot be drawn."""
+    if not recorder.sinks:
+        return ()
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"resume-from={str(run_dir)!r}: {meta_path} cannot be read ({err}); give the "
-                          "directory of a run fededge wrote") from err
-    saved, now = dict(meta.get("config", {})), cfg.to_mapping()
-    # A key the run's fededge did not have yet (lr-schedule, ...) had its default's effect.
-    saved = {**{k: v for k, v in RunConfig.from_mapping({}).to_mapping().items() if k not in saved}, **saved}
-    differ = sorted(k for k in set(saved) | set(now)
-                    if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
-    if cfg.lr_schedule != "constant" and "num-rounds" in saved and saved["num-rounds"] != cfg.num_rounds:
-        raise ConfigError(
-            f"resume-from={str(run_dir)!r}: num-rounds={cfg.num_rounds} but the run had {saved['num-rounds']}, and "
-            f"lr-schedule={cfg.lr_schedule!r} is laid over num-rounds, so the rounds left would follow another "
-            f"curve than those done; resume with num-rounds={saved['num-rounds']}, or start a new run")
-    if differ:
-        shown = ", ".join(f"{k}={now.get(k)!r} (the run had {saved.get(k)!r})" for k in differ[:5])
-        raise ConfigError(
-            f"resume-from={str(run_dir)!r}: the run config differs from the run's in what a round computes: "
-            f"{shown}{' ...' if len(differ) > 5 else ''}; resume with the run's own values (fededge resume reads "
-            f"them from {meta_path}), or start a new run")
+        from fededge.analysis.plot import plot_runs
+
+        return (plot_runs([recorder.run_dir], recorder.run_dir / "plot.png"),)
+    except Exception as err:  # noqa: BLE001 - a plot never fails the run it shows
+        log.warning("the run's plot for the metric sinks could not be drawn: %s: %s", type(err).__name__, err)
+        return ()
+
+
+def _tuples(value: Any) -> Any:
+    """``random.setstate`` wants tuples where a checkpoint may give lists back."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+class _RoundCloser:
+    """Closes each round of one run, and keeps the run's state between rounds.
+
+    The strategy's loop calls :meth:`close` after every round (as its ``evaluate_fn``):
+    it evaluates the model when due, times the round on the clock and records its line
+    of metrics.jsonl. As the strategy's checkpoint hook (:meth:`due`, :meth:`save`,
+    :class:`fededge.strategies.resume.CheckpointHook`) it writes the checkpoints, and
+    :meth:`restore` reads one back."""
+
+    def __init__(self, exp: Experiment, strategy: Strategy, metered: MeteredGrid, clock: RunClock,
+                 recorder: RunRecorder, progress: Progress, timeout: float, num_rounds: int) -> None:
+        self.exp = exp
+        self.strategy = strategy
+        self.metered = metered
+        self.clock = clock
+        self.recorder = recorder
+        self.progress = progress
+        self.timeout = timeout
+        self.final: ArrayRecord | None = None
+        self.num_rounds = num_rounds  # the run's last round: always evaluated
+        self.summary: dict[str, Any] = {}
+        self.resumed = 0  # the checkpoint's round: rounds up to it are recorded already
+        self.uncheckpointable: str | None = None  # why no checkpoint can be written, if so
+        self.checkpoints: list[dict[str, float]] = []  # each written: round, bytes, seconds
+
+    # -- checkpoints (fededge.strategies.resume.CheckpointHook) ----------------------
+    def due(self, server_round: int) -> bool:
+        return self.uncheckpointable is None and checkpoint_due(server_round, every=self.exp.checkpoint_every,
+                                                                resumed=self.resumed)
+
+    def _inner_grid(self) -> Any:
+        return innermost(self.metered.inner)
+
+    def save(self, server_round: int) -> None:
+        """Write the checkpoint of ``server_round`` (recorded already, nothing of a later
+        round outstanding): model, strategy, generators, clock, recorder, and the
+        in-process runtime's client states."""
+        last = self.recorder.records[-1].round if self.recorder.records else None
+        if last != server_round:
+            raise RuntimeError(f"checkpoint of round {server_round} asked for, but the last recorded round is {last}")
+        grid = self._inner_grid()
+        np_state = np.random.get_state(legacy=False)
+        payload = {
+            "format": 1, "round": server_round, "run_id": self.recorder.run_id,
+            "strategy_class": f"{type(self.strategy).__module__}.{type(self.strategy).__qualname__}",
+            "config": self.exp.config,
+            "arrays": arrays_to_state(self.final),
+            "strategy": strategy_state(self.strategy),
+            "random": random.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": {"bit_generator": np_state["bit_generator"], "pos": int(np_state["state"]["pos"]),
+                          "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                          "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+            "clock": self.clock.state_dict(),
+            "recorder": self.recorder.state_dict(),
+            "summary": self.summary,
+            "partition_of": dict(self.metered.partition_of),
+            "traffic": self.metered.state_dict(),
+            "checkpoints": list(self.checkpoints),
+            # Disk states go to a side file of the checkpoint, not into its body.
+            "grid": grid.state_dict(states_file=states_file_for(self.recorder.run_dir, server_round))
+            if getattr(grid, "keeps_client_states", False) else None,
+        }
+        path, size, seconds = write_checkpoint(self.recorder.run_dir, server_round, payload)
+        self.checkpoints.append({"round": server_round, "bytes": size, "seconds": round(seconds, 6)})
+        self.summary["checkpoints"] = len(self.checkpoints)  # over the whole run, resumed or not
+        self.summary["checkpoint_bytes_last"] = size
+        self.summary["checkpoint_s_total"] = round(sum(c["seconds"] for c in self.checkpoints), 6)
+        log.debug("checkpoint of round %d: %s, %d bytes in %.3f s", server_round, path, size, seconds)
+
+    def client_state_config(self, train_config: ConfigRecord | None) -> ConfigRecord | None:
+        """``train_config``, and where this runtime does not keep the clients' states (Ray
+        simulation, a SuperLink) while checkpoints are written, what the nodes' state
+        stores need (:mod:`fededge.clients.statestore`): the run, the round resumed
+        from, this attempt and the checkpoint period."""
+        if self.exp.checkpoint_every <= 0 or self.uncheckpointable is not None \
+                or getattr(self._inner_grid(), "keeps_client_states", False):
+            return train_config
+        return ConfigRecord({**(train_config or {}), keys.STATE_KEY: self.recorder.run_id,
+                             keys.STATE_RESUMED_FROM: self.resumed, keys.STATE_ATTEMPT: uuid.uuid4().hex[:12],
+                             keys.STATE_EVERY: self.exp.checkpoint_every})
+
+    def restore(self, checkpoint: dict[str, Any]) -> ArrayRecord:
+        """Put back what :meth:`save` wrote (inside the run's seeded sampling); return
+        the checkpoint's global model."""
+        self.resumed = int(checkpoint["round"])
+        # The clock first: a strategy rebuilds its timeline on it while it loads.
+        self.clock.load_state_dict(checkpoint["clock"])
+        # Nodes that report no partition id are placed by their index among this grid's
+        # node ids (a resumed run on Flower's simulation or a SuperLink gets new ones).
+        self.clock.know_nodes(self.metered.get_node_ids())
+        load_strategy_state(self.strategy, checkpoint["strategy"])
+        grid = self._inner_grid()
+        if checkpoint["grid"] is not None:
+            if not hasattr(grid, "load_state_dict"):
+                raise ResumeError("the checkpoint holds the in-process runtime's client states, but this grid "
+                                  f"({type(grid).__name__}) is not fededge's in-process grid")
+            grid.load_state_dict(checkpoint["grid"], states_dir=self.recorder.run_dir / CHECKPOINT_DIR)
+        random.setstate(_tuples(checkpoint["random"]))
+        torch.set_rng_state(checkpoint["torch_rng"])
+        npr = checkpoint["numpy_rng"]
+        np.random.set_state((npr["bit_generator"], npr["key"].numpy().astype(np.uint32), npr["pos"],
+                             npr["has_gauss"], npr["gauss"]))
+        self.summary = dict(checkpoint["summary"])
+        # The checkpoints written before this one, and this one (its writing time was not
+        # known when it was written: not counted in checkpoint_s_total).
+        self.checkpoints = [*checkpoint["checkpoints"], {"round": self.resumed, "bytes": None, "seconds": 0.0}]
+        self.metered.partition_of.update({int(k): int(v) for k, v in checkpoint["partition_of"].items()})
+        self.metered.load_state_dict(checkpoint.get("traffic", {}))
+        self.final = arrays_from_state(checkpoint["arrays"])
+        return self.final
+
+    def report(self, text: str) -> None:
+        """One line per client problem: on the progress stream, or logged when it is off."""
+        if self.progress.mode == "off":
+            log.warning(text)
+        else:
+            self.progress.note(text)
+
+    def evaluates(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s model is evaluated: before round 1, after every
+        ``evaluate_every``-th round, and after the last."""
+        return rnd <= 0 or rnd % self.exp.evaluate_every == 0 or rnd >= self.num_rounds
+
+    def close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Evaluate round ``rnd``'s model (when due), take its traffic and report, write
+        its line; write a checkpoint when one is due and the strategy runs on Flower's
+        loop. None (Flower records nothing) for a round not evaluated."""
+        if 0 < self.resumed and rnd <= self.resumed:  # a resumed run's round recorded already (Flower's loop re-evaluates it)
+            rec = next(r for r in self.recorder.records if r.round == rnd)
+            return None if rec.accuracy is None else MetricRecord({"accuracy": rec.accuracy, "loss": rec.loss})
+        metrics = self._close(rnd, arrays)
+        if self.due(rnd) and getattr(self.strategy, "attach_checkpoint", None) is None:
+            self.save(rnd)  # Flower's loop: nothing is in flight between rounds
+        return metrics
+
+    def _close(self, rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
+        report = report_of(self.strategy, rnd)
+        traffic = self.traffic(report)
+        for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
+            self.report(f"round {rnd}: a client failed: {err}")
+        for reason in report.reasons:
+            self.report(f"round {rnd}: {reason}")
+        for note in report.notes:
+            self.progress.note(note)
+        num_clients = report.num_clients if report.num_clients is not None else traffic.train_replies - report.rejected
+        # Every reply failed (errors, rejected updates; dropouts are not errors): the round
+        # is recorded, then the run stops, naming the clients' own error. Nothing looks at
+        # this round's model (evaluate_fn included): a strategy may hand over none.
+        failed = rnd >= 1 and num_clients == 0 and not ((traffic.dropped or report.dropped) and not traffic.errors)
+        if not failed:
+            self.final = arrays
+        evaluated = self.evaluates(rnd) and not failed
+        acc, loss, others = self.exp.evaluate(rnd, arrays) if evaluated else (None, None, {})
+        extra = {k: v for k, v in others.items() if k not in RoundRecord.__dataclass_fields__}
+        extra |= report.metrics
+        if report.node_models is not None and evaluated:
+            extra |= self.node_metrics(rnd, report.node_models)
+        dropped = report.dropped if report.dropped is not None else [
+            self.metered.partition_of.get(n, n) for n in traffic.dropped]
+        if dropped and "dropped" not in extra:
+            extra["dropped"] = sorted(dropped)
+        # What each client did, so that the run can be re-timed under another network
+        # (fededge.analysis.replay) without training again.
+        extra["clients"] = [
+            {"partition": pid, "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None,
+                                                                        n.wall_s), 6),
+             "bytes_down": n.bytes_down, "bytes_up": n.bytes_up, "steps": n.steps}
+            for pid, n in sorted(self.placed(traffic), key=lambda x: x[0])]
+        rec = self.recorder.record_round(
+            rnd, accuracy=acc, loss=loss,
+            bytes_up=traffic.bytes_up - report.bytes_up_excluded, bytes_down=traffic.bytes_down,
+            # The round on the simulated clock: the strategy's own timing, or download,
+            # compute (scaled by the client's speed) and upload on each client's link.
+            round_sim_s=report.sim_s if report.sim_s is not None else self.synchronous_sim_s(traffic),
+            num_clients=num_clients,
+            failures=traffic.failures, rejected=report.rejected, mismatched=report.mismatched,
+            compression_ratio=report.ratio, extra=extra)
+        self.summary |= report.summary
+        self.progress.update(rec)
+        if failed:
+            first = (traffic.errors or report.reasons or ["no reply arrived within round-timeout"])[0]
+            raise RoundFailedError(
+                f"round {rnd}: no client update could be used ({traffic.failures} of "
+                f"{traffic.replies} replies failed, {report.rejected} rejected); first error: {first}"
+            )
+        if rnd >= 1 and rec.num_clients == 0:
+            # Dropouts (no answer) are not errors: the model stays as it was and the run goes on.
+            self.progress.note(f"round {rnd}: no update: every selected client dropped out; the model is unchanged")
+        return MetricRecord({"accuracy": acc, "loss": loss, **others}) if evaluated else None
+
+    def traffic(self, report: RoundReport) -> RoundTraffic:
+        """The round's metered messages: all since the last round, or the report's groups."""
+        if report.groups is None:
+            return self.metered.take()
+        traffic = RoundTraffic()
+        for group in report.groups:
+            traffic.merge(self.metered.take(group))
+        return traffic
+
+    def placed(self, traffic: RoundTraffic) -> list[tuple[int, Any]]:
+        """``(client index on the clock, node traffic)`` of every node that replied."""
+        out = []
+        for nid, n in traffic.nodes.items():
+            pid = self.clock.place(nid, n.partition_id) if n.replied else None
+            if pid is not None:
+                out.append((pid, n))
+        return out
+
+    def synchronous_sim_s(self, traffic: RoundTraffic) -> float:
+        """The round as a synchronous one: the slowest client's download, compute and
+        upload; at least ``timeout`` when a node never answered."""
+        placed = self.placed(traffic)
+        if self.clock.clock is None and placed:
+            reported = max((n.num_partitions for _, n in placed if n.num_partitions is not None), default=None)
+            self.clock.build(max(self.clock.num_clients(reported), 1 + max(pid for pid, _ in placed)))
+        if self.clock.clock is None:
+            return 0.0
+        work = [ClientRound(pid, n.bytes_down,
+                            self.clock.compute_s(n.compute_s if n.reported_compute else None, n.steps, n.wall_s),
+                            n.bytes_up)
+                for pid, n in placed]
+        duration = synchronous_round(self.clock.clock, work).duration if work else 0.0
+        # A node that never answered held the round until the server's timeout.
+        return max(duration, self.timeout) if traffic.dropped else duration
+
+    def node_metrics(self, rnd: int, models: Mapping[int, Any]) -> dict[str, Any]:
+        """Every node's model on the evaluation: mean, min and max accuracy, mean loss."""
+        seen: dict[int, tuple[float, float]] = {}  # id of a model object -> (accuracy, loss)
+        accs, losses = [], []
+        for i in sorted(models):
+            m = models[i]
+            if id(m) not in seen:
+                acc, loss, _ = self.exp.evaluate(rnd, ArrayRecord(m))
+                seen[id(m)] = (acc, loss)
+            accs.append(seen[id(m)][0])
+            losses.append(seen[id(m)][1])
+        return {
+            "node_accuracy_mean": sum(accs) / len(accs) if accs else None,
+            "node_accuracy_min": min(accs, default=None),
+            "node_accuracy_max": max(accs, default=None),
+            "node_loss_mean": sum(losses) / len(losses) if losses else None,
+        }

@@ -6,7 +6,7 @@ each message pushed to a node (downlink) and each reply pulled (uplink). It also
 collects what the replies report about themselves (compute time, local steps, partition
 id, errors) and the real time from each message's push to its reply's pull, so the
 experiment can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``
-(:class:`fededge.server.measure.Experiment`). It works on any Grid and with any
+(:class:`fededge.server.experiment.Experiment`). It works on any Grid and with any
 ClientApp; what a ClientApp does not report is simply not collected.
 
 A reply that carries a client's configuration error (:func:`fededge.protocol.config_error_reason`,

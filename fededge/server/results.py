@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from fededge.results_config import PROGRESS_MODES, ResultsConfig
+from fededge.tracking.base import Sinks
 
 __all__ = ["PROGRESS_MODES", "ResultsConfig", "RoundRecord", "RunRecorder", "METRIC_FIELDS", "new_run_id",
            "versions"]
@@ -118,6 +119,10 @@ class RunRecorder:
         Threshold for the "to target" figures of summary.json.
     extra : dict, optional
         Merged into config.json (device, number of clients, runtime...).
+    sinks : Sinks, optional
+        Where every round also goes (:mod:`fededge.tracking`: TensorBoard, MLflow, W&B):
+        opened once config.json is written, given each metrics.jsonl line as it is
+        written, and the summary and the run's files at :meth:`close`.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class RunRecorder:
         *,
         target_accuracy: float,
         extra: Optional[dict[str, Any]] = None,
+        sinks: Optional[Sinks] = None,
     ) -> None:
         # Never overwrite a run: two runs started in the same second get -2, -3, ...
         Path(results_dir).mkdir(parents=True, exist_ok=True)
@@ -153,16 +159,19 @@ class RunRecorder:
         # A run killed from outside (SIGKILL, flwr stop) still leaves a summary that says
         # it never finished.
         self._write_summary(self.summary() | {"status": "running"})
+        self.sinks = sinks or Sinks()
+        self.sinks.open(self.run_dir, run_id, config)
 
     @classmethod
     def reopen(cls, run_dir: str | os.PathLike[str], state: dict[str, Any], *,
-               target_accuracy: float) -> "RunRecorder":
+               target_accuracy: float, sinks: Optional[Sinks] = None) -> "RunRecorder":
         """Continue an existing run directory from a checkpoint's :meth:`state_dict`.
 
         metrics.jsonl keeps its lines up to the checkpoint's round and loses those after
         it (written before the run died, they are recorded again as the resumed run
         makes them, so no round is duplicated and none is missing); a line cut short by
-        the kill is dropped. The file is rewritten atomically, then appended to.
+        the kill is dropped. The file is rewritten atomically, then appended to. The
+        ``sinks`` continue their own runs from the checkpoint's round (each says how).
         """
         self = cls.__new__(cls)
         self.run_dir = Path(run_dir)
@@ -189,6 +198,11 @@ class RunRecorder:
         self._t0 = time.perf_counter() - float(state["wall_s"])  # wall_s goes on from where it was
         self._metrics = open(path, "a", encoding="utf-8")
         self._write_summary(self.summary() | {"status": "running"})
+        self.sinks = sinks or Sinks()
+        if self.sinks:
+            config = json.loads((self.run_dir / "config.json").read_text()).get("config", {})
+            self.sinks.open(self.run_dir, self.run_id, config, resume_after=upto,
+                            kept=[json.loads(x) for x in kept])
         return self
 
     def state_dict(self) -> dict[str, Any]:
@@ -231,8 +245,10 @@ class RunRecorder:
             cum_bytes_up=self._cum_up, cum_bytes_down=self._cum_down, extra=dict(extra or {}),
         )
         self.records.append(rec)
-        self._metrics.write(json.dumps(rec.to_json()) + "\n")
+        line = rec.to_json()
+        self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()
+        self.sinks.log_round(line)
         return rec
 
     def summary(self) -> dict[str, Any]:
@@ -263,14 +279,19 @@ class RunRecorder:
         }
 
     def close(self, *, status: str = "completed", error: str | None = None,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write summary.json (with ``extra`` figures) and close metrics.jsonl. Safe to call twice."""
+              extra: dict[str, Any] | None = None, artifacts: tuple[Path, ...] = ()) -> dict[str, Any]:
+        """Write summary.json (with ``extra`` figures), close metrics.jsonl, and hand the
+        sinks the summary, the run's files and ``artifacts`` (a plot). Safe to call twice."""
         summ = self.summary() | dict(extra or {}) | {"status": status}
         if error:
             summ["error"] = error
-        if not self._metrics.closed:
+        first = not self._metrics.closed
+        if first:
             self._metrics.close()
         self._write_summary(summ)
+        if first and self.sinks:
+            files = tuple(self.run_dir / f for f in ("summary.json", "config.json", "metrics.jsonl"))
+            self.sinks.close(summ, status=status, artifacts=files + tuple(artifacts))
         return summ
 
     def _write_summary(self, summ: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ one of two ways:
   (``sim_s``), in that order.
 
 ``order="auto"`` picks ``arrival`` on a SuperLink and ``clock`` elsewhere. Without a
-clock attached (:meth:`AsyncLoop.attach_clock`; :class:`fededge.server.measure.
+clock attached (:meth:`AsyncLoop.attach_clock`; :class:`fededge.server.experiment.
 Experiment` attaches its own) the network is ideal and compute is as reported.
 
 Every new server model is a *version*; the experiment records one line of

@@ -125,7 +125,7 @@ class DGA(OwnLoop):
                        "each reply itself, against the global model of the round it was trained on")
 
     #: Whether someone takes the rounds' rejections (:meth:`take_round_info`, as
-    #: :class:`~fededge.server.measure.Experiment` does) and reports them; until then
+    #: :class:`~fededge.server.experiment.Experiment` does) and reports them; until then
     #: DGA logs each one as a warning itself.
     _reported = False
 

@@ -1,6 +1,6 @@
 """How a strategy tells the measurement layer what its round did: one small interface.
 
-:class:`fededge.server.measure.Experiment` meters the bytes of every message, times each
+:class:`fededge.server.experiment.Experiment` meters the bytes of every message, times each
 round on the simulated clock and writes ``metrics.jsonl``. For Flower's own strategies
 it needs nothing from them: a round is a synchronous round of the messages metered
 since the previous one. A strategy that knows more (rejected updates, staleness, its

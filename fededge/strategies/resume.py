@@ -1,6 +1,6 @@
 """How a strategy is checkpointed and resumed by the measurement layer: one small interface.
 
-:class:`fededge.server.measure.Experiment` writes a checkpoint every ``checkpoint-every``
+:class:`fededge.server.experiment.Experiment` writes a checkpoint every ``checkpoint-every``
 rounds and resumes a run from one (``fededge resume``). What it needs from a strategy:
 
 **Strategies that use Flower's own round loop** (``Strategy.start``: FedAvg, FedAdam,
@@ -8,7 +8,9 @@ FedProx, fededge's ``Compressed(...)`` and ``FedAvgOuter``): nothing. Between tw
 Flower's loop holds no message in flight, so the experiment checkpoints after a round's
 evaluation; their state is read by :func:`strategy_state` (a ``state_dict()`` where the
 strategy has one, else every public data attribute, the way Flower's strategies keep
-their state: FedOpt's moments, FedAvgM's momentum, the current model). On resume the
+their state: FedOpt's moments, FedAvgM's momentum, the current model; a frozen
+dataclass, a settings object fixed when the strategy was built, is not state and is
+left out). On resume the
 experiment runs Flower's loop again, shifted by the rounds already done
 (:class:`FromRound`), so no round loop is written twice.
 
@@ -40,6 +42,7 @@ are seeded). On another grid a strategy whose state names node ids raises
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -209,6 +212,8 @@ def strategy_state(strategy: Strategy) -> dict[str, Any]:
         if isinstance(value, Strategy):
             children[name] = strategy_state(value)
             continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+            continue  # a frozen settings object (Compressed.update): fixed when built, not kept between rounds
         try:
             attrs[name] = to_plain(value)
         except _Unsaved as err:

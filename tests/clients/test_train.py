@@ -195,7 +195,7 @@ def test_round_lr_reads_the_servers_schedule_and_names_a_missing_key():
 
     from fededge.clients.app import round_lr
     from fededge.config import RunConfig
-    from fededge.server.experiment import train_config
+    from fededge.server.runner import train_config
 
     plain = train_config(RunConfig.from_mapping({}))
     assert set(plain) == {"local-steps", "local-lr", "momentum", "weight-decay", "batch-size"}  # unchanged bytes

@@ -29,7 +29,7 @@ def main() -> None:
     keep = bool(overrides.pop("__keep_client_states", True))
     from fededge.clients.app import app as fededge_app
     from fededge import safefile
-    from fededge.server import measure
+    from fededge.server import experiment as measure_mod
     from fededge.server.inprocess import run_inprocess
 
     client_app = fededge_app
@@ -40,14 +40,14 @@ def main() -> None:
                 _die()
             return fededge_app(msg, ctx)
     elif when == "between":
-        real_write = measure.write_checkpoint
+        real_write = measure_mod.write_checkpoint
 
         def write(run_dir, server_round, payload):  # noqa: ANN001,ANN202
             out = real_write(run_dir, server_round, payload)
             if server_round == at:
                 _die()
             return out
-        measure.write_checkpoint = write
+        measure_mod.write_checkpoint = write
     elif when == "mid-checkpoint":
         real_replace = safefile.os.replace
 

@@ -19,8 +19,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy
 
+import fededge.server.runner as runner_module
 import fededge.server.experiment as experiment_module
-import fededge.server.measure as measure_module
 from fededge import keys
 from fededge._flwr_internals import wire_size
 from fededge.api import DGA, Compressed, CompressionMod, DGAMod, Gossip, GossipMod, UpdateConfig
@@ -28,10 +28,10 @@ from fededge.clients.app import app as fededge_client
 from fededge.clients.train import evaluate
 from fededge.config import RunConfig
 from fededge.netem.profiles import ProfileError
-from fededge.server.experiment import train_config
+from fededge.server.runner import train_config
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.server.inprocess import run_inprocess
-from fededge.server.measure import Experiment
+from fededge.server.experiment import Experiment
 from fededge.analysis.replay import replay_sim_s
 from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.registry import build_strategy
@@ -237,7 +237,7 @@ def _strategy_classes() -> set[str]:
 def test_the_measurement_never_branches_on_strategy_classes():
     strategies = _strategy_classes()
     assert {"FedAvg", "FedAdam", "DGA", "Gossip", "FedBuff", "BackupWorkers", "Compressed"} <= strategies
-    for module in (experiment_module, measure_module):
+    for module in (runner_module, experiment_module):
         path = Path(module.__file__)
         assert not _isinstance_targets(path) & strategies, path
         # ... nor imports them: the registry builds them, the report and resume interfaces describe them.
@@ -325,9 +325,9 @@ def test_the_library_pieces_import_neither_the_run_config_nor_fededges_clientapp
     import sys
 
     code = ("import sys\n"
-            "import fededge.server.measure, fededge.strategies.fedasync, fededge.strategies.fedbuff\n"
+            "import fededge.server.experiment, fededge.strategies.fedasync, fededge.strategies.fedbuff\n"
             "import fededge.strategies.ssp, fededge.strategies.backup\n"
-            "print(sorted(m for m in ('fededge.config', 'fededge.clients.app', 'fededge.server.experiment')"
+            "print(sorted(m for m in ('fededge.config', 'fededge.clients.app', 'fededge.server.runner')"
             " if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -487,3 +487,22 @@ def test_plot_draws_a_run_with_rounds_not_evaluated(tmp_path):
     assert list(np.isnan(data.accuracy)) == [False, True, False, True, False]
     out = plot_runs([run], tmp_path / "runs.png")
     assert out.is_file() and out.stat().st_size > 0
+
+
+def test_the_former_module_path_still_imports_experiment_and_says_where_it_went():
+    """fededge.server.measure was Experiment's module until it moved to a module of its
+    name: an app that imports from the old path gets the same class and one warning."""
+    import subprocess
+    import sys
+
+    code = ("import warnings\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from fededge.server.measure import Experiment as Old\n"
+            "from fededge.server.experiment import Experiment\n"
+            "from fededge.api import Experiment as Api\n"
+            "print(Old is Experiment is Api, [str(w.message) for w in caught if w.category is DeprecationWarning])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    same, _, message = out.stdout.partition(" ")
+    assert same == "True"
+    assert "fededge.server.experiment" in message

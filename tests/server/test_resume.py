@@ -228,7 +228,7 @@ def test_without_the_nodes_state_a_resumed_run_restarts_its_residuals(tmp_path, 
 
 
 def test_resume_keeps_an_lr_schedule_on_its_rounds_and_reads_older_run_configs(tmp_path):
-    from fededge.server.experiment import check_resumable
+    from fededge.server.runner import check_resumable
 
     def run_dir(config: dict) -> Path:
         d = tmp_path / str(len(list(tmp_path.iterdir())))

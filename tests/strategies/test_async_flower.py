@@ -9,7 +9,7 @@ import torch
 
 from fededge import _flwr_internals as fi
 from fededge.config import ConfigError, RunConfig
-from fededge.server.experiment import run_experiment
+from fededge.server.runner import run_experiment
 from fededge.server.grid import SUPERLINK_NODE_ID, InProcessGrid
 from fededge.server.inprocess import run_inprocess
 from fededge.strategies.asyncfl import AsyncFL, BackupWorkers, FedAsync, FedBuff, SSP

@@ -15,9 +15,9 @@ from fededge import _flwr_internals as fi
 from fededge.clients.app import app as client_app
 from fededge.config import RunConfig
 from fededge.netem.runclock import RunClock
-from fededge.server.experiment import train_config
+from fededge.server.runner import train_config
 from fededge.server.grid import SUPERLINK_NODE_ID, InProcessGrid
-from fededge.server.measure import seeded_sampling
+from fededge.server.experiment import seeded_sampling
 from fededge.strategies.registry import build_strategy
 from fededge.strategies.resume import ResumeError
 from fededge.workload import dataset_for, model_for

@@ -133,6 +133,40 @@ def test_the_record_says_how_compression_goes(registered):
         RunConfig.from_mapping({"strategy": "toy-refuses", "compressor": "topk"})
 
 
+class SeesTags(FedAvg):
+    """FedAvg that keeps what its replies' ``toy-tag`` metric said."""
+
+    seen: list[float] = []
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        replies = list(replies)
+        type(self).seen += [float(r.content["metrics"]["toy-tag"]) for r in replies if r.has_content()]
+        return super().aggregate_train(server_round, replies)
+
+
+def tag_mod(msg: Message, context: Any, call_next: Any) -> Message:
+    """A client mod of a user's strategy: its train replies carry ``toy-tag`` = local-steps."""
+    reply = call_next(msg, context)
+    if reply.has_content() and "metrics" in reply.content:
+        reply.content["metrics"]["toy-tag"] = float(context.run_config["local-steps"])
+    return reply
+
+
+def test_a_record_adds_its_own_client_mods_to_fededges_clientapp(tmp_path, registered):
+    registered(StrategyRecord(name="toy-tagged", build=lambda cfg, kw: SeesTags(**kw),
+                              client_mods=lambda cfg: [tag_mod]))
+    mods = client_mods(RunConfig(strategy="toy-tagged", compressor="topk"))
+    assert [getattr(m, "__name__", type(m).__name__) for m in mods][-2:] == ["CompressionMod", "tag_mod"]
+    SeesTags.seen = []
+    run_inprocess({**BASE, "strategy": "toy-tagged", "results-dir": str(tmp_path / "tagged")}, num_clients=NODES)
+    assert SeesTags.seen == [float(BASE["local-steps"])] * (NODES * BASE["num-rounds"])
+    registered(StrategyRecord(name="toy-bad-mods", build=lambda cfg, kw: FedAvg(**kw), client_mods=lambda cfg: [3]))
+    with pytest.raises(TypeError, match="toy-bad-mods.*not a Flower mod"):
+        client_mods(RunConfig(strategy="toy-bad-mods"))
+    with pytest.raises(ValueError, match="client_mods must be a callable"):
+        StrategyRecord(name="x", build=lambda cfg, kw: FedAvg(**kw), client_mods=3)
+
+
 def test_a_record_check_stops_a_bad_run_config(registered):
     def needs_steps(cfg: RunConfig) -> None:
         if cfg.local_steps < 10:
@@ -244,3 +278,23 @@ def test_a_set_is_saved_sorted_and_a_set_of_mixed_types_is_named_not_raised(capl
     t = FedAvg()
     load_strategy_state(t, state)
     assert t.seen == {1, 3}
+
+
+def test_a_frozen_settings_object_is_not_state_and_is_not_warned_about(caplog):
+    """Compressed(update=UpdateConfig(...)) keeps its settings in a frozen dataclass: fixed
+    when built (a resumed run builds it again), so the checkpoint leaves it out, silently."""
+    from fededge.compress.update import UpdateConfig
+    from fededge.strategies.resume import strategy_state
+
+    s = Compressed(FedAvg(), update=UpdateConfig(compressor="topk"))
+    with caplog.at_level("WARNING", logger="fededge"):
+        state = strategy_state(s)
+    assert "update" not in state["attrs"] and not caplog.records
+    s.mutable = _Mutable()  # a plain object is still named: it may be state
+    with caplog.at_level("WARNING", logger="fededge"):
+        strategy_state(s)
+    assert any("Compressed.mutable" in r.getMessage() for r in caplog.records)
+
+
+class _Mutable:
+    pass

@@ -12,7 +12,7 @@ from flwr.app import MetricRecord
 from fededge.algorithms.dga import DGAConfig
 from fededge.config import RunConfig
 from fededge.netem.runclock import ClockConfig, RunClock
-from fededge.server.measure import Experiment
+from fededge.server.experiment import Experiment
 from fededge.server.results import ResultsConfig
 from fededge.strategies.dga import DGA
 from fededge.strategies.registry import build_strategy

@@ -6,7 +6,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fededge.api import DGA  # fededge
-from fededge.server.measure import Experiment  # fededge (also fededge.api.Experiment)
+from fededge.server.experiment import Experiment  # fededge (also fededge.api.Experiment)
 
 from dga_4g.task import Net, evaluate, test_data
 

@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fededge.api import FedBuff  # fededge
-from fededge.server.measure import Experiment  # fededge (also fededge.api.Experiment)
+from fededge.server.experiment import Experiment  # fededge (also fededge.api.Experiment)
 from fededge.analysis.plot import plot_runs  # fededge
 
 from fedbuff_stragglers.task import Net, evaluate, test_data

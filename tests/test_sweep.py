@@ -1,0 +1,134 @@
+"""fededge sweep (issue 39): a grid times seeds gives the runs made one by one, a table
+whose figures are those runs' recomputed, every invalid cell named before anything runs,
+and a killed sweep that finishes with no run made twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fededge.server.inprocess import run_inprocess
+from fededge.sweep import SweepError, format_table, parse_grid, plan, run_sweep
+
+BASE = {"model": "mlp", "num-rounds": 2, "local-steps": 1, "checkpoint-every": 1, "progress": "off",
+        "save-model": False, "target-accuracy": 0.3, "sim-step-s": 0.01}  # sim_s from steps: reproducible
+NODES = 3
+
+
+def _rounds(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if k not in ("wall_s", "clients")} for x in lines]
+
+
+def test_the_grid_reads_typed_values_and_refuses_what_it_cannot_read():
+    assert parse_grid("strategy=fedavg,dga dga-delay=1,2 local-lr=0.1") == \
+        {"strategy": ["fedavg", "dga"], "dga-delay": [1, 2], "local-lr": [0.1]}
+    assert parse_grid("""compute-speed="lognormal:0.5",'1.0' netem='wifi:0.5,4g:0.5',3g""") == \
+        {"compute-speed": ["lognormal:0.5", "1.0"], "netem": ["wifi:0.5,4g:0.5", "3g"]}
+    for bad, match in [("strategy", "not key=v1"), ("a=1 a=2", "given twice"), ("seed=1,2", "--seeds"),
+                       ("a=1,,2", "empty value"), ("a=1,1", "repeats"), ("netem='4g", "unclosed quote")]:
+        with pytest.raises(SweepError, match=match):
+            parse_grid(bad)
+
+
+def test_every_invalid_cell_is_named_before_anything_runs(tmp_path):
+    grid = parse_grid("strategy=fedavg,fedbuff compressor=none,topk batch-size=32,0")
+    with pytest.raises(SweepError) as err:
+        plan(tmp_path / "sweep", grid, [0, 1], base=BASE)
+    text = str(err.value)
+    assert "5 of 8 cells cannot run; nothing was started" in text
+    assert "strategy=fedbuff compressor=topk batch-size=32: run-config keys 'compressor'" in text
+    assert "strategy=fedavg compressor=none batch-size=0: run-config key 'batch-size'" in text
+    assert not (tmp_path / "sweep").exists()
+    with pytest.raises(SweepError, match="'seed'"):
+        plan(tmp_path / "s", grid, [0], base={**BASE, "seed": 3})
+    with pytest.raises(SweepError, match="both the grid and --run-config"):
+        plan(tmp_path / "s", parse_grid("local-lr=0.1,0.2"), [0], base={**BASE, "local-lr": 0.3})
+
+
+def test_a_sweep_is_its_runs_made_one_by_one_and_its_table_their_figures(tmp_path):
+    sweep = plan(tmp_path / "sweep", parse_grid("local-lr=0.05,0.2 momentum=0.0,0.9"), [0, 1], base=BASE,
+                 num_clients=NODES)
+    assert len(sweep.runs) == 8
+    lines: list[str] = []
+    result = run_sweep(sweep, jobs=2, report=lines.append)
+    assert sum("final accuracy" in x for x in lines) == 8
+    for run in sweep.runs:  # the same run made alone, in this process
+        alone = run_inprocess({**run.overrides, "results-dir": str(tmp_path / "alone")}, num_clients=NODES)
+        assert _rounds(run.run_dir()) == _rounds(alone), run.label
+    # The table: each cell's mean and sample sd over its seeds, recomputed from the summaries.
+    summaries = {(r.cell["local-lr"], r.cell["momentum"], r.seed): json.loads((r.run_dir() / "summary.json").read_text())
+                 for r in sweep.runs}
+    assert [row["cell"] for row in result["cells"]] == [
+        "local-lr=0.05 momentum=0.0", "local-lr=0.05 momentum=0.9", "local-lr=0.2 momentum=0.0",
+        "local-lr=0.2 momentum=0.9"]
+    for row in result["cells"]:
+        finals = [summaries[(row["local-lr"], row["momentum"], s)]["final_accuracy"] for s in (0, 1)]
+        assert row["final_accuracy"] == {"mean": statistics.fmean(finals), "sd": statistics.stdev(finals), "n": 2}
+        if "paired" in row:
+            base = [summaries[(0.05, 0.0, s)]["final_accuracy"] for s in (0, 1)]
+            diffs = [a - b for a, b in zip(finals, base)]
+            assert row["paired"]["final_accuracy"] == {"mean": statistics.fmean(diffs), "sd": statistics.stdev(diffs),
+                                                      "n": 2}
+    assert result["baseline"] == "local-lr=0.05 momentum=0.0" and "paired" not in result["cells"][0]
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text()) == json.loads(json.dumps(result))
+    csv_rows = (tmp_path / "sweep" / "sweep.csv").read_text().splitlines()
+    assert len(csv_rows) == 5 and csv_rows[0].startswith("cell,local-lr,momentum,seeds,final_accuracy_mean")
+    assert "| local-lr=0.2 momentum=0.9 | 2 |" in format_table(result)
+    # The same sweep again keeps every run; another sweep in its directory is refused.
+    again: list[str] = []
+    run_sweep(sweep, jobs=2, report=again.append)
+    assert "8 finished before, kept" in again[0] and len(again) == 1
+    other = plan(tmp_path / "sweep", parse_grid("local-lr=0.05,0.3"), [0], base=BASE, num_clients=NODES)
+    with pytest.raises(SweepError, match="holds another sweep"):
+        run_sweep(other)
+    with pytest.raises(SweepError, match="baseline 'local-lr=9' is not a cell"):
+        run_sweep(sweep, baseline="local-lr=9")
+    from fededge.analysis.plot import plot_sweep
+
+    assert plot_sweep(tmp_path / "sweep").stat().st_size > 10_000
+
+
+def test_a_killed_sweep_finishes_with_no_run_made_twice(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "fededge.cli", "sweep", "--grid", "local-lr=0.05,0.2", "--seeds", "0",
+           "--jobs", "1", "--num-clients", str(NODES), "--out", str(out), "--run-config",
+           "model='mlp' num-rounds=12 local-steps=5 checkpoint-every=1 progress='off' save-model=false sim-step-s=0.01"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        first = out / "runs" / "local-lr=0.05" / "seed-0"
+        while time.monotonic() < deadline:  # kill it mid-run, once the first run has checkpoints
+            ckpts = list(first.glob("*/checkpoints/round-*.ckpt"))
+            if len(ckpts) >= 2 or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    killed_at = json.loads(next(first.glob("*/summary.json")).read_text())
+    assert killed_at["status"] == "running"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 to resume" in done.stdout and "local-lr=0.05 seed=0: resumed" in done.stdout
+    for seed_dir in (out / "runs").glob("*/seed-0"):
+        run_dirs = [p for p in seed_dir.iterdir() if p.is_dir()]
+        assert len(run_dirs) == 1, run_dirs  # no run made twice
+        assert [x["round"] for x in _rounds(run_dirs[0])] == list(range(13))
+    # The resumed run equals the run made uninterrupted.
+    alone = run_inprocess({"model": "mlp", "num-rounds": 12, "local-steps": 5, "checkpoint-every": 1,
+                           "progress": "off", "save-model": False, "local-lr": 0.05, "seed": 0, "sim-step-s": 0.01,
+                           "results-dir": str(tmp_path / "alone")}, num_clients=NODES)
+    assert _rounds(next(p for p in first.iterdir() if p.is_dir())) == _rounds(alone)
