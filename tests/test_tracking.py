@@ -1,6 +1,7 @@
-"""Metric sinks (issue 39): what TensorBoard and MLflow store, read back with their own
-readers, equals metrics.jsonl, for a resumed run too, with no step twice; a missing tool
-stops the run before round 1 naming its extra; a sink that fails never stops the run."""
+"""Metric sinks (issue 39): what TensorBoard, MLflow and W&B store, read back with their own
+readers (a real TensorBoard server for TensorBoard), equals metrics.jsonl, for a resumed
+run too, with no step twice; a missing tool stops the run before round 1 naming its
+extra; a sink that fails never stops the run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fededge.config import ConfigError, RunConfig
@@ -24,15 +26,48 @@ def _lines(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _tensorboard(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar TensorBoard's own loader shows (restarts purged, as its UI does)."""
-    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
+def _tensorboard(log_dir: Path, expected: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar as a real TensorBoard server shows it (started here on a free port,
+    with its default data server, and stopped), once it has loaded as many points as
+    ``expected`` has."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.parse
+    import urllib.request
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
-            for tag in acc.Tags()["tensors"] if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(log_dir), "--host",
+                               "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/data/plugin/scalars/"
+    got: dict[str, list[tuple[int, float]]] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                tags = json.loads(urllib.request.urlopen(url + "tags", timeout=5).read()).get(".", {})
+                got = {}
+                for tag in tags:
+                    query = urllib.parse.urlencode({"run": ".", "tag": tag})
+                    points = json.loads(urllib.request.urlopen(f"{url}scalars?{query}", timeout=5).read())
+                    got[tag] = [(step, value) for _, step, value in points]
+                if set(got) == set(expected) and all(len(got[k]) == len(v) for k, v in expected.items()):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.wait(20)
+    return got
+
+
+def _float32(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard keeps of each value: float32."""
+    return {k: [(s, float(np.float32(v))) for s, v in pts] for k, pts in series.items()}
 
 
 def _mlflow(run_dir: Path) -> tuple[object, dict[str, list[tuple[int, float]]]]:
@@ -148,7 +183,7 @@ def test_tensorboard_mlflow_and_wandb_hold_metrics_jsonl_and_a_resumed_run_logs_
     run_dir = run_inprocess(run, num_clients=NODES)
     first = _lines(run_dir)
     assert [x["round"] for x in first] == list(range(BASE["num-rounds"] + 1))
-    assert _tensorboard(run_dir / "tensorboard") == _expected(first)
+    assert _tensorboard(run_dir / "tensorboard", _expected(first)) == _float32(_expected(first))
     mlrun, stored = _mlflow(run_dir)
     assert {k: v for k, v in stored.items() if not k.startswith("summary.")} == _expected(first)
     assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == run_dir.name
@@ -163,7 +198,8 @@ def test_tensorboard_mlflow_and_wandb_hold_metrics_jsonl_and_a_resumed_run_logs_
     run_inprocess({**run, "num-rounds": 7, "resume-from": str(run_dir)}, num_clients=NODES)
     after = _lines(run_dir)
     assert [x["round"] for x in after] == list(range(8))
-    assert _tensorboard(run_dir / "tensorboard") == _expected(after)  # restarts purged: exactly the file
+    # restarts purged: exactly the file, to float32
+    assert _tensorboard(run_dir / "tensorboard", _expected(after)) == _float32(_expected(after))
     _, stored = _mlflow(run_dir)
     stored = {k: v for k, v in stored.items() if not k.startswith("summary.")}
     assert all(len({s for s, _ in points}) == len(points) for points in stored.values())  # no step twice
@@ -180,4 +216,5 @@ def test_a_sink_added_on_resume_gets_the_rounds_before_the_checkpoint(tmp_path):
     run_dir = run_inprocess(run, num_clients=NODES)
     assert not (run_dir / "tensorboard").exists()
     run_inprocess({**run, "num-rounds": 6, "log-to": "tensorboard", "resume-from": str(run_dir)}, num_clients=NODES)
-    assert _tensorboard(run_dir / "tensorboard") == _expected(_lines(run_dir))
+    expected = _expected(_lines(run_dir))
+    assert _tensorboard(run_dir / "tensorboard", expected) == _float32(expected)

@@ -6,9 +6,10 @@ config goes to the HParams dashboard (its metric: ``accuracy``) and as a text ta
 ``summary.json`` as text at the end, and the run's plot as an image. A resumed run
 opens the same directory with ``purge_step`` = the checkpoint's round + 1: TensorBoard
 then hides what the run logged after its checkpoint before it died, so the rounds it
-redoes appear once, with the values ``metrics.jsonl`` keeps. Scalars are written in
-double precision (new-style tensor summaries), so the stored values are the file's
-exactly. Written with ``torch.utils.tensorboard`` (the extra ``tensorboard`` provides
+redoes appear once, with the values ``metrics.jsonl`` keeps. Scalars are float32, the
+only kind TensorBoard's data server (its default, ``--load_fast``) shows: the values are
+``metrics.jsonl``'s rounded to float32 (7 significant digits; byte counts above 2^24
+lose their last digits), and ``metrics.jsonl`` keeps them exactly. Written with ``torch.utils.tensorboard`` (the extra ``tensorboard`` provides
 the writer's protobufs).
 """
 
@@ -72,7 +73,7 @@ class TensorBoardSink(MetricSink):
     def log_round(self, line: Mapping[str, Any]) -> None:
         step = int(line["round"])
         for key, value in numeric_items(line).items():
-            self._writer.add_scalar(key, value, step, new_style=True, double_precision=True)
+            self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
     def close(self, summary: Mapping[str, Any], *, status: str, artifacts: Sequence[Path] = ()) -> None:
