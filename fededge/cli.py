@@ -14,7 +14,7 @@
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
   round, simulated time and cumulative uplink bytes); ``fededge plot --sweep DIR``: a
   sweep's cells, mean ± sd over seeds.
-- ``fededge sweep --grid "strategy=fedavg,dga dga-delay=1,2" --seeds 0 1 2 [--run-config ...]
+- ``fededge sweep --grid "strategy=fedavg,dga dga-delay=1,2" (or --cell "k=v ..." --cell ...) --seeds 0 1 2 [--run-config ...]
   [--out DIR] [--jobs N] [--baseline CELL]``: every combination times every seed, N runs
   at a time, and a table of mean ± sd and paired differences (``fededge.sweep``); the
   same command again finishes a killed sweep.
@@ -196,8 +196,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else Path("results") / time.strftime("sweep-%Y%m%d-%H%M%S")
     try:
-        sweep = plan(out, parse_grid(args.grid), args.seeds, base=parse_run_config(args.run_config),
-                     num_clients=args.num_clients)
+        cells = [parse_run_config(c) for c in args.cell] if args.cell else None
+        sweep = plan(out, parse_grid(args.grid or ""), args.seeds, base=parse_run_config(args.run_config),
+                     num_clients=args.num_clients, cells=cells)
         result = run_sweep(sweep, jobs=args.jobs, baseline=args.baseline)
     except SweepRunsFailed as err:
         print(f"fededge sweep: {err}", file=sys.stderr)
@@ -306,8 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     register_testbed(sub)
 
     sweep = sub.add_parser("sweep", help="a grid of run-config values x seeds, N runs at a time, one table")
-    sweep.add_argument("--grid", required=True,
-                       help='"key=v1,v2 key2=a,b": every combination is a cell (quote a value with a comma)')
+    cells = sweep.add_mutually_exclusive_group(required=True)
+    cells.add_argument("--grid", help='"key=v1,v2 key2=a,b": every combination is a cell (quote a value with a comma)')
+    cells.add_argument("--cell", action="append", metavar='"k=v k2=v2"',
+                       help="one cell, as --run-config writes it; repeat for each (in place of --grid)")
     sweep.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of every cell (default: 0)")
     sweep.add_argument("--run-config", default=None, help='the other keys of every run: "num-rounds=30"')
     sweep.add_argument("--out", default=None, help="sweep directory (default: results/sweep-<date>-<time>); "

@@ -9,6 +9,8 @@
   a comma in it is quoted: ``netem='wifi:0.5,4g:0.5',3g``). Its cells are every
   combination of the values, in the order given; each cell runs once per seed
   (run-config key ``seed``).
+- **Or a list of cells** (``--cell "local-steps=1 dga-delay=5" --cell "local-steps=5
+  dga-delay=1"``), for settings a product does not express.
 - **Every run is checked before any starts** (the whole run config, parsed as the run
   will parse it): an impossible combination is refused with every bad cell named.
 - **Runs** go ``jobs`` at a time (default: one per core), each a ``fededge run``
@@ -179,15 +181,22 @@ class Sweep:
     base: dict[str, Any]
     num_clients: int
     runs: list[SweepRun] = field(default_factory=list)
+    cells: list[dict[str, Any]] | None = None  # explicit cells, in place of the grid's product
 
     def spec(self) -> dict[str, Any]:
-        return {"grid": self.grid, "seeds": self.seeds, "base": self.base, "num_clients": self.num_clients}
+        spec = {"grid": self.grid, "seeds": self.seeds, "base": self.base, "num_clients": self.num_clients}
+        return spec | ({"cells": self.cells} if self.cells is not None else {})
 
 
 def plan(out: str | os.PathLike[str], grid: Mapping[str, Sequence[Any]], seeds: Sequence[int], *,
-         base: Mapping[str, Any] | None = None, num_clients: int = 10) -> Sweep:
+         base: Mapping[str, Any] | None = None, num_clients: int = 10,
+         cells: Sequence[Mapping[str, Any]] | None = None) -> Sweep:
     """Every run of the sweep, each checked as its run will check it; raises
-    :class:`SweepError` naming every invalid cell (with its reason) before anything runs."""
+    :class:`SweepError` naming every invalid cell (with its reason) before anything runs.
+
+    The cells are the grid's combinations, or ``cells`` (a list of run-config mappings,
+    ``grid`` then empty) for settings a product does not express, such as a delay tied
+    to the local steps."""
     if not seeds:
         raise SweepError("no seeds: give at least one (--seeds 0)")
     if len(set(seeds)) != len(seeds):
@@ -196,18 +205,32 @@ def plan(out: str | os.PathLike[str], grid: Mapping[str, Sequence[Any]], seeds: 
     for key in ("seed", "results-dir", "resume-from"):
         if key in base:
             raise SweepError(f"--run-config must not set {key!r}: the sweep sets it for each run")
-    clash = sorted(set(base) & set(grid))
+    if cells is not None:
+        if grid:
+            raise SweepError("give the grid or a list of cells, not both")
+        cells = [dict(c) for c in cells]
+        if not cells:
+            raise SweepError("the list of cells is empty")
+        labels = [cell_label(c) for c in cells]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise SweepError(f"cells given twice: {'; '.join(twice)}")
+        if any("seed" in c for c in cells):
+            raise SweepError("a cell does not take 'seed': give the seeds with --seeds 0 1 2")
+        grid = {}
+    combos = cells if cells is not None else [dict(zip(grid, values)) for values in
+                                              (itertools.product(*grid.values()) if grid else [()])]
+    clash = sorted(set(base) & {k for c in combos for k in c})
     if clash:
-        raise SweepError(f"{', '.join(clash)} in both the grid and --run-config; give each key in one")
-    sweep = Sweep(Path(out), {k: list(v) for k, v in grid.items()}, list(seeds), base, num_clients)
-    if _shared_mlflow(base, grid):
+        raise SweepError(f"{', '.join(clash)} in both the {'cells' if cells is not None else 'grid'} and "
+                         "--run-config; give each key in one")
+    sweep = Sweep(Path(out), {k: list(v) for k, v in grid.items()}, list(seeds), base, num_clients, cells=cells)
+    if _shared_mlflow(base, combos):
         # One MLflow store for the whole sweep (each run's default would be its own
         # results-dir's), made once by the sweep before its runs start.
         base = sweep.base = {**base, "mlflow-uri": f"sqlite:///{sweep.out.resolve() / 'mlflow.db'}"}
-    keys = list(grid)
     bad: list[str] = []
-    for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
-        cell = dict(zip(keys, values))
+    for cell in combos:
         overrides = {**base, **cell, "progress": base.get("progress", "off")}
         try:
             RunConfig.from_mapping({**overrides, "seed": seeds[0]})
@@ -225,11 +248,11 @@ def plan(out: str | os.PathLike[str], grid: Mapping[str, Sequence[Any]], seeds: 
     return sweep
 
 
-def _shared_mlflow(base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]]) -> bool:
+def _shared_mlflow(base: Mapping[str, Any], cells: Sequence[Mapping[str, Any]]) -> bool:
     """Whether the sweep logs to MLflow with no store named (then it names one for all)."""
-    log_to = [base.get("log-to", "")] + list(grid.get("log-to", []))
+    log_to = [base.get("log-to", "")] + [c.get("log-to", "") for c in cells]
     return (any("mlflow" in parse_log_to(str(x)) for x in log_to) and not base.get("mlflow-uri")
-            and "mlflow-uri" not in grid and not os.environ.get("MLFLOW_TRACKING_URI"))
+            and not any("mlflow-uri" in c for c in cells) and not os.environ.get("MLFLOW_TRACKING_URI"))
 
 
 def _prepare_mlflow(sweep: Sweep) -> None:
@@ -307,14 +330,15 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
             proc = subprocess.run(_command(run, sweep, status), stdout=out, stderr=subprocess.STDOUT, env=env,
                                   preexec_fn=_preexec if sys.platform.startswith("linux") else None)
         done[0] += 1
+        bar = _bar(done[0], len(sweep.runs))
         run_dir = run.run_dir()
         summary = _summary(run_dir) if run_dir else {}
         if proc.returncode != 0 or summary.get("status") != "completed":
             failures.append(f"{run.label}: exit {proc.returncode}, see {log}")
-            report(f"[{done[0]}/{len(sweep.runs)}] {run.label}: FAILED (exit {proc.returncode}; {log})")
+            report(f"{bar} {run.label}: FAILED (exit {proc.returncode}; {log})")
             return
         verb = "resumed, " if status == "resume" else ""
-        report(f"[{done[0]}/{len(sweep.runs)}] {run.label}: {verb}final accuracy "
+        report(f"{bar} {run.label}: {verb}final accuracy "
                f"{summary['final_accuracy']:.4f} ({time.perf_counter() - started:.1f} s; "
                f"{time.perf_counter() - t0:.0f} s in all)")
 
@@ -327,6 +351,12 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
         raise SweepRunsFailed(f"{len(failures)} of {len(sweep.runs)} runs failed (the table has the others; the same "
                          "command again retries them):\n  " + "\n  ".join(failures))
     return result
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    """``[#####---------------] 3/12``: the runs finished so far."""
+    filled = round(width * done / total) if total else width
+    return f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total}"
 
 
 def _summary(run_dir: Path | None) -> dict[str, Any]:
@@ -392,7 +422,8 @@ def _fmt(stat: Mapping[str, Any] | None, digits: int = 4) -> str:
 
 
 def _write_csv(path: Path, result: Mapping[str, Any]) -> None:
-    keys = list(result["spec"]["grid"])
+    spec = result["spec"]
+    keys = list(dict.fromkeys(k for c in spec["cells"] for k in c)) if "cells" in spec else list(spec["grid"])
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         header = ["cell", *keys, "seeds"]

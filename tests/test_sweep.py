@@ -54,6 +54,22 @@ def test_every_invalid_cell_is_named_before_anything_runs(tmp_path):
         plan(tmp_path / "s", parse_grid("local-lr=0.1,0.2"), [0], base={**BASE, "local-lr": 0.3})
 
 
+def test_a_list_of_cells_is_planned_as_given_and_checked_the_same(tmp_path):
+    cells = [{"local-steps": 1, "dga-delay": 4, "strategy": "dga"}, {"local-steps": 2, "dga-delay": 2, "strategy": "dga"}]
+    base = {k: v for k, v in BASE.items() if k != "local-steps"}
+    sweep = plan(tmp_path / "s", {}, [0, 1], base=base, cells=cells)
+    assert [(r.cell, r.seed) for r in sweep.runs] == [(cells[0], 0), (cells[0], 1), (cells[1], 0), (cells[1], 1)]
+    assert sweep.runs[2].overrides["dga-delay"] == 2 and sweep.spec()["cells"] == cells
+    with pytest.raises(SweepError, match="1 of 2 cells cannot run"):
+        plan(tmp_path / "s", {}, [0], base=base, cells=[cells[0], {"local-steps": 0}])
+    for bad, match in [([cells[0], cells[0]], "given twice"), ([], "empty"), ([{"seed": 1}], "'seed'"),
+                       ([{"local-steps": 3, "num-rounds": 2}], "both the cells and --run-config")]:
+        with pytest.raises(SweepError, match=match):
+            plan(tmp_path / "s", {}, [0], base=base, cells=bad)
+    with pytest.raises(SweepError, match="not both"):
+        plan(tmp_path / "s", {"local-lr": [0.1]}, [0], base=base, cells=cells)
+
+
 def test_a_sweep_is_its_runs_made_one_by_one_and_its_table_their_figures(tmp_path):
     sweep = plan(tmp_path / "sweep", parse_grid("local-lr=0.05,0.2 momentum=0.0,0.9"), [0, 1], base=BASE,
                  num_clients=NODES)
@@ -132,3 +148,17 @@ def test_a_killed_sweep_finishes_with_no_run_made_twice(tmp_path):
                            "progress": "off", "save-model": False, "local-lr": 0.05, "seed": 0, "sim-step-s": 0.01,
                            "results-dir": str(tmp_path / "alone")}, num_clients=NODES)
     assert _rounds(next(p for p in first.iterdir() if p.is_dir())) == _rounds(alone)
+
+
+def test_the_command_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path, capsys):
+    from fededge.cli import main
+
+    assert main(["sweep", "--cell", "local-steps=0", "--cell", "local-steps=2", "--seeds", "0",
+                 "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fededge sweep: 1 of 2 cells cannot run; nothing was started") and "local-steps=0:" in err
+    assert main(["sweep", "--grid", "strategy=fedavg,nosuch", "--out", str(tmp_path / "s")]) == 2
+    assert "strategy=nosuch: run-config key 'strategy' must be one of" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+    assert main(["plot", "--sweep", str(tmp_path / "nothing")]) == 2
+    assert "has no sweep.json" in capsys.readouterr().err
