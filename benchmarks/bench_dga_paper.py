@@ -24,7 +24,9 @@ mean ± sample standard deviation over ``--seeds``; ``best`` is the mean over se
 each run's best round. For a model with BatchNorm (``--set model=cnn-bn``) two more
 columns give the final model's accuracy with its running statistics recomputed on the
 training set: the weights' own accuracy, apart from the statistics DGA averaged. Runs
-go ``--jobs`` at a time, each in its own process with one torch thread.
+go ``--jobs`` at a time, each in its own process with one torch thread, through
+``fededge sweep``'s machinery (:mod:`fededge.sweep`, a list of cells times the seeds);
+``--out DIR`` keeps them, and the same command again finishes a stopped batch.
 
 Examples
 --------
@@ -47,36 +49,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _one(spec: dict) -> dict:
-    """One run, in this process (``--one``): its accuracy per round and its wall seconds."""
-    import torch
-
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
-    from fededge.server.inprocess import run_inprocess
-
-    with tempfile.TemporaryDirectory() as out:
-        t0 = time.perf_counter()
-        run_dir = run_inprocess({"progress": "off", "results-dir": out, "save-model": True, **spec["over"]},
-                                num_clients=spec["clients"])
-        wall = time.perf_counter() - t0
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        recomputed = _with_statistics_recomputed(spec["over"], torch.load(run_dir / "model.pt"))
-    evaluated = [r for r in lines if r["accuracy"] is not None]  # evaluate-every: the rounds between are null
-    return {**spec, "acc": [r["accuracy"] for r in evaluated], "acc_round": [r["round"] for r in evaluated],
-            "acc_rs": recomputed, "wall_s": wall}
 
 
 def _with_statistics_recomputed(over: dict, state: dict) -> float | None:
@@ -137,29 +116,51 @@ def _specs(args: argparse.Namespace) -> list[dict]:
     return specs
 
 
-def _run_all(specs: list[dict], jobs: int, json_path: Path | None = None) -> list[dict]:
-    """Every run, ``jobs`` at a time, in the order of ``specs``. With ``json_path`` the runs
-    finished so far are written there as each one ends, so a batch stopped part-way keeps them."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done: list[dict] = []
-    lock = threading.Lock()
+def _run_all(specs: list[dict], jobs: int, json_path: Path | None = None, out: Path | None = None) -> list[dict]:
+    """Every run, ``jobs`` at a time, through ``fededge sweep``'s machinery (fededge.sweep):
+    each spec's settings but the seed are a cell, run once per seed, each a ``fededge run``
+    process. With ``out`` the sweep's runs stay there, and the same command again finishes
+    a stopped batch (finished runs kept, interrupted ones resumed from their checkpoints);
+    else they go in a temporary directory. ``json_path`` receives the runs at the end."""
+    import torch
 
-    def sub(spec: dict) -> dict:
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
-                              env=env, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"run {spec['over']} failed:\n{proc.stderr[-3000:]}")
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"  K={r['k']} D={r['d']} {'corr' if r['correction'] else 'no-corr'} {r['state']} seed {r['seed']}: "
-              f"final {r['acc'][-1]:.4f}, {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
-        if json_path is not None:
-            with lock:
-                done.append(r)
-                json_path.write_text(json.dumps(done))
-        return r
+    from fededge.sweep import plan, run_sweep
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(sub, specs))
+    settings: list[dict] = []
+    for spec in specs:
+        over = {k: v for k, v in spec["over"].items() if k != "seed"}
+        if over not in settings:
+            settings.append(over)
+    # What every run shares is the sweep's base; each cell holds only what varies.
+    shared = {k: v for k, v in settings[0].items() if all(k in o and o[k] == v for o in settings)}
+    cells = [{k: v for k, v in o.items() if k not in shared} for o in settings]
+    seeds = sorted({spec["seed"] for spec in specs})
+    clients = {spec["clients"] for spec in specs}
+    os.environ["OMP_NUM_THREADS"] = "1"  # each run one thread, as before (the runs inherit it)
+    tmp = None if out is not None else tempfile.TemporaryDirectory(prefix="bench-dga-paper-")
+    try:
+        root = Path(out) if out is not None else Path(tmp.name)
+        sweep = plan(root, {}, seeds, base={"progress": "off", "save-model": True, **shared},
+                     num_clients=clients.pop(), cells=cells)
+        run_sweep(sweep, jobs=jobs, report=lambda line: print(line, file=sys.stderr, flush=True))
+        runs = {(json.dumps(r.cell, sort_keys=True), r.seed): r for r in sweep.runs}
+        results = []
+        for spec in specs:
+            cell = {k: v for k, v in spec["over"].items() if k != "seed" and k not in shared}
+            run_dir = runs[(json.dumps(cell, sort_keys=True), spec["seed"])].run_dir()
+            lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            evaluated = [r for r in lines if r["accuracy"] is not None]  # evaluate-every: the others are null
+            state = torch.load(run_dir / "model.pt")
+            results.append({**spec, "acc": [r["accuracy"] for r in evaluated],
+                            "acc_round": [r["round"] for r in evaluated],
+                            "acc_rs": _with_statistics_recomputed(spec["over"], state),
+                            "wall_s": json.loads((run_dir / "summary.json").read_text())["wall_s"]})
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if json_path is not None:
+        json_path.write_text(json.dumps(results))
+    return results
 
 
 def _cell(runs: list[dict]) -> str:
@@ -328,16 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--plot", type=Path, help="final accuracy against D")
     ap.add_argument("--curves", type=Path, help="accuracy against local steps, mean over seeds, per D")
-    ap.add_argument("--json", type=Path, help="write the runs here (as each finishes, and all at the end)")
+    ap.add_argument("--json", type=Path, help="write the runs here at the end (--out keeps them as they finish)")
     ap.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
                     help="tabulate and plot the runs of earlier --json files (merged) instead of running; "
                          "--k, --delays and the other options say what to show")
-    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="keep the runs in this sweep directory (fededge sweep's layout); the same command "
+                         "again finishes a stopped batch. Default: a temporary directory")
     args = ap.parse_args(argv)
     args.set = dict(args.set)
-    if args.one:
-        print(json.dumps(_one(json.loads(args.one))))
-        return 0
     if any(k < 1 for k in args.k) or args.steps < 1:
         ap.error("--k and --steps must be >= 1")
     if args.evaluate_every_steps < 0 or (args.warmup_steps is not None and args.warmup_steps < 0):
@@ -346,12 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         results = [r for f in args.from_json for r in json.loads(f.read_text())]
     else:
-        results = _run_all(_specs(args), args.jobs, args.json)
+        results = _run_all(_specs(args), args.jobs, args.json, args.out)
     print(_tables(results, args))
     print(f"\n{len(results)} runs, " + (f"from {' '.join(map(str, args.from_json))}" if args.from_json
                                         else f"{time.perf_counter() - t0:.0f} s wall"))
-    if args.json:
-        args.json.write_text(json.dumps(results))
     if args.plot:
         _plot(results, args, args.plot)
         print(f"plot: {args.plot}")
