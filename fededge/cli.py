@@ -200,6 +200,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         sweep = plan(out, parse_grid(args.grid or ""), args.seeds, base=parse_run_config(args.run_config),
                      num_clients=args.num_clients, cells=cells)
         result = run_sweep(sweep, jobs=args.jobs, baseline=args.baseline)
+    except KeyboardInterrupt:
+        print(f"fededge sweep: interrupted; the same command again finishes it (--out {out})", file=sys.stderr)
+        return 130
     except SweepRunsFailed as err:
         print(f"fededge sweep: {err}", file=sys.stderr)
         return 1

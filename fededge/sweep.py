@@ -270,8 +270,8 @@ def _prepare_mlflow(sweep: Sweep) -> None:
 
 def _preexec() -> None:  # pragma: no cover - runs in the child
     """A run dies with the sweep (Linux): a killed sweep leaves no run going on alone,
-    which its resumption would then start a second time."""
-    os.setsid()
+    which its resumption would then start a second time. (The runs stay in the sweep's
+    process group, so Ctrl-C stops them too.)"""
     try:
         import ctypes
 
