@@ -62,6 +62,7 @@ from fededge.server.results import PROGRESS_MODES, Progress, ResultsConfig, Roun
 from fededge.strategies.report import RoundReport, attach_clock, report_of
 from fededge.settings import whole_or_keywords
 from fededge.tracking import MetricSink, Sinks, check_installed, make_sinks, parse_log_to
+from fededge.tracking.base import check_sinks
 from fededge.wrapping import innermost
 from fededge.strategies.resume import (
     FromRound, ResumeError, arrays_from_state, arrays_to_state, attach_checkpoint, load_strategy_state,
@@ -267,8 +268,7 @@ class Experiment:
         self.evaluate_every = r.evaluate_every
         self.log_to = parse_log_to(r.log_to)
         check_installed(self.log_to)  # a missing tool stops here, before round 1, naming its extra
-        self.sinks = list(sinks)
-        Sinks(self.sinks)  # checks each is a sink
+        self.sinks = check_sinks(sinks)
         self.min_nodes = min_nodes
         self.config = dict(config or {})
         self.metadata = dict(metadata or {})

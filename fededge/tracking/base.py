@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricSink", "Sinks", "numeric_items"]
+__all__ = ["MetricSink", "Sinks", "check_sinks", "numeric_items"]
 
 log = logging.getLogger("fededge")
 
@@ -67,18 +67,24 @@ class MetricSink:
         raise NotImplementedError
 
 
+def check_sinks(sinks: Iterable[Any]) -> list[MetricSink]:
+    """``sinks`` as a list, each checked to be a metric sink (``TypeError`` naming what it lacks)."""
+    out = list(sinks)
+    for sink in out:
+        for method in ("open", "log_round", "close"):
+            if not callable(getattr(sink, method, None)):
+                raise TypeError(f"{sink!r} is not a metric sink: it has no {method}() "
+                                "(see fededge.tracking.MetricSink)")
+    return out
+
+
 class Sinks:
     """Every sink of a run, called in turn. A sink that raises is logged once, with the
     reason, and dropped for the rest of the run: ``metrics.jsonl`` is the source of
     truth, and no sink stops the training."""
 
     def __init__(self, sinks: Iterable[MetricSink] = ()) -> None:
-        self.sinks: list[MetricSink] = list(sinks)
-        for sink in self.sinks:
-            for method in ("open", "log_round", "close"):
-                if not callable(getattr(sink, method, None)):
-                    raise TypeError(f"{sink!r} is not a metric sink: it has no {method}() "
-                                    "(see fededge.tracking.MetricSink)")
+        self.sinks: list[MetricSink] = check_sinks(sinks)
         self.dropped: dict[str, str] = {}
 
     def __bool__(self) -> bool:
