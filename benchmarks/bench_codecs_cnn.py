@@ -90,6 +90,9 @@ STUDIES = {
         ("psgd r2 it4", {**PSGD, "powersgd-rank": 2, "powersgd-iters": 4}),
         ("psgd r4 it4", {**PSGD, "powersgd-rank": 4, "powersgd-iters": 4}),
         ("none mom=0", {"momentum": 0.0}),
+        ("psgd r2 stats=global", {**PSGD, "powersgd-rank": 2, "norm-stats": "global"}),
+        ("none stats=global", {"norm-stats": "global"}),
+        ("psgd r2 warmup=2", {**PSGD, "powersgd-rank": 2, "compress-warmup-rounds": 2}),
     ],
     "plan": [
         ("none", {}),
@@ -106,6 +109,18 @@ STUDIES = {
         ("psgd r2 eval=recal", {**PSGD, "powersgd-rank": 2, "eval": "recal"}),
         ("sign+EF", SIGN),
     ],
+    "resnet-probe": [
+        ("none", {}),
+        ("psgd r2", {**PSGD, "powersgd-rank": 2}),
+        ("psgd r8", {**PSGD, "powersgd-rank": 8}),
+        ("top1%+EF", TOPK),
+        ("sign+EF", SIGN),
+        ("none mom=0", {"momentum": 0.0}),
+        ("psgd r2 mom=0", {**PSGD, "powersgd-rank": 2, "momentum": 0.0}),
+        ("psgd r2 warmup=5", {**PSGD, "powersgd-rank": 2, "compress-warmup-rounds": 5}),
+        ("psgd r2 stats=global", {**PSGD, "powersgd-rank": 2, "norm-stats": "global"}),
+        ("none stats=global", {"norm-stats": "global"}),
+    ],
     "table": [
         ("none", {}),
         ("sign+EF", SIGN),
@@ -114,6 +129,17 @@ STUDIES = {
         ("psgd r2", {**PSGD, "powersgd-rank": 2}),
         ("psgd r4", {**PSGD, "powersgd-rank": 4}),
         ("dgc", {"compressor": "dgc"}),
+    ],
+    # The same codecs with the server's statistics recalibrated (norm-stats = global).
+    "table-global": [
+        ("none", {"norm-stats": "global"}),
+        ("sign+EF", {**SIGN, "norm-stats": "global"}),
+        ("top1%+EF", {**TOPK, "norm-stats": "global"}),
+        ("qsgd 4bit", {"compressor": "qsgd", "qsgd-levels": 7, "norm-stats": "global"}),
+        ("psgd r2", {**PSGD, "powersgd-rank": 2, "norm-stats": "global"}),
+        ("psgd r4", {**PSGD, "powersgd-rank": 4, "norm-stats": "global"}),
+        ("dgc", {"compressor": "dgc", "norm-stats": "global"}),
+        ("dgc 99%", {"compressor": "dgc", "dgc-sparsity": 0.99, "norm-stats": "global"}),
     ],
 }
 
@@ -182,10 +208,18 @@ def run(label: str, over: dict, base: dict, clients: int, seed: int, out: Path) 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summ = json.loads((run_dir / "summary.json").read_text())
     acc = [r.get("accuracy") for r in lines]
+    ratios = [r["compression_ratio"] for r in lines if r.get("compression_ratio")]
     drops = [acc[i - 1] - acc[i] for i in range(3, len(acc)) if acc[i] is not None and acc[i - 1] is not None]
     return {"label": label, "seed": seed, "final": acc[-1], "accuracy_by_round": acc,
             "max_drop": max([0.0, *drops]), "bytes_up": summ["total_bytes_up"],
+            "bytes_down": summ.get("total_bytes_down"),
+            "payload_ratio": statistics.mean(ratios) if ratios else None,
             "guard": counter["guard"], "psgd_calls": counter["calls"], "wall_s": time.perf_counter() - t0}
+
+
+def _mean_or_dash(xs: list) -> str:
+    xs = [x for x in xs if x is not None]
+    return f"{statistics.mean(xs):.1f}x" if xs else "-"
 
 
 def main() -> int:
@@ -219,7 +253,7 @@ def main() -> int:
     ref_drop = statistics.mean(r["max_drop"] for r in ref)
     print(f"\nTask {args.task}: {base}, {args.clients} clients, seeds {args.seeds}")
     head = (f"{'case':<22}{'final':>8}{'Δ pts':>8}{'min..max':>14}{'max drop':>10}{'x ref':>7}"
-            f"{'x fewer':>9}{'guard':>9}{'wall s':>8}")
+            f"{'x fewer':>9}{'payload x':>10}{'guard':>9}{'wall s':>8}")
     print(head)
     print("-" * len(head))
     for lab in labels:
@@ -229,12 +263,14 @@ def main() -> int:
         guard = f"{sum(r['guard'] for r in rs)}/{sum(r['psgd_calls'] for r in rs)}"
         print(f"{lab:<22}{statistics.mean(fin):>8.4f}{(statistics.mean(fin) - ref_final) * 100:>+8.2f}"
               f"{min(fin):>7.3f}..{max(fin):.3f}{drop:>10.4f}{drop / ref_drop if ref_drop else float('nan'):>7.2f}"
-              f"{ref_bytes / statistics.mean(r['bytes_up'] for r in rs):>8.1f}x{guard:>9}"
+              f"{ref_bytes / statistics.mean(r['bytes_up'] for r in rs):>8.1f}x"
+              f"{_mean_or_dash([r['payload_ratio'] for r in rs]):>10}{guard:>9}"
               f"{statistics.mean(r['wall_s'] for r in rs):>8.1f}")
     print("Δ pts: mean final accuracy minus the uncompressed run's, in points; max drop: the largest "
           "accuracy drop between consecutive rounds after round 2 (mean over seeds), x ref: against the "
           "uncompressed run's; x fewer: total uplink bytes against the uncompressed run (Flower framing "
-          "included); guard: PowerSGD encodes where the guard took the rows / all PowerSGD encodes")
+          "and norm-stats answers included); payload x: float32 bytes of the decoded updates / their payload "
+          "bytes (mean over compressed rounds); guard: PowerSGD encodes where the guard took the rows / all PowerSGD encodes")
     print(f"command: {' '.join(sys.argv)}\ndate: {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
     if args.json:
         Path(args.json).write_text(json.dumps({"task": args.task, "base": base, "rows": rows}, indent=2))

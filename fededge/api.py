@@ -9,6 +9,8 @@ a strategy that pairs with them; the config objects both take.
 client mod                server side                            what
 ========================  =====================================  ================================
 ``CompressionMod``        ``Compressed(strategy, update=...)``   compressed updates, any strategy
+``norm_stats_content``    ``NormCalibrated(strategy)``           BatchNorm statistics of the
+(in ``@app.query``)                                              server's own model
 ``DGAMod``                ``DGA``                                Delayed Gradient Averaging
 ``PreviewMod``            ``DGA(compute_ahead=True)``            next round's content sent early
 ``GossipMod``             ``Gossip``                             D-PSGD / CHOCO-SGD, server relays
@@ -49,6 +51,8 @@ from fededge.server.results import ResultsConfig
 from fededge.strategies.asyncloop import AsyncFL
 from fededge.strategies.backup import BackupWorkers
 from fededge.strategies.compressed import CodecMismatchError, Compressed
+from fededge.strategies.normstats import NormCalibrated, NormStatsQueryError
+from fededge.protocol import norm_stats_content
 from fededge.strategies.dga import DGA
 from fededge.strategies.fedasync import FedAsync
 from fededge.strategies.fedbuff import FedBuff
@@ -64,15 +68,16 @@ from fededge.tracking.wandb_sink import WandbSink
 __all__ = [
     # client mods
     "CompressionMod", "DGAMod", "GossipMod", "PreviewMod", "StateSpillMod", "StateStoreMod", "config_error_mod",
+    "norm_stats_content",
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
-    "Experiment", "ExperimentResult", "OwnLoop",
+    "NormCalibrated", "Experiment", "ExperimentResult", "OwnLoop",
     # metric sinks (Experiment(sinks=[...]) or log_to=...)
     "MetricSink", "MLflowSink", "TensorBoardSink", "WandbSink",
     # config objects
     "AsyncConfig", "ChocoConfig", "ClockConfig", "DGAConfig", "DownlinkConfig", "GossipConfig", "LoopConfig",
     "ResultsConfig", "StalenessFunction", "UpdateConfig",
     # errors
-    "CodecMismatchError", "ConfigError", "MissingExtraError", "ModOrderError", "NotEnoughNodesError", "ResumeError",
-    "RoundFailedError",
+    "CodecMismatchError", "ConfigError", "MissingExtraError", "ModOrderError", "NotEnoughNodesError",
+    "NormStatsQueryError", "ResumeError", "RoundFailedError",
 ]

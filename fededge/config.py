@@ -72,7 +72,8 @@ OWNED: dict[str, tuple[type, str]] = {
         ("threshold-tau", "threshold_tau"), ("dgc-sparsity", "dgc_sparsity"),
         ("dgc-warmup-rounds", "dgc_warmup_rounds"), ("dgc-momentum", "dgc_momentum"),
         ("dgc-clip-norm", "dgc_clip_norm"), ("compress-min-numel", "min_numel"),
-        ("compress-1d", "compress_1d"), ("compress-small-codec", "small_codec"), ("norm-stats", "norm_stats"))},
+        ("compress-1d", "compress_1d"), ("compress-small-codec", "small_codec"), ("norm-stats", "norm_stats"),
+        ("compress-warmup-rounds", "warmup_rounds"))},
     "downlink-compressor": (DownlinkConfig, "downlink"),
     "dga-delay": (DGAConfig, "delay"),
     "dga-correction": (DGAConfig, "correction"),
@@ -256,8 +257,8 @@ class RunConfig:
 
     - compression: ``compressor``, ``error-feedback``, ``lossless``, ``qsgd-*``,
       ``topk-*``, ``powersgd-rank``, ``powersgd-iters``, ``int8-block``, ``threshold-tau``, ``dgc-*``,
-      ``compress-min-numel``, ``compress-1d``, ``compress-small-codec``, ``norm-stats``:
-      :class:`fededge.compress.update.UpdateConfig` (docs/compression.md); e.g.
+      ``compress-min-numel``, ``compress-1d``, ``compress-small-codec``, ``norm-stats``,
+      ``compress-warmup-rounds``: :class:`fededge.compress.update.UpdateConfig` (docs/compression.md); e.g.
       ``compressor="qsgd" qsgd-levels=16``; ``downlink-compressor``:
       :class:`fededge.compress.update.DownlinkConfig`;
     - ``dga-delay``, ``dga-correction``, ``dga-warmup-rounds``, ``dga-pipeline``,
@@ -349,6 +350,7 @@ class RunConfig:
     compress_1d: bool = UpdateConfig.compress_1d
     norm_stats: str = UpdateConfig.norm_stats
     compress_small_codec: str = UpdateConfig.small_codec
+    compress_warmup_rounds: int = UpdateConfig.warmup_rounds
     downlink_compressor: str = DownlinkConfig.downlink
     dga_delay: int = DGAConfig.delay
     dga_correction: bool = DGAConfig.correction
@@ -455,6 +457,11 @@ class RunConfig:
                 f"run-config keys 'compressor' / 'downlink-compressor' are not supported with "
                 f"strategy={self.strategy!r} yet (its replies are used one by one, against the "
                 "model version each client trained on); set them to 'none'")
+        if self.norm_stats == "global" and record.compression != "wrapped":
+            raise ConfigError(
+                f"run-config key 'norm-stats' = 'global' is for strategies on Flower's round loop; "
+                f"strategy={self.strategy!r} runs its own (DGA continues the statistics by its own rule, gossip "
+                "sends them raw); set norm-stats to 'decoded'")
         record.check_config(self)
 
     def owned(self, owner: type[T]) -> T:
@@ -527,6 +534,12 @@ class RunConfig:
 def check_dga_keys(cfg: RunConfig) -> None:
     """What DGA asks of the keys of other domains (its own knobs: DGAConfig); the
     ``check`` of its :mod:`fededge.catalog` record."""
+    if cfg.downlink_compressor != "none" and cfg.compress_warmup_rounds > 0 and cfg.compressor != "none":
+        raise ConfigError(
+            "run-config key 'compress-warmup-rounds' with strategy='dga' and a 'downlink-compressor': the "
+            "warm-up rounds' replies would be full weights trained from the rounded G(g), which carries the "
+            "rounding into the global model; set compress-warmup-rounds=0 (DGA's own dga-warmup-rounds runs "
+            "synchronous rounds first) or downlink-compressor=\"none\"")
     if cfg.downlink_compressor != "none" and cfg.compressor == "none":
         raise ConfigError(
             "run-config key 'downlink-compressor' with strategy='dga' needs a 'compressor' too: "
@@ -555,6 +568,10 @@ def check_gossip_keys(cfg: RunConfig) -> None:
             "run-config key 'downlink-compressor' must be 'none' with strategy='gossip': the "
             "relay forwards the nodes' own messages; compress them with gossip-algorithm="
             "'choco' and 'compressor'")
+    if cfg.compress_warmup_rounds > 0:
+        raise ConfigError(
+            "run-config key 'compress-warmup-rounds' is for uplinks to a server; with strategy='gossip' "
+            "CHOCO's public estimates are kept from the first round on; set compress-warmup-rounds=0")
     if cfg.gossip_algorithm == "dpsgd" and cfg.compressor != "none":
         raise ConfigError(
             f"run-config key 'compressor' is {cfg.compressor!r} but gossip-algorithm='dpsgd' "

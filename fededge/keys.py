@@ -84,6 +84,13 @@ STATE_RESUMED_FROM = "state-resumed-from"  # the checkpoint round the run contin
 STATE_ATTEMPT = "state-attempt"  # a new id each time the server starts
 STATE_EVERY = "state-every"  # checkpoint-every: which rounds the server may resume from
 
+# Normalisation statistics of the server's model (norm-stats = global):
+# fededge.strategies.normstats.NormCalibrated asks, fededge.protocol.norm_stats_reply answers.
+NORM_STATS_ACTION = "norm_stats"  # the ClientApp's @app.query(NORM_STATS_ACTION)
+NORM_STATS_QUERY = "query." + NORM_STATS_ACTION  # the message type
+NORM_STATS_BATCHES = "norm-stats-batches"  # int in the query's config: mini-batches per client
+NORM_STATS = "norm-stats"  # the answer's record: one bundle of raw payloads (as COMPRESSED)
+
 # Delayed Gradient Averaging (fededge.strategies.dga): train config the server sends ...
 DGA_GLOBAL_ROUND = "dga-global-round"  # g: the round of the global model the client holds
 DGA_CORRECTION = "dga-correction"  # bool: swap the own stale update for the average

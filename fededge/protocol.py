@@ -44,7 +44,7 @@ __all__ = [
     "CLIENT_APP_RAISED_EXCEPTION", "bundle_payloads", "bundle_record", "cast_downlink", "checkpoint_due",
     "checkpoint_rounds",
     "config_error_detail", "config_error_reason", "decode_downlink", "decode_update_record",
-    "recorddict_from_bytes", "recorddict_to_bytes",
+    "norm_stats_content", "read_norm_stats", "recorddict_from_bytes", "recorddict_to_bytes",
 ]
 
 def checkpoint_due(server_round: int, *, every: int, resumed: int = 0) -> bool:
@@ -120,6 +120,43 @@ def decode_downlink(content: RecordDict) -> RecordDict:
         if name not in (keys.COMPRESSED_DOWN, keys.UNCOMPRESSED):
             out[name] = content[name]
     return out
+
+
+def norm_stats_content(statistics: dict[str, torch.Tensor], *, num_examples: int,
+                       compute_s: float | None = None) -> RecordDict:
+    """A client's answer to a ``query.norm_stats`` message (norm-stats = global,
+    :class:`~fededge.strategies.normstats.NormCalibrated`): the normalisation statistics
+    of the model the message carried, on this client's data, as one bundle of ``raw``
+    (float32, exact) payloads in the ``norm-stats`` record, and the examples they stand
+    for (the client's data size: the pooling weight) in its metrics.
+
+    A ClientApp of one's own answers with it::
+
+        @app.query(keys.NORM_STATS_ACTION)
+        def norm_stats(msg, context):
+            model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+            stats = norm_statistics(model, x, batches=8, batch_size=32, seed=0)
+            return Message(norm_stats_content(stats, num_examples=len(x)), reply_to=msg)
+    """
+    raw = build_codec("raw")
+    metrics = {keys.NUM_EXAMPLES: int(num_examples)}
+    if compute_s is not None:
+        metrics[keys.COMPUTE_S] = float(compute_s)
+    return RecordDict({keys.NORM_STATS: bundle_record({k: raw.encode(v.detach().float().cpu())
+                                                       for k, v in statistics.items()}),
+                       keys.METRICS: MetricRecord(metrics)})
+
+
+def read_norm_stats(content: RecordDict, *, max_elements: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """``(num_examples, statistics)`` of a :func:`norm_stats_content` answer, no tensor over
+    ``max_elements``; ValueError (MalformedPayloadError for a payload) naming what is wrong."""
+    if keys.NORM_STATS not in content or keys.METRICS not in content:
+        raise ValueError(f"a norm-stats answer holds '{keys.NORM_STATS}' and '{keys.METRICS}', this one "
+                         f"{sorted(content.keys())}")
+    metrics = content[keys.METRICS]
+    if keys.NUM_EXAMPLES not in metrics:
+        raise ValueError(f"a norm-stats answer's metrics need '{keys.NUM_EXAMPLES}'")
+    return int(metrics[keys.NUM_EXAMPLES]), decode_update_record(content[keys.NORM_STATS], max_elements=max_elements)
 
 
 def config_error_reason(err: Exception) -> str:

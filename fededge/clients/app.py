@@ -40,6 +40,7 @@ from fededge.clients.cohort import local_sgd
 from fededge.clients.train import BatchSampler, evaluate, norm_statistics, scheduled_lr
 from fededge.config import RunConfig
 from fededge.netem.assign import dropped_partitions
+from fededge.protocol import norm_stats_content
 from fededge.models.zoo import build_model
 from fededge.workload import client_data, dataset_for
 
@@ -320,6 +321,29 @@ def node_info(msg: Message, context: Context) -> Message:
         (keys.REPLY_PARTITION_ID, keys.PARTITION_ID), (keys.REPLY_NUM_PARTITIONS, keys.NUM_PARTITIONS))
         if node in nc})
     return Message(content=RecordDict({keys.METRICS: metrics}), reply_to=msg)
+
+
+@app.query(keys.NORM_STATS_ACTION)
+def norm_stats(msg: Message, context: Context) -> Message:
+    """norm-stats = global: the normalisation statistics of the model the message carries
+    (the server's aggregated model, :class:`~fededge.strategies.normstats.NormCalibrated`)
+    on ``norm-stats-batches`` of this client's mini-batches, forward only, and this
+    client's data size as their pooling weight."""
+    work = client_workload(context)
+    cfg = work.cfg
+    if work.partition_id in dropped_partitions(work.num_partitions, cfg.dropout, seed=cfg.seed):
+        return _dropped_reply(msg, work)
+    conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
+    batches = int(conf.get(keys.NORM_STATS_BATCHES, cfg.norm_stats_batches))
+    t0 = time.perf_counter()
+    model = copy.deepcopy(work.model)
+    model.load_state_dict({k: v.to(work.device) for k, v in record_to_torch(_received_arrays(msg)).items()})
+    stats = norm_statistics(model, work.x, batches=batches, batch_size=cfg.batch_size,
+                            seed=_stats_seed(cfg.seed, work.partition_id, int(conf.get(keys.SERVER_ROUND, 0)), 1))
+    content = norm_stats_content(stats, num_examples=len(work.x), compute_s=time.perf_counter() - t0)
+    content[keys.METRICS][keys.REPLY_PARTITION_ID] = work.partition_id
+    content[keys.METRICS][keys.REPLY_NUM_PARTITIONS] = work.num_partitions
+    return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()

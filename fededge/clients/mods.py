@@ -216,8 +216,12 @@ class CompressionMod:
             # No weights in the reply (a gossip message, already encoded by GossipMod; a
             # dropout): nothing to take a delta of.
             return reply
-        t0 = time.perf_counter()
         rnd = int(conf.get(keys.SERVER_ROUND, 1)) if conf is not None else 1
+        if not self.update.compresses(rnd):
+            # compress-warmup-rounds: this round's weights go as they are; the encoder's
+            # state is not touched (it starts at the first compressed round).
+            return reply
+        t0 = time.perf_counter()
         own = self._dga_delta(conf, context, rnd)
         if own is None and received is None:
             raise ValueError(f"CompressionMod: the train message brought no '{keys.ARRAYS}' record to take "
@@ -233,7 +237,7 @@ class CompressionMod:
                 delta[name] = new.float() - base[name].float()
         state = context.state[keys.STATE_COMPRESS] if keys.STATE_COMPRESS in context.state else None
         encoder = _encoder(self.update, _stream(context), state)
-        payloads = encoder.encode(delta, round=rnd - 1)
+        payloads = encoder.encode(delta, round=self.update.encoder_round(rnd))
         if own is None and self.update.norm_stats == "decoded":
             self._decoded_statistics(payloads, base, raw, encoder, stats_fn)
         kept = encoder.state_dict()
@@ -416,6 +420,9 @@ class GossipMod:
         try:
             check_choco_codec(update.compressor, update.error_feedback)
             ChocoConfig(scale=choco_scale)
+            if update.warmup_rounds:
+                raise ValueError(f"warmup_rounds={update.warmup_rounds}: CHOCO's public estimates are kept from "
+                                 "the first round on, there is no uncompressed warm-up in gossip; set it to 0")
         except ValueError as err:
             raise ValueError(f"GossipMod: {err}") from None
         self.update = update

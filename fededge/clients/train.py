@@ -247,10 +247,13 @@ def evaluate(
     model.eval()
     loss_sum = torch.zeros((), device=x.device, dtype=torch.float64)
     correct = torch.zeros((), device=x.device, dtype=torch.int64)
-    for start in range(0, len(x), batch_size):
-        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
-        logits = model(xb)
-        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
-        correct += (logits.argmax(dim=1) == yb).sum()
+    # Without no_grad the sum held every batch's autograd graph (all activations of the
+    # whole test set) until the end: memory grew with the test set, for nothing.
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            logits = model(xb)
+            loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
+            correct += (logits.argmax(dim=1) == yb).sum()
     n = max(len(x), 1)
     return float(loss_sum) / n, float(correct) / n

@@ -8,6 +8,9 @@ torch's PowerSGD hook do, and what fededge does by default:
   has no notion of what they are (a sign or a rank-2 factor of a variance is meaningless).
   They always go ``raw`` (float32, lossless), never through the compressor or the
   small-tensor cast. Their integer counter ``num_batches_tracked`` goes as it is.
+  Under ``norm-stats = global`` they are not sent at all (codec ``server``): the server
+  recalibrates its model's statistics itself
+  (:class:`fededge.strategies.normstats.NormCalibrated`).
 - **1-D tensors** (biases, normalisation scales and shifts) go with the small-tensor
   codec by default, as in torch's PowerSGD hook: they are a small share of the bytes and
   a large share of what a biased codec gets wrong. ``compress-1d = true`` sends them
@@ -21,7 +24,7 @@ Roles, in the order they are decided:
 role       which tensors                                        codec
 ========== ==================================================== =========================
 integer    not floating point, or ``num_batches_tracked``       none: sent as it is
-statistic  last name component ``running_mean``/``running_var``  ``raw``
+statistic  last name component ``running_mean``/``running_var``  ``raw`` (``server``: none)
 small      fewer than ``min_numel`` elements                     ``small_codec``
 vector     one dimension, ``compress_1d`` off (or PowerSGD)      ``small_codec``
 matrix     the rest                                              the compressor's
@@ -48,7 +51,7 @@ import numpy as np
 import torch
 
 from fededge.compress.roles import (
-    COUNTERS, ROLES, STATISTICS, PlanMismatchError, is_counter, is_statistic, role_codec, tensor_role,
+    COUNTERS, ROLES, SERVER, STATISTICS, PlanMismatchError, is_counter, is_statistic, role_codec, tensor_role,
 )
 from fededge.compress.update import UpdateConfig, UpdateEncoder
 
@@ -103,6 +106,8 @@ class UpdatePlan:
 
     compressor: str
     entries: tuple[PlanEntry, ...]
+    #: server rounds 1 to this go uncompressed (``compress-warmup-rounds``)
+    warmup_rounds: int = 0
 
     @classmethod
     def build(cls, config: UpdateConfig, tensors: Mapping[str, Any], *, with_bytes: bool = True) -> UpdatePlan:
@@ -117,7 +122,7 @@ class UpdatePlan:
             role = tensor_role(name, shape, floating, config)
             nbytes = int(np.prod(shape)) * itemsize if role == "integer" else 0
             entries.append(PlanEntry(name, shape, role, role_codec(role, config), nbytes))
-        plan = cls(config.compressor, tuple(entries))
+        plan = cls(config.compressor, tuple(entries), config.warmup_rounds)
         return plan._with_bytes(config) if with_bytes else plan
 
     def _with_bytes(self, config: UpdateConfig) -> UpdatePlan:
@@ -130,8 +135,9 @@ class UpdatePlan:
         steady = config.dgc_warmup_rounds + 1 if config.compressor == "dgc" else 0
         payloads = encoder.encode(floats, round=steady)
         return UpdatePlan(self.compressor, tuple(
-            e if e.role == "integer" else PlanEntry(e.name, e.shape, e.role, e.codec, len(payloads[e.name]))
-            for e in self.entries))
+            e if e.role == "integer" or e.codec == SERVER
+            else PlanEntry(e.name, e.shape, e.role, e.codec, len(payloads[e.name]))
+            for e in self.entries), self.warmup_rounds)
 
     # ------------------------------------------------------------------ reading
 
@@ -171,7 +177,9 @@ class UpdatePlan:
                 raise PlanMismatchError(f"tensor {name!r} is not in this server's update plan "
                                         f"(model tensors: {len(planned)})")
             if entry.codec != codec:
-                want = f"codec {entry.codec!r}" if entry.codec else "no codec (sent as it is)"
+                want = (f"codec {entry.codec!r}" if entry.codec and entry.codec != SERVER
+                        else "no payload (norm-stats=global: the server recalibrates it)" if entry.codec
+                        else "no codec (sent as it is)")
                 raise PlanMismatchError(
                     f"tensor {name!r} ({entry.role}, shape {list(entry.shape)}) came in codec {codec!r}; this "
                     f"server's plan gives it {want}")
@@ -194,6 +202,9 @@ class UpdatePlan:
         ratio = self.dense_bytes / self.payload_bytes if self.payload_bytes else float("nan")
         lines.append(f"  total {self.payload_bytes:,} bytes per update against {self.dense_bytes:,} in float32 "
                      f"({ratio:.1f}x)")
+        if self.warmup_rounds:
+            lines.append(f"  rounds 1 to {self.warmup_rounds} uncompressed (compress-warmup-rounds), the plan from "
+                         f"round {self.warmup_rounds + 1}")
         return lines
 
     def log(self, logger: logging.Logger, level: int = logging.INFO) -> None:

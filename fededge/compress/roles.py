@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["COUNTERS", "ROLES", "STATISTICS", "PlanMismatchError", "is_counter", "is_statistic", "role_codec",
+__all__ = ["COUNTERS", "ROLES", "SERVER", "STATISTICS", "PlanMismatchError", "is_counter", "is_statistic", "role_codec",
            "tensor_role"]
 
 #: The roles a tensor can have, in the order the rule decides them.
@@ -19,6 +19,9 @@ ROLES: tuple[str, ...] = ("integer", "statistic", "small", "vector", "matrix")
 #: Last name components of normalisation statistics (torch's BatchNorm, InstanceNorm and
 #: SyncBatchNorm buffers). ``num_batches_tracked`` is an integer and goes as it is.
 STATISTICS: tuple[str, ...] = ("running_mean", "running_var")
+#: The plan's "codec" of a tensor the client does not send because the server sets it
+#: (normalisation statistics under ``norm-stats = global``).
+SERVER = "server"
 #: Last name components of integer counters, sent as they are whatever dtype a server's
 #: aggregation left them in (FedAvg averages BatchNorm's counter into a float).
 COUNTERS: tuple[str, ...] = ("num_batches_tracked",)
@@ -68,7 +71,8 @@ def role_codec(role: str, config: Any) -> str | None:
     if role == "integer":
         return None
     if role == "statistic":
-        return "raw"
+        # norm-stats = global: not sent, the server recalibrates them (NormCalibrated).
+        return SERVER if getattr(config, "norm_stats", "") == "global" else "raw"
     if role in ("small", "vector"):
         return config.small_codec
     return "topk" if config.compressor == "dgc" else config.compressor

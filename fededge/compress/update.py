@@ -37,7 +37,7 @@ COMPRESSORS: tuple[str, ...] = ("none", *CODECS, "dgc")
 UNBIASED: tuple[str, ...] = ("qsgd", "terngrad", "randk")
 _SMALL = ("raw", "fp16", "bf16")
 #: What a client's normalisation statistics describe ([norm-stats]; :class:`UpdateConfig`).
-NORM_STATS: tuple[str, ...] = ("decoded", "trained")
+NORM_STATS: tuple[str, ...] = ("decoded", "trained", "global")
 #: What the server may cast the model it broadcasts to ([downlink-compressor];
 #: :class:`~fededge.strategies.compressed.Compressed`'s and DGA's ``downlink``).
 DOWNLINK: tuple[str, ...] = ("none", "fp16", "bf16")
@@ -100,13 +100,24 @@ class UpdateConfig:
         ``running_var``) always go ``raw`` (:mod:`fededge.compress.plan`).
     small_codec : str
         [compress-small-codec] ``raw``, ``fp16`` or ``bf16``.
+    warmup_rounds : int
+        [compress-warmup-rounds] The first rounds (server rounds 1 to ``warmup_rounds``)
+        go uncompressed: the clients reply with their weights as they are, and the
+        encoder's state (error-feedback residuals, PowerSGD's Q, DGC's buffers) starts
+        at the first compressed round, as torch's PowerSGD hook does before
+        ``start_powerSGD_iter``. DGC's sparsity warm-up (``dgc_warmup_rounds``) counts
+        from that round. 0 (default): every round compressed. The bytes of the
+        uncompressed rounds are counted as they are.
     norm_stats : str
         [norm-stats] Which normalisation statistics a client sends (always ``raw``):
         ``decoded`` (default), those of the model the server will hold from it, the
         received model plus the update as it decodes, recomputed on a few local batches
         by the train function (:func:`fededge.clients.mods.offer_norm_statistics`;
         fededge's ClientApp does); ``trained``, those it trained with, which describe its
-        local model and, under a lossy codec, a model the server never holds.
+        local model and, under a lossy codec, a model the server never holds;
+        ``global``, as trained, and the server replaces them after each round by the
+        statistics of its own aggregated model, pooled from the round's clients (one more
+        exchange per round: :class:`fededge.strategies.normstats.NormCalibrated`).
     seed : int
         Seeds stochastic codecs and PowerSGD's initial Q (with the client's stream).
     """
@@ -130,6 +141,7 @@ class UpdateConfig:
     compress_1d: bool = False
     small_codec: str = "raw"
     norm_stats: str = "decoded"
+    warmup_rounds: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -139,6 +151,8 @@ class UpdateConfig:
             raise ValueError(f"small codec must be one of {', '.join(_SMALL)}; got {self.small_codec!r}")
         if self.min_numel < 0:
             raise ValueError(f"min_numel must be >= 0, got {self.min_numel}")
+        if not isinstance(self.warmup_rounds, int) or isinstance(self.warmup_rounds, bool) or self.warmup_rounds < 0:
+            raise ValueError(f"'compress-warmup-rounds': must be an integer >= 0, got {self.warmup_rounds!r}")
         if self.norm_stats not in NORM_STATS:
             raise ValueError(f"'norm-stats': must be one of {', '.join(NORM_STATS)}, got {self.norm_stats!r}")
         if self.error_feedback and self.compressor in UNBIASED:
@@ -152,6 +166,21 @@ class UpdateConfig:
         if self.dgc_clip_norm < 0:
             raise ValueError(f"dgc clip norm must be >= 0 (0 = no clipping), got {self.dgc_clip_norm}")
         self.build_codec()  # validates the codec's own knobs now, not at the first round
+
+    def compresses(self, server_round: int) -> bool:
+        """Whether updates of ``server_round`` (1-based) are compressed: a compressor is
+        set and the round is past the warm-up.
+
+        >>> c = UpdateConfig(compressor="powersgd", warmup_rounds=2)
+        >>> [c.compresses(r) for r in (1, 2, 3)]
+        [False, False, True]
+        """
+        return self.compressor != "none" and server_round > self.warmup_rounds
+
+    def encoder_round(self, server_round: int) -> int:
+        """The encoder's 0-based round for ``server_round``: rounds counted from the first
+        compressed one (DGC's sparsity warm-up, the stochastic codecs' seeds)."""
+        return server_round - 1 - self.warmup_rounds
 
     def wire_codecs(self) -> tuple[str, ...]:
         """The codecs this config's payloads name in their headers, the main one first:
@@ -278,6 +307,8 @@ class UpdateEncoder:
             x = x.detach().float().cpu()
             role = tensor_role(name, tuple(x.shape), True, self.config)
             if role == "statistic":
+                if self.config.norm_stats == "global":
+                    continue  # the server recalibrates them (the plan's codec "server")
                 out[name] = self.raw.encode(x)
             elif role != "matrix":
                 out[name] = self.small.encode(x)

@@ -624,10 +624,11 @@ class _RoundCloser:
             traffic.merge(self.metered.take(group))
         return traffic
 
-    def placed(self, traffic: RoundTraffic) -> list[tuple[int, Any]]:
-        """``(client index on the clock, node traffic)`` of every node that replied."""
+    def placed(self, traffic: RoundTraffic, *, followup: bool = False) -> list[tuple[int, Any]]:
+        """``(client index on the clock, node traffic)`` of every node that replied (to
+        the round's training; ``followup``: to its second exchange)."""
         out = []
-        for nid, n in traffic.nodes.items():
+        for nid, n in (traffic.followup if followup else traffic.nodes).items():
             pid = self.clock.place(nid, n.partition_id) if n.replied else None
             if pid is not None:
                 out.append((pid, n))
@@ -647,6 +648,13 @@ class _RoundCloser:
                             n.bytes_up)
                 for pid, n in placed]
         duration = synchronous_round(self.clock.clock, work).duration if work else 0.0
+        # A second exchange after the training (norm-stats queries) starts when it ends.
+        second = [ClientRound(pid, n.bytes_down,
+                              self.clock.compute_s(n.compute_s if n.reported_compute else None, None, n.wall_s),
+                              n.bytes_up)
+                  for pid, n in self.placed(traffic, followup=True)]
+        if second:
+            duration += synchronous_round(self.clock.clock, second).duration
         # A node that never answered held the round until the server's timeout.
         return max(duration, self.timeout) if traffic.dropped else duration
 

@@ -70,6 +70,9 @@ class RoundTraffic:
     compute_s: list[float] = field(default_factory=list)  # per train reply
     errors: list[str] = field(default_factory=list)
     nodes: dict[int, NodeTraffic] = field(default_factory=dict)  # train traffic per node
+    # A second exchange after the round's training, per node: the norm-stats queries of
+    # NormCalibrated (norm-stats = global), timed by the clock after the training's.
+    followup: dict[int, NodeTraffic] = field(default_factory=dict)
     # Nodes whose message got no answer: a simulated dropout, or no reply at all within
     # the timeout of send_and_receive (Flower's own round loop). Not in ``failures``.
     dropped: list[int] = field(default_factory=list)
@@ -81,17 +84,22 @@ class RoundTraffic:
         self.compute_s.extend(other.compute_s)
         self.errors.extend(other.errors)
         self.dropped.extend(other.dropped)
-        for nid, n in other.nodes.items():
-            mine = self.nodes.setdefault(nid, NodeTraffic())
-            mine.bytes_down += n.bytes_down
-            mine.bytes_up += n.bytes_up
-            mine.compute_s += n.compute_s
-            mine.reported_compute = mine.reported_compute or n.reported_compute
-            mine.steps = n.steps if mine.steps is None else mine.steps + (n.steps or 0)
-            mine.wall_s += n.wall_s
-            mine.partition_id = n.partition_id if n.partition_id is not None else mine.partition_id
-            mine.num_partitions = n.num_partitions if n.num_partitions is not None else mine.num_partitions
-            mine.replied = mine.replied or n.replied
+        for mine_of, theirs in ((self.nodes, other.nodes), (self.followup, other.followup)):
+            _merge_nodes(mine_of, theirs)
+
+
+def _merge_nodes(into: dict[int, NodeTraffic], other: dict[int, NodeTraffic]) -> None:
+    for nid, n in other.items():
+        mine = into.setdefault(nid, NodeTraffic())
+        mine.bytes_down += n.bytes_down
+        mine.bytes_up += n.bytes_up
+        mine.compute_s += n.compute_s
+        mine.reported_compute = mine.reported_compute or n.reported_compute
+        mine.steps = n.steps if mine.steps is None else mine.steps + (n.steps or 0)
+        mine.wall_s += n.wall_s
+        mine.partition_id = n.partition_id if n.partition_id is not None else mine.partition_id
+        mine.num_partitions = n.num_partitions if n.num_partitions is not None else mine.num_partitions
+        mine.replied = mine.replied or n.replied
 
 
 def _sizes(messages: list[Message]) -> list[int]:
@@ -137,7 +145,8 @@ class MeteredGrid(Grid):
         that drained replies of later versions before a checkpoint (the asynchronous
         ones) takes their bytes after it, in the resumed run too."""
         with self._lock:
-            return {g: {**asdict(t), "nodes": {int(n): asdict(v) for n, v in t.nodes.items()}}
+            return {g: {**asdict(t), "nodes": {int(n): asdict(v) for n, v in t.nodes.items()},
+                        "followup": {int(n): asdict(v) for n, v in t.followup.items()}}
                     for g, t in self._traffic.items()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -147,7 +156,8 @@ class MeteredGrid(Grid):
             for g, t in state.items():
                 fields = dict(t)
                 nodes = {int(n): NodeTraffic(**v) for n, v in fields.pop("nodes").items()}
-                self._traffic[str(g)] = RoundTraffic(**fields, nodes=nodes)
+                followup = {int(n): NodeTraffic(**v) for n, v in fields.pop("followup", {}).items()}
+                self._traffic[str(g)] = RoundTraffic(**fields, nodes=nodes, followup=followup)
 
     def _group(self, msg: Message) -> RoundTraffic:
         return self._traffic.setdefault(msg.metadata.group_id, RoundTraffic())
@@ -162,6 +172,8 @@ class MeteredGrid(Grid):
                 if m.metadata.message_type.startswith("train"):
                     node = t.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
                     node.bytes_down += n
+                elif m.metadata.message_type == keys.NORM_STATS_QUERY:
+                    t.followup.setdefault(m.metadata.dst_node_id, NodeTraffic()).bytes_down += n
 
     def _count_up(self, replies: list[Message], sent_at: float | None = None,
                   received_at: float | None = None) -> list[Message]:
@@ -210,6 +222,18 @@ class MeteredGrid(Grid):
                         node.reported_compute = True
                     if keys.LOCAL_STEPS_DONE in metrics:
                         node.steps = (node.steps or 0) + int(metrics[keys.LOCAL_STEPS_DONE])
+                    if keys.REPLY_PARTITION_ID in metrics:
+                        node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
+                    if keys.REPLY_NUM_PARTITIONS in metrics:
+                        node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
+                elif r.metadata.message_type == keys.NORM_STATS_QUERY:
+                    node = t.followup.setdefault(r.metadata.src_node_id, NodeTraffic())
+                    node.bytes_up += n
+                    node.replied = True
+                    node.wall_s += 0.0 if pushed is None else now - pushed
+                    if keys.COMPUTE_S in metrics:
+                        node.compute_s += float(metrics[keys.COMPUTE_S])
+                        node.reported_compute = True
                     if keys.REPLY_PARTITION_ID in metrics:
                         node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
                     if keys.REPLY_NUM_PARTITIONS in metrics:

@@ -35,9 +35,11 @@ from fededge import keys
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.plan import PlanMismatchError, UpdatePlan
+from fededge.compress.roles import SERVER, is_statistic
 from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
+from fededge.strategies.delegate import DelegatesEvaluation
 from fededge.strategies.report import RoundReport, report_of
 
 __all__ = ["CodecMismatchError", "Compressed", "CompressionStats", "DOWNLINK", "check_uncompressed",
@@ -71,7 +73,7 @@ class CompressionStats:
         return self.dense_bytes / self.payload_bytes if self.payload_bytes else None
 
 
-class Compressed(Strategy):
+class Compressed(DelegatesEvaluation):
     """Wrap a strategy so that it receives decoded, full-weight client updates.
 
     Pair it with :class:`fededge.clients.mods.CompressionMod` on the clients.
@@ -168,9 +170,10 @@ class Compressed(Strategy):
                 if keys.COMPRESSED in r.content:
                     if base is None:
                         raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
-                    r.content = decode_compressed(r.content, base, self._stats, expect=self.update)
+                    r.content = decode_compressed(r.content, base, self._stats, expect=self.update,
+                                                  server_round=server_round)
                 else:
-                    check_uncompressed(self.update)
+                    check_uncompressed(self.update, server_round)
                 kept.append(r)
             except (MalformedPayloadError, CodecMismatchError) as err:
                 reason = f"node {r.metadata.src_node_id}: {err}"
@@ -187,23 +190,20 @@ class Compressed(Strategy):
                 f"clients' CompressionMod and the server's Compressed(..., update=...) the same UpdateConfig")
         return self.inner.aggregate_train(server_round, kept)
 
-    def configure_evaluate(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201
-        return self.inner.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):  # noqa: ANN001, ANN201
-        return self.inner.aggregate_evaluate(server_round, replies)
-
-    def summary(self) -> None:
-        self.inner.summary()
-
 
 def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats: CompressionStats, *,
-                      expect: UpdateConfig | None = None) -> RecordDict:
+                      expect: UpdateConfig | None = None, server_round: int | None = None) -> RecordDict:
     """A reply whose ``compressed`` record holds the update's payloads -> the same reply
     with full weights in ``arrays``: ``sent`` (the weights the update is a delta from) plus
     the decoded delta. Counts it in ``stats``. Raises MalformedPayloadError for anything
     that does not decode or does not fit the model, and :class:`CodecMismatchError` for
-    a payload in a codec ``expect`` does not send (None: any codec)."""
+    a payload in a codec ``expect`` does not send (None: any codec), or a compressed reply
+    in one of ``expect``'s warm-up rounds (``server_round`` given)."""
+    if expect is not None and server_round is not None and not expect.compresses(server_round):
+        raise CodecMismatchError(
+            f"client sent a compressed update in round {server_round}, a warm-up round of this server "
+            f"(compress-warmup-rounds={expect.warmup_rounds}: uncompressed until round {expect.warmup_rounds}); "
+            "give the clients' CompressionMod the same UpdateConfig")
     rec = content[keys.COMPRESSED]
     largest = max((math.prod(v.shape) for v in sent.values()), default=1)
     if list(rec.keys()) != [keys.BUNDLE]:
@@ -225,6 +225,8 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
             full[name] = (old.float() + d).to(old.dtype).numpy()
         elif name in raw:
             full[name] = raw[name].numpy()
+        elif expect is not None and expect.norm_stats == "global" and is_statistic(name):
+            full[name] = old.numpy()  # not sent: the server recalibrates it (NormCalibrated)
         else:
             raise MalformedPayloadError(f"tensor {name!r} of the model is missing from the update")
     extra = set(deltas) - set(sent)
@@ -267,6 +269,11 @@ def _check_plan(payloads: dict[str, bytes], raw: dict[str, torch.Tensor], sent: 
     codecs.update({name: "as-is" for name in raw if name not in codecs})
     try:
         plan.check({n: c for n, c in codecs.items() if c != "as-is"})
+        for e in plan.entries:
+            if e.codec not in (None, SERVER) and e.name not in codecs:
+                raise PlanMismatchError(
+                    f"tensor {e.name!r} ({e.role}) is missing; this server's plan gives it codec {e.codec!r}"
+                    + (" (a client with norm-stats=global sends no statistics)" if e.role == "statistic" else ""))
         for name in (n for n, c in codecs.items() if c == "as-is" and n in sent):
             if plan.codec_of(name) is not None:
                 raise PlanMismatchError(f"tensor {name!r} came as it is (uncompressed); this server's plan gives "
@@ -275,9 +282,10 @@ def _check_plan(payloads: dict[str, bytes], raw: dict[str, torch.Tensor], sent: 
         raise CodecMismatchError(str(err)) from None
 
 
-def check_uncompressed(expect: UpdateConfig | None) -> None:
+def check_uncompressed(expect: UpdateConfig | None, server_round: int | None = None) -> None:
     """Raise :class:`CodecMismatchError` for an uncompressed reply when ``expect``, the
-    clients' compression, says they compress (None: anything goes)."""
-    if expect is not None and expect.wire_codecs():
+    clients' compression, says they compress (None: anything goes), in ``server_round``
+    (None: any round past the warm-up)."""
+    if expect is not None and expect.wire_codecs() and (server_round is None or expect.compresses(server_round)):
         raise CodecMismatchError(f"client sent an uncompressed update ('{keys.ARRAYS}'), this server expects "
                                  f"{_expected(expect)}; add CompressionMod to the ClientApp")

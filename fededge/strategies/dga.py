@@ -457,7 +457,7 @@ class DGA(OwnLoop):
         valid = []
         for r in replies:
             node = r.metadata.src_node_id
-            why = r.error.reason if r.has_error() else self._decode(r, info) or usable_reply(
+            why = r.error.reason if r.has_error() else self._decode(r, info, t) or usable_reply(
                 r, arrays_key=self.arrayrecord_key, model_keys=self._keys, weight_key=self.weighted_by_key)
             if why is None:
                 valid.append(r)
@@ -496,16 +496,16 @@ class DGA(OwnLoop):
         self._result.arrays = arrays
         self._info[t] = info
 
-    def _decode(self, reply: Message, info: DGARoundInfo) -> str | None:
+    def _decode(self, reply: Message, info: DGARoundInfo, t: int) -> str | None:
         """A compressed reply carries Δ(t) (fededge.clients.mods.CompressionMod): rebuild G(g) + Δ(t) in
         place. Returns why it does not decode, or is not in the codec ``update`` names (the
         reply is then left out; a codec mismatch is counted in ``info.mismatched``), else None."""
         try:
             if keys.COMPRESSED not in reply.content:
-                check_uncompressed(self.update)
+                check_uncompressed(self.update, t)
                 return None
             reply.content = decode_compressed(reply.content, self._server.global_model(info.global_round),
-                                              self._stats, expect=self.update)
+                                              self._stats, expect=self.update, server_round=t)
         except MalformedPayloadError as err:  # counted and logged with the round's other rejections
             return f"malformed compressed update: {err}"
         except CodecMismatchError as err:

@@ -21,6 +21,7 @@ from fededge.algorithms.dga import DGAConfig
 from fededge.algorithms.asyncfl import StalenessFunction
 from fededge.strategies.backup import BackupWorkers
 from fededge.strategies.compressed import Compressed
+from fededge.strategies.normstats import NormCalibrated
 from fededge.strategies.dga import DGA
 from fededge.strategies.fedasync import FedAsync
 from fededge.strategies.fedbuff import FedBuff
@@ -74,7 +75,10 @@ def build_strategy(cfg: RunConfig) -> Strategy:
     if compresses and record.compression == "wrapped":
         # The codec the clients were told to use: a reply in another one is rejected by name.
         expect = cfg.update_config() if cfg.compressor != "none" else None
-        return Compressed(strategy, downlink=cfg.downlink_compressor, update=expect)
+        strategy = Compressed(strategy, downlink=cfg.downlink_compressor, update=expect)
+    if cfg.norm_stats == "global":
+        # Outermost: it recalibrates the model the (decoded, aggregated) inner returns.
+        strategy = NormCalibrated(strategy, batches=cfg.norm_stats_batches, timeout=cfg.round_timeout)
     return strategy
 
 
