@@ -242,6 +242,8 @@ def main() -> int:
                 print(f"[bench] {label} seed {seed} ...", file=sys.stderr, flush=True)
                 rows.append(run(label, over, base, args.clients, seed, Path(tmp)))
                 r = rows[-1]
+                if args.json:  # after every run: a stopped batch keeps what it measured
+                    Path(args.json).write_text(json.dumps({"task": args.task, "base": base, "rows": rows}, indent=2))
                 print(f"[bench]   final {r['final']:.4f} max drop {r['max_drop']:.4f} "
                       f"{r['wall_s']:.0f} s: {' '.join(f'{a:.3f}' for a in r['accuracy_by_round'])}",
                       file=sys.stderr, flush=True)
