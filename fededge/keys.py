@@ -85,7 +85,7 @@ STATE_ATTEMPT = "state-attempt"  # a new id each time the server starts
 STATE_EVERY = "state-every"  # checkpoint-every: which rounds the server may resume from
 
 # Normalisation statistics of the server's model (norm-stats = global):
-# fededge.strategies.normstats.NormCalibrated asks, fededge.protocol.norm_stats_reply answers.
+# fededge.strategies.normstats.NormCalibrated asks, fededge.protocol.norm_stats_content answers.
 NORM_STATS_ACTION = "norm_stats"  # the ClientApp's @app.query(NORM_STATS_ACTION)
 NORM_STATS_QUERY = "query." + NORM_STATS_ACTION  # the message type
 NORM_STATS_BATCHES = "norm-stats-batches"  # int in the query's config: mini-batches per client

@@ -266,12 +266,14 @@ def _stats_seed(*parts: int) -> int:
 
 
 def _statistics_of(work: ClientWorkload, weights: dict[str, torch.Tensor], *, batch_size: int,
-                   seed: int) -> dict[str, torch.Tensor]:
-    """The normalisation statistics of ``weights`` on this client's data (norm-stats =
-    decoded, :class:`~fededge.clients.mods.CompressionMod`), on a copy of the model."""
+                   seed: int, batches: int | None = None) -> dict[str, torch.Tensor]:
+    """The normalisation statistics of ``weights`` on this client's data, on a copy of the
+    model, over ``batches`` mini-batches (default ``norm-stats-batches``): norm-stats =
+    decoded (:class:`~fededge.clients.mods.CompressionMod`) and global (:func:`norm_stats`)."""
     model = copy.deepcopy(work.model)
     model.load_state_dict({k: v.to(work.device) for k, v in weights.items()})
-    return norm_statistics(model, work.x, batches=work.cfg.norm_stats_batches, batch_size=batch_size, seed=seed)
+    return norm_statistics(model, work.x, batches=work.cfg.norm_stats_batches if batches is None else batches,
+                           batch_size=batch_size, seed=seed)
 
 
 def round_lr(conf: ConfigRecord, default: float) -> float:
@@ -336,10 +338,8 @@ def norm_stats(msg: Message, context: Context) -> Message:
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
     batches = int(conf.get(keys.NORM_STATS_BATCHES, cfg.norm_stats_batches))
     t0 = time.perf_counter()
-    model = copy.deepcopy(work.model)
-    model.load_state_dict({k: v.to(work.device) for k, v in record_to_torch(_received_arrays(msg)).items()})
-    stats = norm_statistics(model, work.x, batches=batches, batch_size=cfg.batch_size,
-                            seed=_stats_seed(cfg.seed, work.partition_id, int(conf.get(keys.SERVER_ROUND, 0)), 1))
+    stats = _statistics_of(work, record_to_torch(_received_arrays(msg)), batch_size=cfg.batch_size, batches=batches,
+                           seed=_stats_seed(cfg.seed, work.partition_id, int(conf.get(keys.SERVER_ROUND, 0)), 1))
     content = norm_stats_content(stats, num_examples=len(work.x), compute_s=time.perf_counter() - t0)
     content[keys.METRICS][keys.REPLY_PARTITION_ID] = work.partition_id
     content[keys.METRICS][keys.REPLY_NUM_PARTITIONS] = work.num_partitions

@@ -177,9 +177,12 @@ class UpdatePlan:
                 raise PlanMismatchError(f"tensor {name!r} is not in this server's update plan "
                                         f"(model tensors: {len(planned)})")
             if entry.codec != codec:
-                want = (f"codec {entry.codec!r}" if entry.codec and entry.codec != SERVER
-                        else "no payload (norm-stats=global: the server recalibrates it)" if entry.codec
-                        else "no codec (sent as it is)")
+                if entry.codec == SERVER:
+                    want = "no payload (norm-stats=global: the server recalibrates it)"
+                elif entry.codec:
+                    want = f"codec {entry.codec!r}"
+                else:
+                    want = "no codec (sent as it is)"
                 raise PlanMismatchError(
                     f"tensor {name!r} ({entry.role}, shape {list(entry.shape)}) came in codec {codec!r}; this "
                     f"server's plan gives it {want}")

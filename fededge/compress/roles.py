@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["COUNTERS", "ROLES", "SERVER", "STATISTICS", "PlanMismatchError", "is_counter", "is_statistic", "role_codec",
-           "tensor_role"]
+           "server_sets_statistics", "tensor_role"]
 
 #: The roles a tensor can have, in the order the rule decides them.
 ROLES: tuple[str, ...] = ("integer", "statistic", "small", "vector", "matrix")
@@ -66,13 +66,19 @@ def tensor_role(name: str, shape: tuple[int, ...], floating: bool, config: Any) 
     return "matrix"
 
 
+def server_sets_statistics(config: Any) -> bool:
+    """Whether clients under ``config`` send no normalisation statistics because the server
+    recalibrates them (``norm-stats = global``, :class:`fededge.strategies.normstats.NormCalibrated`):
+    their role's codec is then :data:`SERVER`."""
+    return getattr(config, "norm_stats", "") == "global"
+
+
 def role_codec(role: str, config: Any) -> str | None:
     """The wire codec of a role under ``config``; None for integers (sent as they are)."""
     if role == "integer":
         return None
     if role == "statistic":
-        # norm-stats = global: not sent, the server recalibrates them (NormCalibrated).
-        return SERVER if getattr(config, "norm_stats", "") == "global" else "raw"
+        return SERVER if server_sets_statistics(config) else "raw"
     if role in ("small", "vector"):
         return config.small_codec
     return "topk" if config.compressor == "dgc" else config.compressor

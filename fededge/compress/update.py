@@ -26,7 +26,7 @@ from fededge.compress import (
 )
 from fededge.compress.codec import Codec
 from fededge.compress.codecs import SPARSE_VALUES
-from fededge.compress.roles import tensor_role
+from fededge.compress.roles import server_sets_statistics, tensor_role
 
 __all__ = ["COMPRESSORS", "DOWNLINK", "UNBIASED", "DownlinkConfig", "UpdateConfig", "UpdateEncoder", "decode_update"]
 
@@ -307,7 +307,7 @@ class UpdateEncoder:
             x = x.detach().float().cpu()
             role = tensor_role(name, tuple(x.shape), True, self.config)
             if role == "statistic":
-                if self.config.norm_stats == "global":
+                if server_sets_statistics(self.config):
                     continue  # the server recalibrates them (the plan's codec "server")
                 out[name] = self.raw.encode(x)
             elif role != "matrix":

@@ -643,18 +643,15 @@ class _RoundCloser:
             self.clock.build(max(self.clock.num_clients(reported), 1 + max(pid for pid, _ in placed)))
         if self.clock.clock is None:
             return 0.0
-        work = [ClientRound(pid, n.bytes_down,
-                            self.clock.compute_s(n.compute_s if n.reported_compute else None, n.steps, n.wall_s),
-                            n.bytes_up)
-                for pid, n in placed]
-        duration = synchronous_round(self.clock.clock, work).duration if work else 0.0
-        # A second exchange after the training (norm-stats queries) starts when it ends.
-        second = [ClientRound(pid, n.bytes_down,
-                              self.clock.compute_s(n.compute_s if n.reported_compute else None, None, n.wall_s),
-                              n.bytes_up)
-                  for pid, n in self.placed(traffic, followup=True)]
-        if second:
-            duration += synchronous_round(self.clock.clock, second).duration
+        # The training, then (norm-stats queries) a second exchange that starts when it ends.
+        duration = 0.0
+        for exchange in (placed, self.placed(traffic, followup=True)):
+            work = [ClientRound(pid, n.bytes_down,
+                                self.clock.compute_s(n.compute_s if n.reported_compute else None, n.steps, n.wall_s),
+                                n.bytes_up)
+                    for pid, n in exchange]
+            if work:
+                duration += synchronous_round(self.clock.clock, work).duration
         # A node that never answered held the round until the server's timeout.
         return max(duration, self.timeout) if traffic.dropped else duration
 

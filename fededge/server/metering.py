@@ -102,6 +102,16 @@ def _merge_nodes(into: dict[int, NodeTraffic], other: dict[int, NodeTraffic]) ->
         mine.replied = mine.replied or n.replied
 
 
+def _per_node(t: RoundTraffic, message_type: str) -> dict[int, NodeTraffic] | None:
+    """Where a message of ``message_type`` is counted per node: the round's training
+    (``train*``), its second exchange (the norm-stats queries), or nowhere."""
+    if message_type.startswith("train"):
+        return t.nodes
+    if message_type == keys.NORM_STATS_QUERY:
+        return t.followup
+    return None
+
+
 def _sizes(messages: list[Message]) -> list[int]:
     """Each message's bytes on the wire: as the grid noted them when it serialised the
     message (the in-process grid does), else serialised here (a model broadcast in one
@@ -169,11 +179,9 @@ class MeteredGrid(Grid):
                 t = self._group(m)
                 t.bytes_down += n
                 t.messages_down += 1
-                if m.metadata.message_type.startswith("train"):
-                    node = t.nodes.setdefault(m.metadata.dst_node_id, NodeTraffic())
-                    node.bytes_down += n
-                elif m.metadata.message_type == keys.NORM_STATS_QUERY:
-                    t.followup.setdefault(m.metadata.dst_node_id, NodeTraffic()).bytes_down += n
+                per_node = _per_node(t, m.metadata.message_type)
+                if per_node is not None:
+                    per_node.setdefault(m.metadata.dst_node_id, NodeTraffic()).bytes_down += n
 
     def _count_up(self, replies: list[Message], sent_at: float | None = None,
                   received_at: float | None = None) -> list[Message]:
@@ -210,34 +218,27 @@ class MeteredGrid(Grid):
                         int(metrics.get(keys.REPLY_NUM_PARTITIONS, 0)))), metadata=copy.copy(r.metadata)))
                     continue
                 out.append(r)
-                if r.metadata.message_type.startswith("train"):
+                per_node = _per_node(t, r.metadata.message_type)
+                if per_node is None:
+                    continue
+                train = per_node is t.nodes
+                node = per_node.setdefault(r.metadata.src_node_id, NodeTraffic())
+                node.bytes_up += n
+                node.replied = True
+                node.wall_s += 0.0 if pushed is None else now - pushed
+                if train:
                     t.train_replies += 1
-                    node = t.nodes.setdefault(r.metadata.src_node_id, NodeTraffic())
-                    node.bytes_up += n
-                    node.replied = True
-                    node.wall_s += 0.0 if pushed is None else now - pushed
-                    if keys.COMPUTE_S in metrics:
+                if keys.COMPUTE_S in metrics:
+                    if train:
                         t.compute_s.append(float(metrics[keys.COMPUTE_S]))
-                        node.compute_s += float(metrics[keys.COMPUTE_S])
-                        node.reported_compute = True
-                    if keys.LOCAL_STEPS_DONE in metrics:
-                        node.steps = (node.steps or 0) + int(metrics[keys.LOCAL_STEPS_DONE])
-                    if keys.REPLY_PARTITION_ID in metrics:
-                        node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
-                    if keys.REPLY_NUM_PARTITIONS in metrics:
-                        node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
-                elif r.metadata.message_type == keys.NORM_STATS_QUERY:
-                    node = t.followup.setdefault(r.metadata.src_node_id, NodeTraffic())
-                    node.bytes_up += n
-                    node.replied = True
-                    node.wall_s += 0.0 if pushed is None else now - pushed
-                    if keys.COMPUTE_S in metrics:
-                        node.compute_s += float(metrics[keys.COMPUTE_S])
-                        node.reported_compute = True
-                    if keys.REPLY_PARTITION_ID in metrics:
-                        node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
-                    if keys.REPLY_NUM_PARTITIONS in metrics:
-                        node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
+                    node.compute_s += float(metrics[keys.COMPUTE_S])
+                    node.reported_compute = True
+                if train and keys.LOCAL_STEPS_DONE in metrics:
+                    node.steps = (node.steps or 0) + int(metrics[keys.LOCAL_STEPS_DONE])
+                if keys.REPLY_PARTITION_ID in metrics:
+                    node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
+                if keys.REPLY_NUM_PARTITIONS in metrics:
+                    node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
         if config_errors:
             more = len(config_errors) - 1
             raise ConfigError(config_errors[0] + (f" ({more} more of the {len(replies)} replies "

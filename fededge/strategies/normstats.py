@@ -82,7 +82,6 @@ class NormCalibrated(DelegatesEvaluation):
         self.batches = batches
         self.timeout = timeout
         self._grid: Grid | None = None
-        self._nodes: list[int] = []
         self._reasons: list[str] = []
         self._calibrated: dict[int, int] = {}  # round -> clients whose statistics were pooled
         self._reported = False  # someone takes the round reports (and reports the reasons)
@@ -99,7 +98,6 @@ class NormCalibrated(DelegatesEvaluation):
                         grid: Grid) -> Iterable[Message]:
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         self._grid = grid
-        self._nodes = list(dict.fromkeys(m.metadata.dst_node_id for m in messages))
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
@@ -112,12 +110,11 @@ class NormCalibrated(DelegatesEvaluation):
         if not names:
             return arrays, metrics
         largest = max(v.numel() for k, v in model.items() if k in names)
-        answered = [r.metadata.src_node_id for r in replies if not r.has_error()]
-        nodes = answered or self._nodes
-        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({
-            keys.SERVER_ROUND: server_round, keys.NORM_STATS_BATCHES: self.batches})})
-        queries = [Message(content=RecordDict(dict(content.items())), message_type=keys.NORM_STATS_QUERY,
-                           dst_node_id=n) for n in nodes]
+        # The round's clients that trained (aggregated arrays mean at least one did).
+        config = ConfigRecord({keys.SERVER_ROUND: server_round, keys.NORM_STATS_BATCHES: self.batches})
+        queries = [Message(content=RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config}),
+                           message_type=keys.NORM_STATS_QUERY, dst_node_id=r.metadata.src_node_id)
+                   for r in replies if not r.has_error()]
         answers = list(self._grid.send_and_receive(queries, timeout=self.timeout))
         parts, errors = [], []
         for a in answers:
