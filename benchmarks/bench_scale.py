@@ -36,6 +36,10 @@ beating it. A third table sets each
 cohort row against the per-client rows of the same configuration (speed-up = their
 s/round over the cohort row's).
 
+A row's ``workers`` and ``states`` may be ``auto``: what ``fededge run`` picks without
+flags (``--workers auto``, ``client-states=auto``); its floor divides by the processes it
+picked (config.json's ``inprocess_workers``; ``inprocess_runtime`` says why).
+
 A row's ``workers`` may be ``ray``: the same configuration under Flower's simulation
 (``flwr run`` on a private local SuperLink, ``fededge.deploy.launch.flwr_run_local``), one
 CPU per virtual client, ``client-states`` passed on (``disk``: fededge's ClientApp keeps
@@ -212,11 +216,14 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
     if workers == "ray":
         run_dir, rss_kb = _ray_run(overrides, clients, out)
         cores, self_kb, all_kb = os.cpu_count() or 1, rss_kb, rss_kb
+        procs = cores
     else:
+        w = workers.removesuffix("c")
         with _timed_phases() as phases, _sampled(_tree_pss_kb) as pss:
             run_dir = run_inprocess(overrides | {"cohort": workers.endswith("c")}, num_clients=clients,
-                                    workers=int(workers.removesuffix("c")))
-        cores = (os.cpu_count() or 1) if workers.endswith("c") else int(workers)
+                                    workers="auto" if w == "auto" else int(w))
+        procs = int(json.loads((run_dir / "config.json").read_text())["inprocess_workers"])
+        cores = (os.cpu_count() or 1) if workers.endswith("c") else procs
         self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         all_kb = self_kb + (cores - 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -230,6 +237,7 @@ def one(clients: int, model: str, compressor: str, rounds: int, workers: str, st
         spent = {name: sum(times[-calls[name]:]) / len(later) if calls[name] else 0.0
                  for name, times in phases.items()}
     return {"clients": clients, "model": model, "compressor": compressor, "rounds": rounds, "workers": workers,
+            "procs": procs,
             "states": states, "dataset": dataset, "samples": samples, "round_s": round_s, "floor_s": compute / cores,
             "clients_s": spent.get("clients"), "evaluate_s": spent.get("evaluate"),
             "rss_gb": self_kb / 2**20, "rss_all_gb": all_kb / 2**20,
@@ -334,7 +342,7 @@ def _strict(rows: list[dict]) -> None:
     print("\nagainst the one-process row's compute (strict floor = its compute / workers):")
     print(f"{'row':>40} {'s/round':>8} {'strict floor':>13} {'ratio':>6}")
     for r, compute in pairs:
-        floor = compute / int(r["workers"])
+        floor = compute / r["procs"]
         print(f"{r['row']:>40} {r['round_s']:>8.3f} {floor:>13.3f} {r['round_s'] / floor:>6.2f}")
 
 

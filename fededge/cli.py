@@ -36,6 +36,8 @@ is otherwise ``fededge: run failed: ...``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import time
 try:
@@ -43,11 +45,44 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from fededge.runconfig_text import parse_run_config
 
 __all__ = ["main"]
+
+
+def _workers(text: str) -> int | str:
+    """``--workers``: ``auto`` or a count >= 1."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of processes >= 1, got {text!r}")
+    return n
+
+
+@contextlib.contextmanager
+def _info_lines() -> Iterator[None]:
+    """fededge's own INFO lines (the update plan, the runtime's choices, DGA's and
+    gossip's settings, a move of the client states to disk) on stderr for one command,
+    as ``[fededge] ...``: Python's default shows only warnings. Flower's lines are its own."""
+    logger = logging.getLogger("fededge")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[fededge] %(message)s"))
+    handler.setLevel(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -57,7 +92,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         overrides = parse_run_config(args.run_config)
-        run_dir = run_inprocess(overrides, num_clients=args.num_clients, workers=args.workers)
+        with _info_lines():
+            run_dir = run_inprocess(overrides, num_clients=args.num_clients, workers=args.workers)
     except ConfigError as err:
         print(f"fededge: configuration error: {err}", file=sys.stderr)
         return 2
@@ -102,7 +138,14 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     runtime = meta.get("runtime")
     if runtime == "inprocess":
         try:
-            out = run_inprocess(overrides, num_clients=int(meta["inprocess_nodes"]))
+            with _info_lines():
+                # By default as many processes as the run had: with MKL's default mode a
+                # matmul's last bits may depend on the process (PowerSGD's), so the same
+                # count keeps the resumed run equal to the uninterrupted one.
+                workers = args.workers if args.workers is not None else meta.get("inprocess_workers", 1)
+                # and on the device device=auto chose for it (timing again could choose another)
+                out = run_inprocess(overrides, num_clients=int(meta["inprocess_nodes"]), workers=workers,
+                                    client_device=meta.get("inprocess_client_device"))
         except ConfigError as err:
             print(f"fededge: configuration error: {err}", file=sys.stderr)
             return 2
@@ -273,8 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-config", default=None,
         help='overrides, as for flwr run: "num-rounds=5 alpha=0.1" or a .toml file',
     )
-    run.add_argument("--workers", type=int, default=1,
-                     help="processes running the clients (this one included; results do not depend on it)")
+    run.add_argument("--workers", type=_workers, default="auto",
+                     help="processes running the clients (this one included; results do not depend on it, but for "
+                          "the last bits of PowerSGD's matmuls under MKL's default mode: README); auto (the "
+                          "default): every usable core, up to the clients of a round, and one process for CUDA "
+                          "clients or cohort=true (the run's first line says which)")
     run.set_defaults(func=_cmd_run)
 
     sim = sub.add_parser("simulate", help="flwr run the app in Flower's simulation, then clean up")
@@ -294,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the run's own num-rounds)")
     resume.add_argument("--run-config", default=None, help="overrides of the keys a resumed run may change "
                         '(num-rounds, progress, checkpoint-every, ...): "progress=\'off\'"')
+    resume.add_argument("--workers", type=_workers, default=None,
+                        help="for an in-process run: processes running the clients (default: as many as the run "
+                             "had; auto or a count, as for fededge run)")
     resume.add_argument("app", nargs="?", default=".", help="Flower app directory, for a run in Flower's simulation")
     resume.add_argument("--num-supernodes", type=int, default=10, help="for a run in Flower's simulation")
     resume.add_argument("--cpus-per-client", type=float, default=1.0, help=argparse.SUPPRESS)

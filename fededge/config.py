@@ -47,7 +47,7 @@ __all__ = ["CLIENT_STATES", "ConfigError", "OWNED", "RunConfig", "STRATEGIES", "
 STRATEGIES: tuple[str, ...] = BUILTIN_NAMES
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 #: Where nodes keep their ``context.state`` between messages (``client-states``).
-CLIENT_STATES: tuple[str, ...] = ("memory", "disk")
+CLIENT_STATES: tuple[str, ...] = ("memory", "disk", "auto")
 
 T = TypeVar("T")
 
@@ -187,8 +187,13 @@ class RunConfig:
     seed : int
         Seeds the model initialisation, the partition, client sampling and batches.
     device : str
-        Where clients train: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``
-        or ``cuda:N``.
+        Where clients train: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. ``auto`` is the
+        CPU where there is no CUDA. With CUDA, fededge's in-process runtime
+        (``fededge run``) times the run's training step on both and trains every client
+        where a client's step costs least, the CPU counted with all the processes it
+        would use (:func:`fededge.server.inprocess.client_device_choice`; the run's first
+        line gives the timings); under Flower's simulation and on a SuperNode it is CUDA.
+        Name the device for runs repeatable across machines.
     server_device : str
         Where the server evaluates the global model; same values. Separate from
         ``device`` so that GPU clients can report to a CPU-only SuperLink host.
@@ -243,8 +248,13 @@ class RunConfig:
         in memory for the rest of the run) or ``disk`` (on the node's disk while it is
         idle, so that memory follows the clients per round, not the clients; one file
         write and read per message: :class:`fededge.clients.statestore.StateSpillMod`
-        under Ray and on a SuperLink, the runtime's own store in-process). Results are
-        the same either way.
+        under Ray and on a SuperLink, the runtime's own store in-process) or ``auto``
+        (the default: in fededge's in-process runtime, memory until the states total
+        ``client-states-memory-mb``, then disk for the rest of the run, said once in the
+        log; under Ray and on a SuperLink, ``memory``). Results are the same either way.
+    client_states_memory_mb : float
+        ``client-states=auto``'s budget: the MiB of states kept in memory before they
+        all move to disk (0: disk from the first state).
     dropout : float
         Fraction of the clients (partition ids, seeded) that never answer, in [0, 1):
         they reply at once that they dropped out and the simulated clock charges the
@@ -320,7 +330,8 @@ class RunConfig:
     log_to: str = ResultsConfig.log_to
     mlflow_uri: str = ResultsConfig.mlflow_uri
     resume_from: str = ResultsConfig.resume_from
-    client_states: str = "memory"
+    client_states: str = "auto"
+    client_states_memory_mb: float = 256.0
     server_lr: float = 0.0
     server_momentum: float = 0.9
     proximal_mu: float = 0.01
@@ -389,6 +400,9 @@ class RunConfig:
             raise ConfigError(f"run-config key 'model' must be one of {', '.join(MODELS)} or resnet18-wN "
                               f"(N in 1..512); got {self.model!r}")
         _choice("client-states", self.client_states, CLIENT_STATES)
+        if isinstance(self.client_states_memory_mb, bool) or not 0 <= self.client_states_memory_mb < float("inf"):
+            raise ConfigError(f"run-config key 'client-states-memory-mb' must be a finite number >= 0 (MiB), "
+                              f"got {self.client_states_memory_mb!r}")
         _choice("lr-schedule", self.lr_schedule, LR_SCHEDULES)
         if self.model == "cnn-bn" and min(self.batch_size, self.min_partition_size) < 2:
             raise ConfigError(

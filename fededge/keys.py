@@ -62,6 +62,9 @@ STATE_DIR = "state-dir"  # where the node keeps its state for a resume (fededge.
 # it keeps idle nodes' states on disk itself (client_states="disk"), and holds them in its
 # checkpoints, so fededge's app adds no StateSpillMod there.
 INPROCESS_NODE = "fededge-inprocess"
+# Node config, set by the in-process runtime: the device its device=auto chose, by
+# measurement, for every client of the run (fededge.server.inprocess.client_device_choice).
+CLIENT_DEVICE = "fededge-client-device"
 
 # Run-config key: "disk" keeps idle nodes' context.state on disk (fededge.clients.app adds
 # fededge.clients.statestore.StateSpillMod; the in-process runtime spills itself).

@@ -280,11 +280,14 @@ def _preexec() -> None:  # pragma: no cover - runs in the child
         pass
 
 
-def _command(run: SweepRun, sweep: Sweep, action: str) -> list[str]:
+def _command(run: SweepRun, sweep: Sweep, action: str, workers: str = "1") -> list[str]:
+    """The command of one run. ``workers``: its processes (``fededge run --workers``); the
+    sweep's ``jobs`` runs share the cores, so each gets its share, not every core."""
     exe = [sys.executable, "-m", "fededge.cli"]
     if action == "resume":
         return [*exe, "resume", str(run.run_dir())]
-    return [*exe, "run", "--num-clients", str(sweep.num_clients), "--run-config", format_run_config(run.overrides)]
+    return [*exe, "run", "--num-clients", str(sweep.num_clients), "--workers", workers,
+            "--run-config", format_run_config(run.overrides)]
 
 
 def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
@@ -305,7 +308,8 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
     else:
         spec_file.write_text(json.dumps(spec, indent=2) + "\n")
     _prepare_mlflow(sweep)
-    jobs = jobs or os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    jobs = jobs or cores
     todo = [(run, run.status()) for run in sweep.runs]
     kept = sum(1 for _, s in todo if s == "done")
     resumed = sum(1 for _, s in todo if s == "resume")
@@ -327,7 +331,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
         started = time.perf_counter()
         with open(log, "a", encoding="utf-8") as out:
             env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-            proc = subprocess.run(_command(run, sweep, status), stdout=out, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.run(_command(run, sweep, status, str(max(1, cores // jobs))), stdout=out, stderr=subprocess.STDOUT, env=env,
                                   preexec_fn=_preexec if sys.platform.startswith("linux") else None)
         done[0] += 1
         bar = _bar(done[0], len(sweep.runs))

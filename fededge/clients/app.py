@@ -147,7 +147,8 @@ def client_workload(context: Context) -> ClientWorkload:
         )
     data_dir = str(nc.get(keys.DATA_DIR, "")) or cfg.data_dir or None
     pid, n = int(nc[keys.PARTITION_ID]), int(nc[keys.NUM_PARTITIONS])
-    device = resolve_device(cfg.device)
+    # device=auto: the in-process runtime's measured choice, the same for every node.
+    device = resolve_device(str(nc.get(keys.CLIENT_DEVICE, "auto")) if cfg.device == "auto" else cfg.device)
     set_cuda_determinism(device, cfg.deterministic)
     # Cached on the data's own key. A node of the in-process runtime shares its process with
     # thousands of others: its arrays are a slice of the data set in memory, not a file each.

@@ -1,12 +1,24 @@
-"""Pick the torch device a client (or the server's evaluation) runs on."""
+"""Pick the torch device a client (or the server's evaluation) runs on.
+
+:func:`resolve_device` turns the run config's ``device`` into a device, ``auto`` taking
+CUDA where it is. :func:`choose_by_measurement` is ``device=auto`` in fededge's
+in-process runtime (issue 35): it times the run's own training step on the CPU and on
+CUDA and keeps the faster, so a tiny model whose steps are all launch overhead on a GPU
+stays on the CPU's cores.
+"""
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-__all__ = ["resolve_device", "set_cuda_determinism"]
+__all__ = ["DeviceChoice", "choose_by_measurement", "resolve_device", "set_cuda_determinism", "time_sgd_step"]
 
 # cuBLAS picks reduction splits per call unless its workspace is fixed; torch refuses
 # deterministic matmuls on CUDA >= 10.2 without one of these two settings.
@@ -68,3 +80,90 @@ def set_cuda_determinism(device: torch.device, deterministic: bool = True) -> No
         # Read by cuBLAS when its handle is created: set before the first matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
+def time_sgd_step(model_fn: Callable[[], nn.Module], input_shape: tuple[int, ...], num_classes: int, batch: int,
+                  device: str, *, threads: int = 1, steps: int = 5, give_up_above_s: float | None = None) -> float:
+    """The median seconds of one SGD step (forward, cross-entropy, backward, update) of
+    ``model_fn()`` on ``device``, on random data of ``batch`` examples, with ``threads``
+    torch threads on the CPU. One untimed step first (kernels, autograd, cuDNN's choice);
+    CUDA is synchronised around each step. A step slower than ``give_up_above_s`` ends
+    the timing there (the other device is already faster): its time is returned."""
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(max(1, threads))
+    try:
+        model = model_fn().to(device)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn((batch, *input_shape), generator=g).to(device)
+        y = torch.randint(0, num_classes, (batch,), generator=g).to(device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        cuda = device.startswith("cuda")
+
+        def step() -> float:
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss = nn.functional.cross_entropy(model(x), y)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                torch._foreach_add_(params, grads, alpha=-1e-3)
+            if cuda:
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - t0
+
+        times = [step()]  # untimed: the first step pays for kernels and autograd
+        if give_up_above_s is not None and times[0] > 10 * give_up_above_s:
+            return times[0]
+        times = []
+        for _ in range(steps):
+            times.append(step())
+            if give_up_above_s is not None and times[-1] > give_up_above_s:
+                return times[-1]
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """What ``device=auto`` picked for the clients, and the timings it picked by."""
+
+    device: str
+    reason: str
+    #: device -> seconds a client's step costs there, counting the processes that share the work
+    per_client_step_s: dict[str, float] = field(default_factory=dict)
+
+
+def choose_by_measurement(model_fn: Callable[[], nn.Module], input_shape: tuple[int, ...], num_classes: int,
+                          batch: int, *, cpu_processes: int, cpu_threads: int = 1, cohort_clients: int = 1,
+                          cuda: bool | None = None, timer: Callable[..., float] = time_sgd_step) -> DeviceChoice:
+    """``device=auto`` by measurement: the clients train where a client's step costs least.
+
+    On the CPU, ``cpu_processes`` processes train clients side by side with
+    ``cpu_threads`` threads each, so a client's step costs the step's time over the
+    processes; on CUDA the clients of this process take turns on one GPU. With a cohort
+    (``cohort_clients`` > 1: one batched program of that many clients), CUDA is timed on
+    the cohort's whole batch (``batch * cohort_clients`` examples: the arithmetic of the
+    vmapped clients, whose cost a GPU does not scale linearly) and the time shared by its
+    clients; the CPU, whose cost does scale with the examples, is timed on one client's
+    batch (so a ResNet's timing stays one client's step). Without CUDA nothing is timed.
+    The CPU is timed second and gives up as soon as one of its steps is plainly slower
+    than CUDA's (so a ResNet costs a second or two, once).
+    """
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        return DeviceChoice("cpu", "no CUDA device")
+    share = max(1, cohort_clients)
+    gpu = timer(model_fn, input_shape, num_classes, batch * share, "cuda") / share
+    cpu_step = timer(model_fn, input_shape, num_classes, batch, "cpu", threads=cpu_threads,
+                     give_up_above_s=gpu * max(1, cpu_processes) * 2)
+    cpu = cpu_step / max(1, cpu_processes)
+    pick = "cpu" if cpu < gpu else "cuda"
+    what = (f"a cohort of {cohort_clients} clients x {batch} examples" if cohort_clients > 1
+            else f"one client's step of {batch} examples")
+    reason = (f"timed {what}: {gpu * 1e3:.3g} ms a client on cuda, {cpu * 1e3:.3g} ms on cpu "
+              f"({max(1, cpu_processes)} process{'es' if cpu_processes > 1 else ''} x {cpu_threads} "
+              f"thread{'s' if cpu_threads > 1 else ''})")
+    return DeviceChoice(pick, reason, {"cuda": gpu, "cpu": cpu})

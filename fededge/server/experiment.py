@@ -74,6 +74,9 @@ from fededge.strategies.resume import (
 RESUME_MAY_CHANGE = frozenset({
     "num-rounds", "progress", "checkpoint-every", "save-model", "target-accuracy", "results-dir",
     "run-name", "round-timeout", "resume-from", "evaluate-every", "log-to", "mlflow-uri",
+    # where idle clients' states live (the same results either way; a run from before
+    # client-states=auto recorded "memory")
+    "client-states", "client-states-memory-mb",
 })
 
 __all__ = [

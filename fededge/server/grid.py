@@ -84,10 +84,13 @@ class InProcessGrid(Grid):
         Seeds the (random, 63-bit) node ids.
     keep_client_states : bool
         Whether checkpoints hold the nodes' states (:meth:`state_dict`).
-    client_states : {"memory", "disk"}
-        Where idle nodes' ``context.state`` is kept (:mod:`fededge.server.nodestates`).
+    client_states : {"memory", "disk", "auto"}
+        Where idle nodes' ``context.state`` is kept (:mod:`fededge.server.nodestates`):
+        ``"auto"`` keeps them in memory until they total ``states_budget_mb``, then on disk.
     states_dir : path, optional
         Where ``"disk"`` states go (a private temporary directory in it; default ``$TMPDIR``).
+    states_budget_mb : float
+        ``"auto"``'s budget, in MiB.
     workers : int
         Processes that run the clients' messages: this one and ``workers - 1`` spawned ones.
     worker_threads : int
@@ -101,6 +104,10 @@ class InProcessGrid(Grid):
         fededge's ClientApp trains the round's clients as one batched program. A ClientApp
         that does not call :func:`fededge.clients.cohort.local_sgd` runs as it would
         without it. The workers (``workers > 1``) are then not used for such batches.
+    client_device : str, optional
+        The device fededge's ClientApp trains on where the run config says
+        ``device=auto`` (node config ``fededge-client-device``): one choice for every
+        node, made by :func:`fededge.server.inprocess.client_device_choice`.
     """
 
     #: Each node's messages run one at a time, in push order (checked by strategies
@@ -123,10 +130,12 @@ class InProcessGrid(Grid):
         keep_client_states: bool = True,
         client_states: str = "memory",
         states_dir: str | None = None,
+        states_budget_mb: float = 256,
         workers: int = 1,
         worker_threads: int = 1,
         client_app_ref: str | None = None,
         cohort: bool = False,
+        client_device: str | None = None,
     ) -> None:
         global _checked
         if not _checked:
@@ -162,10 +171,14 @@ class InProcessGrid(Grid):
         # each message, so idle nodes hold no copy of the run config.
         self._index = {nid: i for i, nid in enumerate(ids)}
         self._node_configs = None if node_configs is None else [dict(c) for c in node_configs]
-        self.states: NodeStates = make_states(client_states, states_dir)
+        self.states: NodeStates = make_states(client_states, states_dir, int(states_budget_mb * 2**20))
         self.workers = workers
         self.worker_threads = worker_threads
         self.cohort = cohort
+        self.client_device = client_device
+        #: The runtime's choices in words, for the run's first line and config.json
+        #: (:func:`fededge.server.inprocess.run_inprocess` says why it chose them).
+        self.runtime_note = f"{workers} process{'es' if workers > 1 else ''}; client states {client_states}"
         self._pool: WorkerPool | None = None
         self._run = fi.empty_run(run_id)
         # message id -> (destination node, root object id, serialised objects), in push order
@@ -181,6 +194,8 @@ class InProcessGrid(Grid):
         # (it adds no StateSpillMod of its own for client-states="disk").
         config: dict[str, Any] = {keys.PARTITION_ID: i, keys.NUM_PARTITIONS: len(self._index),
                                   keys.INPROCESS_NODE: True}
+        if self.client_device is not None:  # device=auto's choice, made once for every node
+            config[keys.CLIENT_DEVICE] = self.client_device
         if self._node_configs is not None:
             config.update(self._node_configs[i])
         return config
@@ -188,7 +203,8 @@ class InProcessGrid(Grid):
     @property
     def contexts(self) -> Mapping[int, Context]:
         """Every node's Context as its next message would see it (a view, built on access;
-        with ``client_states="disk"`` the states are copies)."""
+        with ``client_states="disk"`` the states are copies, and with ``"auto"`` they are
+        live until the states move to disk, copies after)."""
         return _Contexts(self)
 
     def data_splits(self) -> list[tuple[int, str | None]]:
@@ -237,9 +253,9 @@ class InProcessGrid(Grid):
             raise RuntimeError(f"a checkpoint of the in-process grid needs no message in flight; "
                                f"{len(self._pending)} pending, {len(self._replies)} replies not pulled")
         out: dict[str, Any] = {"nodes": list(self._index), "messages_run": self.messages_run}
-        if states_file is not None and isinstance(self.states, DiskStates):
+        if states_file is not None and self.states.disk is not None:
             out["states_file"] = Path(states_file).name
-            out["states_sha256"] = self.states.save_file(states_file)
+            out["states_sha256"] = self.states.disk.save_file(states_file)
         else:
             blobs = ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes())
             out["state_bytes"] = {nid: tensor_of_bytes(blob) for nid, blob in blobs if blob is not None}
@@ -262,14 +278,15 @@ class InProcessGrid(Grid):
             path = Path(states_dir) / str(state["states_file"])
             if not path.is_file():
                 raise ValueError(f"{path}: the checkpoint's client states file is missing")
-            disk = DiskStates(path.parent) if not isinstance(self.states, DiskStates) else self.states
+            own = self.states.disk
+            disk = own if own is not None else DiskStates(path.parent)
             try:
                 disk.load_file(path, str(state["states_sha256"]))
-                if disk is not self.states:  # a grid that keeps its states in memory
+                if disk is not own:  # a grid that keeps its states in memory (for now)
                     for nid in disk.nodes():
                         self.states.put_bytes(nid, disk.take_bytes(nid))
             finally:
-                if disk is not self.states:
+                if disk is not own:
                     disk.close()
         elif "state_bytes" in state:
             for nid, blob in state["state_bytes"].items():
@@ -337,19 +354,27 @@ class InProcessGrid(Grid):
 
     # -- delivery ------------------------------------------------------------------
     def _run_batch(self, batch: list[tuple[str, int, str, dict[str, bytes]]]) -> dict[str, Message]:
-        """Run ``batch`` (in push order); one node's messages in order, one at a time."""
+        """Run ``batch`` (in push order); one node's messages in order, one at a time.
+
+        The server's own work after it (its evaluation, the aggregation) runs with this
+        process's torch threads again: a ClientApp sets its own (``client-threads``), and
+        had that leaked, the server's float sums would depend on whether the batch's last
+        message ran here or in a worker, and so on ``workers``."""
+        threads = torch.get_num_threads()
+        try:
+            return self._deliver(batch)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _deliver(self, batch: list[tuple[str, int, str, dict[str, bytes]]]) -> dict[str, Message]:
         if self.cohort and len(batch) > 1:
             return self._run_cohorts(batch)
         if self.workers == 1 or len(batch) == 1:
             return {mid: self._execute(mid, nid, root, objects) for mid, nid, root, objects in batch}
         pool = self.start_workers()
         # This process is a worker too, with the workers' threads for the whole batch.
-        threads = torch.get_num_threads()
         torch.set_num_threads(self.worker_threads)
-        try:
-            return self._run_on_workers(pool, batch)
-        finally:
-            torch.set_num_threads(threads)
+        return self._run_on_workers(pool, batch)
 
     def _run_on_workers(self, pool: WorkerPool, batch: list[tuple[str, int, str, dict[str, bytes]]]
                         ) -> dict[str, Message]:

@@ -7,23 +7,144 @@ config, checks the clients' data split and runs fededge's apps (or the given one
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
+from fededge.clients.device import DeviceChoice
 from fededge.config import ConfigError, RunConfig
 from fededge.keys import SERVER_RESULT_KEY
 from fededge.server.app import app as default_server
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.workload import check_partition
 
-__all__ = ["DEFAULT_CLIENT_APP", "run_inprocess"]
+__all__ = ["DEFAULT_CLIENT_APP", "auto_workers", "client_device_choice", "run_inprocess", "usable_cores"]
 
 #: fededge's ClientApp, as workers import it.
 DEFAULT_CLIENT_APP = "fededge.clients.app:app"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's cpuset,
+    ``taskset``; ``os.cpu_count()`` where there is none), lowered to a cgroup's CPU quota
+    (``docker --cpus``, a Kubernetes CPU limit), rounded up."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs a cgroup's quota allows this process (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), None where there is no quota."""
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period_us = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def auto_workers(cfg: RunConfig, num_clients: int, *, by_reference: bool = True,
+                 cores: int | None = None, cuda: bool | None = None) -> tuple[int, str]:
+    """``workers="auto"``: how many processes run the clients, and why, in a few words.
+
+    Every usable core runs clients (one torch thread each), but never more processes
+    than a round has clients. One process when the clients cannot be spread: a ClientApp
+    given as an object (the workers import it by reference), ``cohort=true`` (a round's
+    clients train together in this process), or clients on CUDA (``device`` cuda, or
+    auto on a machine with CUDA: they share this process's GPU context).
+
+    Examples
+    --------
+    >>> auto_workers(RunConfig(clients_per_round=100), 10_000, cores=16, cuda=False)
+    (16, '16 usable cores, 100 clients a round')
+    >>> auto_workers(RunConfig(clients_per_round=3), 10, cores=16, cuda=False)
+    (3, '16 usable cores, 3 clients a round')
+    """
+    if not by_reference:
+        return 1, "a ClientApp given as an object runs in this process (give it as 'module:attribute' for workers)"
+    if cfg.cohort:
+        return 1, "cohort=true trains a round's clients together in this process"
+    if cuda is None:
+        cuda = torch_cuda_available()
+    if cfg.device.startswith("cuda") or (cfg.device == "auto" and cuda):
+        return 1, "the clients train on CUDA, in this process"
+    cores = usable_cores() if cores is None else cores
+    per_round = _per_round(cfg, num_clients)
+    n = max(1, min(cores, per_round))
+    return n, f"{cores} usable core{'s' if cores != 1 else ''}, {per_round} client{'s' if per_round != 1 else ''} a round"
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _per_round(cfg: RunConfig, num_clients: int) -> int:
+    cpr = cfg.clients_per_round
+    # Flower samples int(n * fraction) nodes, at least min_train_nodes (1): the same count here.
+    return min(num_clients, cpr if isinstance(cpr, int) else max(1, int(cpr * num_clients)))
+
+
+def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = "auto", *,
+                         cuda: bool | None = None, timer: Any = None) -> DeviceChoice:
+    """Where fededge's clients train in this runtime, and why.
+
+    ``device=auto`` decides by measurement where CUDA is
+    (:func:`~fededge.clients.device.choose_by_measurement`): the run's model takes
+    training steps at the run's batch size on CUDA and on the CPU, the CPU counted with
+    the processes it would use (``workers``, or :func:`auto_workers`' count on the CPU)
+    and a cohort timed as its whole batch, and the faster per client wins. Without CUDA
+    it is the CPU, untimed. Any other ``device`` is taken as asked. The choice is made
+    once, here, for every client of the run (the grid gives it to them in their node
+    config), so that all train on one device whatever their process.
+    """
+    from fededge.clients.device import choose_by_measurement, time_sgd_step
+
+    if cfg.device != "auto":
+        return DeviceChoice(cfg.device, "as asked")
+    if cuda is None:
+        cuda = torch_cuda_available()
+    if not cuda:
+        return DeviceChoice("cpu", "auto: no CUDA device")
+    from fededge.models.zoo import build_model
+    from fededge.workload import dataset_for
+
+    import torch
+
+    from fededge.clients.device import set_cuda_determinism
+
+    # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
+    set_cuda_determinism(torch.device("cuda"), cfg.deterministic)
+    ds = dataset_for(cfg)
+    per_round = _per_round(cfg, num_clients)
+    if cfg.cohort:
+        processes, threads = 1, usable_cores()
+    else:
+        processes = auto_workers(cfg, num_clients, cuda=False)[0] if workers == "auto" else int(workers)
+        # Several processes run their clients on one thread each (the grid's worker_threads).
+        threads = 1 if processes > 1 else cfg.client_threads or usable_cores()
+    choice = choose_by_measurement(
+        lambda: build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0),
+        tuple(ds.input_shape), ds.num_classes, cfg.batch_size, cpu_processes=processes, cpu_threads=threads,
+        cohort_clients=per_round if cfg.cohort else 1, cuda=True, timer=timer or time_sgd_step)
+    return DeviceChoice(choice.device, f"auto: {choice.reason}", choice.per_client_step_s)
 
 
 def run_inprocess(
@@ -35,9 +156,10 @@ def run_inprocess(
     node_configs: Sequence[Mapping[str, Any]] | None = None,
     run_id: int = 1,
     keep_client_states: bool = True,
-    workers: int = 1,
+    workers: int | Literal["auto"] = 1,
     client_states: str | None = None,
     states_dir: str | None = None,
+    client_device: str | None = None,
 ) -> Path | None:
     """Run fededge's ServerApp and ClientApp (or the given ones) in this process.
 
@@ -48,11 +170,17 @@ def run_inprocess(
     (:mod:`fededge.clients.statestore`).
 
     ``workers`` runs the clients on that many processes (this one included; results do
-    not change with it), and ``client_states`` (default: the run config's
-    ``client-states``, ``"memory"``) set to ``"disk"`` keeps idle clients' states on disk
-    (in ``states_dir``, default ``$TMPDIR``), so that memory follows the clients per
-    round: :class:`~fededge.server.grid.InProcessGrid` says how. With ``workers > 1`` a
-    ``client_app`` other than fededge's is given as ``"module:attribute"``.
+    not change with it); ``"auto"`` (``fededge run``'s default) picks by
+    :func:`auto_workers`: every usable core, up to a round's clients. ``client_states``
+    (default: the run config's ``client-states``, ``"auto"``: memory up to
+    ``client-states-memory-mb``, then disk) set to ``"disk"`` keeps idle clients' states
+    on disk (in ``states_dir``, default ``$TMPDIR``), so that memory follows the clients
+    per round: :class:`~fededge.server.grid.InProcessGrid` says how. With ``workers > 1``
+    a ``client_app`` other than fededge's is given as ``"module:attribute"``. The run's
+    first line says which were used and why (``InProcessGrid.runtime_note``), and
+    config.json keeps it (``inprocess_runtime``, ``inprocess_workers``,
+    ``inprocess_client_device``). ``client_device`` gives fededge's clients the device
+    ``device=auto`` chose before (``fededge resume`` passes the run's own), untimed.
 
     Examples
     --------
@@ -70,14 +198,37 @@ def run_inprocess(
                 f"run-config key '{key}' is {want} but the in-process run has only "
                 f"{num_clients} clients; lower it or raise num_clients (--num-clients)"
             )
+    # fededge's own clients train where device=auto measured them fastest (a ClientApp of
+    # one's own picks its own device).
+    if client_app is not None:
+        choice = None
+    elif client_device is not None and cfg.device == "auto":
+        choice = DeviceChoice(client_device, "auto: the run's own choice")
+    else:
+        choice = client_device_choice(cfg, num_clients, workers)
+    if workers == "auto":
+        workers, why = auto_workers(cfg, num_clients, by_reference=client_app is None or isinstance(client_app, str),
+                                    cuda=None if choice is None else choice.device.startswith("cuda"))
+        why = f"auto: {why}"
+    elif isinstance(workers, bool) or not isinstance(workers, int):
+        raise ValueError(f"workers must be an int >= 1 or 'auto', got {workers!r}")
+    else:
+        why = "as given"
     run_config = cfg.to_mapping()
+    states = client_states or cfg.client_states
     grid = InProcessGrid(
         client_app or default_client, num_nodes=num_clients, run_config=run_config,
         run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
-        client_states=client_states or cfg.client_states, states_dir=states_dir, workers=workers,
+        client_states=states, states_dir=states_dir, states_budget_mb=cfg.client_states_memory_mb, workers=workers,
         client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
         cohort=cfg.cohort and client_app is None,  # a ClientApp of one's own keeps its own path
+        client_device=choice.device if choice is not None and cfg.device == "auto" else None,
     )
+    grid.runtime_note = (
+        (f"clients on {choice.device} ({choice.reason}); " if choice is not None else "")
+        + f"{workers} process{'es' if workers > 1 else ''} ({why}); client states "
+        + (f"in memory up to {cfg.client_states_memory_mb:g} MiB, then on disk" if states == "auto" else
+           "on disk" if states == "disk" else "in memory"))
     try:
         # A data split the clients cannot make stops the run here, before anything starts,
         # with one ConfigError. The split is cached: the clients reuse it.

@@ -9,6 +9,11 @@ ResNet-18, although only the clients of one round (a hundred) need theirs at a t
   copy, no serialisation; the right choice for tens or hundreds of clients.
 - :class:`DiskStates` keeps the state of every node that is not running on disk, in one
   SQLite file in a private temporary directory (removed by :meth:`DiskStates.close`).
+- :class:`AutoStates` (``client-states=auto``, the default) starts as
+  :class:`MemoryStates` and moves every state to a :class:`DiskStates` once the states
+  it holds pass a budget (``client-states-memory-mb``), saying so once in the log: a run
+  of tens of clients never touches the disk, and one of 10,000 keeps its memory
+  bounded by the budget and the clients of a round.
   Peak memory then follows the clients per round, not the clients. A process that is
   killed cannot remove its directory (as large as all its nodes' states: about 2 GB
   for 10,000 MLP residuals): the directory holds a lock for as long as its store is
@@ -56,7 +61,7 @@ from fededge import _flwr_internals as fi
 from fededge.config import CLIENT_STATES
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 
-__all__ = ["CLIENT_STATES", "OWNER_LOCK", "PREFIX", "DiskStates", "MemoryStates", "NodeStates", "collect_orphans",
+__all__ = ["CLIENT_STATES", "OWNER_LOCK", "PREFIX", "AutoStates", "DiskStates", "MemoryStates", "NodeStates", "collect_orphans",
            "make_states", "state_from_bytes", "state_to_bytes"]
 
 #: A node's state as bytes and back (:func:`fededge.protocol.recorddict_to_bytes`; the
@@ -67,6 +72,9 @@ state_from_bytes = recorddict_from_bytes
 
 class MemoryStates:
     """Every node's state on the heap, as the live ``RecordDict`` the ClientApp left."""
+
+    #: The store's SQLite side, for checkpoints (none: every state is on the heap).
+    disk: DiskStates | None = None
 
     def __init__(self) -> None:
         self._states: dict[int, RecordDict] = {}
@@ -126,6 +134,7 @@ class DiskStates:
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.disk = self  # the store's SQLite side, for checkpoints
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
         collect_orphans(Path(directory) if directory is not None else Path(tempfile.gettempdir()))
@@ -254,7 +263,126 @@ class DiskStates:
             pass
 
 
-NodeStates = MemoryStates | DiskStates
+def state_nbytes(state: RecordDict) -> int:
+    """The bytes ``state`` holds in its arrays and byte strings (what dominates a node's
+    state: a residual, a momentum buffer, PowerSGD's Q), not Python's object overhead."""
+    total = 0
+    for record in state.array_records.values():
+        total += sum(len(a.data) for a in record.values())
+    for record in state.config_records.values():
+        total += sum(len(v) for v in record.values() if isinstance(v, bytes))
+    return total
+
+
+class AutoStates:
+    """Memory first; every state on disk once those held pass ``budget_bytes``.
+
+    The states stay live ``RecordDict`` objects (:class:`MemoryStates`, no copy, no
+    serialisation) while their arrays total at most ``budget_bytes``. The first
+    :meth:`put` that takes them over the budget moves every state to a
+    :class:`DiskStates` in ``directory``, logged once with the count and the size; the
+    store stays on disk for the rest of the run. So a run of a few clients never writes
+    a file, and a run of 10,000 clients keeps at most the budget plus the states of the
+    nodes that are running in memory. ``budget_bytes=0`` moves to disk at the first
+    non-empty state.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._directory = directory
+        self._memory: MemoryStates | None = MemoryStates()
+        self._sizes: dict[int, int] = {}  # node -> bytes of its state on the heap
+        self._held = 0
+        self.disk: DiskStates | None = None
+
+    @property
+    def kind(self) -> str:
+        """Where the states are now: ``"memory"`` or ``"disk"``."""
+        return "memory" if self.disk is None else "disk"
+
+    @property
+    def _store(self) -> MemoryStates | DiskStates:
+        return self.disk if self.disk is not None else self._memory  # type: ignore[return-value]
+
+    def _account(self, node: int, size: int) -> None:
+        self._held += size - self._sizes.pop(node, 0)
+        if size:
+            self._sizes[node] = size
+        if self._held > self.budget_bytes:
+            self._to_disk()
+
+    def _to_disk(self) -> None:
+        memory = self._memory
+        assert memory is not None
+        nodes = list(memory.nodes())
+        disk = None
+        try:
+            disk = DiskStates(self._directory)
+            for node in nodes:
+                disk.put(node, memory.take(node))
+        except (OSError, sqlite3.Error) as err:  # a full or read-only $TMPDIR: memory goes on, as "memory" would
+            if disk is not None:
+                disk.close()
+            self.budget_bytes = float("inf")  # type: ignore[assignment]  # tried once; not again
+            log.warning("client-states=auto: the states of %d clients (%.1f MiB) could not move to disk (%s: %s); "
+                        "they stay in memory for the rest of the run (client-states='memory'); give a writable "
+                        "states directory ($TMPDIR) with room for them", len(nodes), self._held / 2**20,
+                        type(err).__name__, err)
+            return
+        log.info("client-states=auto: the states of %d client%s reached %.1f MiB, over the %g MiB budget "
+                 "(client-states-memory-mb); idle clients' states are kept on disk from now on, in %s",
+                 len(nodes), "" if len(nodes) == 1 else "s", self._held / 2**20, self.budget_bytes / 2**20, disk.dir)
+        memory.close()
+        self._memory, self.disk, self._sizes, self._held = None, disk, {}, 0
+
+    def take(self, node: int) -> RecordDict:
+        return self._store.take(node)
+
+    def put(self, node: int, state: RecordDict) -> None:
+        self._store.put(node, state)
+        if self.disk is None:
+            self._account(node, state_nbytes(state) if len(state) else 0)
+
+    def take_bytes(self, node: int) -> bytes | None:
+        return self._store.take_bytes(node)
+
+    def put_bytes(self, node: int, blob: bytes | None) -> None:
+        if self.disk is not None:
+            self.disk.put_bytes(node, blob)
+        else:
+            self.put(node, RecordDict() if blob is None else state_from_bytes(blob))
+
+    def take_objects(self, node: int) -> dict[str, Any] | None:
+        return self._store.take_objects(node)
+
+    def put_objects(self, node: int, objects: dict[str, Any] | None) -> None:
+        if self.disk is not None:
+            self.disk.put_objects(node, objects)
+        else:
+            self.put(node, RecordDict() if objects is None else fi.recorddict_from_objects(objects))
+
+    def view(self, node: int) -> RecordDict:
+        """As the store's :meth:`MemoryStates.view` / :meth:`DiskStates.view`. A state
+        changed through a memory view is not counted against the budget until its next
+        :meth:`put`."""
+        return self._store.view(node)
+
+    def nodes(self) -> Iterator[int]:
+        return self._store.nodes()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def close(self) -> None:
+        if self._memory is not None:
+            self._memory.close()
+        if self.disk is not None:
+            self.disk.close()
+
+
+NodeStates = MemoryStates | DiskStates | AutoStates
 
 #: The name of a :class:`DiskStates` directory starts with this.
 PREFIX = "fededge-states-"
@@ -335,10 +463,15 @@ def _sha256(path: Path, fsync: bool = False) -> str:
     return h.hexdigest()
 
 
-def make_states(kind: str, directory: str | os.PathLike[str] | None = None) -> NodeStates:
-    """``"memory"`` or ``"disk"`` (in ``directory``, default ``$TMPDIR``)."""
+def make_states(kind: str, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20
+                ) -> NodeStates:
+    """``"memory"``, ``"disk"`` (in ``directory``, default ``$TMPDIR``) or ``"auto"``
+    (:class:`AutoStates`: memory up to ``budget_bytes``, then disk)."""
     if kind == "memory":
         return MemoryStates()
     if kind == "disk":
         return DiskStates(directory)
-    raise ValueError(f"client states are kept in 'memory' or on 'disk', not {kind!r}")
+    if kind == "auto":
+        return AutoStates(directory, budget_bytes)
+    raise ValueError(f"client states are kept in 'memory', on 'disk' or 'auto' (memory, then disk past a "
+                     f"budget), not {kind!r}")

@@ -173,10 +173,13 @@ def run_experiment(
         results=cfg.owned(ResultsConfig), clock=cfg.owned(ClockConfig),
         min_nodes=max(needed, cfg.min_available_nodes), config=cfg.to_mapping(),
         metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
-                  **({"inprocess_nodes": len(list(grid.get_node_ids()))} if isinstance(grid, InProcessGrid) else {}),
+                  **({"inprocess_nodes": len(list(grid.get_node_ids())), "inprocess_workers": grid.workers,
+                      "inprocess_client_device": grid.client_device, "inprocess_runtime": grid.runtime_note}
+                     if isinstance(grid, InProcessGrid) else {}),
                   "train_examples": len(ds.x_train), "test_examples": len(ds.x_test),
                   **({"update_plan": plan.as_json()} if plan.entries else {})},
-        title=f"{cfg.strategy}, {cfg.model} on {cfg.dataset} ({cfg.partition}), device {device}",
+        title=f"{cfg.strategy}, {cfg.model} on {cfg.dataset} ({cfg.partition}), device {device}"
+              + (f"; in-process, {grid.runtime_note}" if isinstance(grid, InProcessGrid) else ""),
     )
 
     def before_start(g: Grid) -> None:

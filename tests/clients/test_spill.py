@@ -315,9 +315,9 @@ def test_outside_the_state_store_it_changes_nothing_the_store_sees_or_writes(tmp
     assert plain == spilled and plain[0] == [1, 2, 3, 4, 5]
 
 
-def test_client_states_is_memory_or_disk():
-    assert RunConfig().client_states == "memory" and RunConfig(client_states="disk").client_states == "disk"
-    with pytest.raises(ConfigError, match=r"'client-states' must be one of memory, disk; got 'swap'"):
+def test_client_states_is_memory_disk_or_auto():
+    assert RunConfig().client_states == "auto" and RunConfig(client_states="disk").client_states == "disk"
+    with pytest.raises(ConfigError, match=r"'client-states' must be one of memory, disk, auto; got 'swap'"):
         RunConfig.from_mapping({"client-states": "swap"})
 
 

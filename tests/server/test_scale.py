@@ -80,7 +80,7 @@ def test_a_state_spilled_to_disk_and_read_back_equals_the_state_kept_in_memory(t
     assert not disk.dir.exists()
     with pytest.raises(RuntimeError, match="closed"):
         disk.take(5)
-    with pytest.raises(ValueError, match="'memory' or on 'disk'"):
+    with pytest.raises(ValueError, match="'memory', on 'disk' or 'auto'"):
         make_states("ram")
 
 

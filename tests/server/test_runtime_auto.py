@@ -1,0 +1,331 @@
+"""What ``fededge run`` picks without flags (issue 35, item 6): ``--workers auto`` (every
+usable core, up to a round's clients) and ``client-states=auto`` (memory up to a
+budget, then disk), each said in the run's first line and config.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fededge.cli import main
+from fededge.config import ConfigError, RunConfig
+from fededge.server.grid import InProcessGrid
+from fededge.server.inprocess import auto_workers, run_inprocess
+from fededge.server.nodestates import AutoStates, DiskStates, make_states, state_nbytes, state_to_bytes
+
+MIB = 2**20
+
+
+def _state(seed: int, floats: int = 1000) -> RecordDict:
+    g = torch.Generator().manual_seed(seed)
+    return RecordDict({"ef": ArrayRecord({"w": torch.randn(floats, generator=g)}),
+                       "sampler": ConfigRecord({"pos": seed, "blob": b"x" * 24})})
+
+
+def test_state_nbytes_counts_the_arrays_and_byte_strings():
+    # An Array's bytes are numpy's .npy serialisation: the 4,000 data bytes and a header.
+    n = state_nbytes(_state(0))
+    assert 4000 + 24 <= n <= 4000 + 24 + 256
+    assert state_nbytes(RecordDict()) == 0
+
+
+def test_auto_states_stay_in_memory_under_the_budget_then_move_every_state_to_disk_once(tmp_path, caplog):
+    per = state_nbytes(_state(0))
+    store = AutoStates(tmp_path, budget_bytes=3 * per + per // 2)  # three states fit, the fourth does not
+    caplog.set_level(logging.INFO, logger="fededge.server.nodestates")
+    try:
+        for node in range(3):
+            store.put(node, _state(node))
+        assert store.kind == "memory" and store.disk is None and not list(tmp_path.iterdir())
+        assert store.take(1) is store.take(1)  # the live objects: no copy while in memory
+        # A node's new state replaces its old one in the count: no move.
+        store.put(1, _state(11))
+        assert store.kind == "memory"
+        before = {n: state_to_bytes(store.take(n)) for n in store.nodes()}
+        store.put(3, _state(3))  # over the budget: everything moves, once
+        assert store.kind == "disk" and isinstance(store.disk, DiskStates) and store.disk.dir.parent == tmp_path
+        after = {n: store.take_bytes(n) for n in store.nodes()}
+        assert after == {**before, 3: state_to_bytes(_state(3))}  # bit for bit, nothing lost
+        moved = [r for r in caplog.records if "client-states=auto" in r.getMessage()]
+        assert len(moved) == 1 and "the states of 4 clients" in moved[0].getMessage()
+        for node in range(4, 8):  # on disk for the rest of the run, said no more
+            store.put(node, _state(node))
+        store.put_bytes(9, state_to_bytes(_state(9)))
+        store.put(0, RecordDict())  # an empty state is no state, on disk as in memory
+        assert sorted(store.nodes()) == [1, 2, 3, 4, 5, 6, 7, 9] and len(store) == 8
+        assert len([r for r in caplog.records if "client-states=auto" in r.getMessage()]) == 1
+        directory = store.disk.dir
+    finally:
+        store.close()
+    assert not directory.exists()
+
+
+def test_auto_states_count_each_way_in_and_a_zero_budget_is_disk_from_the_first_state(tmp_path):
+    per = state_nbytes(_state(0))
+    for put in ("put", "put_bytes", "put_objects"):
+        store = AutoStates(tmp_path, budget_bytes=per + per // 2)
+        try:
+            value = {"put": _state, "put_bytes": lambda i: state_to_bytes(_state(i)),
+                     "put_objects": lambda i: __import__("fededge._flwr_internals", fromlist=["x"])
+                     .recorddict_to_objects(_state(i))}[put]
+            getattr(store, put)(0, value(0))
+            assert store.kind == "memory", put
+            getattr(store, put)(1, value(1))
+            assert store.kind == "disk", put
+            assert store.take_bytes(0) == state_to_bytes(_state(0))
+        finally:
+            store.close()
+    store = make_states("auto", tmp_path, budget_bytes=0)
+    try:
+        store.put(5, RecordDict())  # an empty state holds nothing: still memory
+        assert store.kind == "memory"
+        store.put(5, _state(5))
+        assert store.kind == "disk"
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
+        AutoStates(tmp_path, budget_bytes=-1)
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_checkpoint_of_auto_states_reads_back_into_any_store(tmp_path, moved):
+    """Before the move the checkpoint holds the states' bytes; after it, a side file (as
+    client-states=disk's). Either reads back into a grid of any kind, equal bit for bit."""
+    budget = 0.001 if moved else 1.0  # MiB
+    grid = InProcessGrid("fededge.clients.app:app", num_nodes=5, run_config={}, client_states="auto",
+                         states_budget_mb=budget)
+    try:
+        nodes = list(grid.get_node_ids())
+        for i, nid in enumerate(nodes[:4]):
+            grid.states.put(nid, _state(i))
+        assert grid.states.kind == ("disk" if moved else "memory")
+        saved = grid.state_dict(states_file=tmp_path / "round-000001.states")
+        assert ("states_file" in saved) == moved and ("state_bytes" in saved) != moved
+        want = {nid: grid.states.take_bytes(nid) for nid in nodes[:4]}
+    finally:
+        grid.close()
+    for kind in ("memory", "disk", "auto"):
+        back = InProcessGrid("fededge.clients.app:app", num_nodes=5, run_config={}, client_states=kind,
+                             states_budget_mb=budget)
+        try:
+            back.load_state_dict(saved, states_dir=tmp_path)
+            assert {nid: back.states.take_bytes(nid) for nid in back.states.nodes()} == want, kind
+        finally:
+            back.close()
+
+
+def test_auto_workers_take_every_core_up_to_a_rounds_clients_and_one_process_where_clients_cannot_spread():
+    cfg = RunConfig(clients_per_round=100)
+    assert auto_workers(cfg, 10_000, cores=2, cuda=False) == (2, "2 usable cores, 100 clients a round")
+    assert auto_workers(RunConfig(clients_per_round=3), 10, cores=16, cuda=False)[0] == 3
+    assert auto_workers(RunConfig(clients_per_round=0.25), 10, cores=16, cuda=False)[0] == 2  # Flower's int(2.5)
+    assert auto_workers(RunConfig(clients_per_round=1.0), 4, cores=16, cuda=False)[0] == 4
+    assert auto_workers(cfg, 10_000, cores=1, cuda=False) == (1, "1 usable core, 100 clients a round")
+    for got, why in (
+        (auto_workers(cfg, 10_000, cores=16, cuda=True), "CUDA"),
+        (auto_workers(RunConfig(clients_per_round=100, device="cuda"), 10_000, cores=16, cuda=False), "CUDA"),
+        (auto_workers(RunConfig(clients_per_round=100, cohort=True), 10_000, cores=16, cuda=False), "cohort"),
+        (auto_workers(cfg, 10_000, by_reference=False, cores=16, cuda=False), "module:attribute"),
+    ):
+        assert got[0] == 1 and why in got[1]
+    # device=cpu on a CUDA machine spreads over the cores.
+    assert auto_workers(RunConfig(clients_per_round=100, device="cpu"), 10_000, cores=16, cuda=True)[0] == 16
+
+
+def test_the_defaults_give_the_same_run_as_one_process_in_memory_and_say_what_they_chose(tmp_path, monkeypatch):
+    """workers=auto and client-states=auto (with a budget the run's error-feedback
+    residuals pass in round 1, mid-batch) give the rounds of workers=1 with states in
+    memory, bit for bit; config.json and the run's first line name the choice."""
+    import fededge.server.inprocess as inprocess
+
+    monkeypatch.setattr(inprocess, "usable_cores", lambda: 3)
+    config = {"num-rounds": 3, "local-steps": 3, "model": "mlp", "progress": "off", "clients-per-round": 4,
+              "compressor": "signsgd", "error-feedback": True, "checkpoint-every": 0}
+    ref = run_inprocess({**config, "client-states": "memory", "results-dir": str(tmp_path / "ref")},
+                        num_clients=8, workers=1)
+    out = run_inprocess({**config, "client-states-memory-mb": 0.5, "results-dir": str(tmp_path / "auto")},
+                        num_clients=8, workers="auto", states_dir=str(tmp_path / "states"))
+
+    def rounds(run_dir):
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["accuracy"], r["loss"], r["bytes_up"], r["bytes_down"],
+                 [(c["partition"], c["bytes_up"]) for c in r.get("clients", [])]) for r in lines]
+
+    assert rounds(out) == rounds(ref)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["config"]["client-states"] == "auto"
+    assert meta["inprocess_runtime"] == ("clients on cpu (auto: no CUDA device); 3 processes (auto: 3 usable "
+                                         "cores, 4 clients a round); client states in memory up to 0.5 MiB, then on disk")
+    assert json.loads((ref / "config.json").read_text())["inprocess_runtime"] == \
+        "clients on cpu (auto: no CUDA device); 1 process (as given); client states in memory"
+    assert list((tmp_path / "states").iterdir()) == []  # the store moved to disk, and removed its files
+
+
+def test_fededge_run_names_its_choices_and_refuses_a_bad_worker_count(tmp_path, capsys):
+    assert main(["run", "--num-clients", "3", "--run-config",
+                 f'num-rounds=1 local-steps=2 model="mlp" compressor="signsgd" results-dir="{tmp_path}"']) == 0
+    err = capsys.readouterr().err
+    first = next(line for line in err.splitlines() if line.startswith("[fededge] run "))
+    assert "; in-process, " in first and "(auto: " in first and "client states in memory up to 256 MiB" in first
+    assert "[fededge] update plan (signsgd)" in err  # fededge's INFO lines are shown by the command
+    assert logging.getLogger("fededge").handlers == []  # and the handler is gone afterwards
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as stop:
+            main(["run", "--workers", bad])
+        assert stop.value.code == 2
+        assert "expected 'auto' or a number of processes >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="workers must be an int >= 1 or 'auto'"):
+        run_inprocess({"num-rounds": 1}, num_clients=2, workers="all")
+
+
+def test_the_budget_key_is_checked():
+    assert RunConfig().client_states == "auto" and RunConfig().client_states_memory_mb == 256.0
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="'client-states-memory-mb' must be a finite number >= 0"):
+            RunConfig.from_mapping({"client-states-memory-mb": bad})
+
+
+# -- device=auto by measurement (issue 35, item 5) ------------------------------------
+
+def _fake_timer(cuda_s: float, cpu_s: float, calls: list):
+    def timer(model_fn, input_shape, num_classes, batch, device, *, threads=1, steps=5, give_up_above_s=None):
+        calls.append({"device": device, "batch": batch, "threads": threads, "give_up": give_up_above_s,
+                      "model": type(model_fn()).__name__})
+        return cuda_s if device == "cuda" else cpu_s
+    return timer
+
+
+def test_device_auto_keeps_the_faster_device_per_client_counting_the_cpu_processes():
+    from fededge.clients.device import choose_by_measurement
+
+    def model():
+        return torch.nn.Linear(4, 3)
+
+    calls: list = []
+    # One GPU step of 1 ms against a CPU step of 1.5 ms on each of 2 processes: 0.75 ms a client.
+    got = choose_by_measurement(model, (4,), 3, 32, cpu_processes=2, cuda=True, timer=_fake_timer(1e-3, 1.5e-3, calls))
+    assert got.device == "cpu" and got.per_client_step_s == pytest.approx({"cuda": 1e-3, "cpu": 0.75e-3})
+    assert "1 ms a client on cuda, 0.75 ms on cpu (2 processes x 1 thread)" in got.reason
+    assert [c["device"] for c in calls] == ["cuda", "cpu"] and calls[1]["give_up"] == pytest.approx(4e-3)
+    calls.clear()
+    # The same CPU step on one process: CUDA's 1 ms wins.
+    assert choose_by_measurement(model, (4,), 3, 32, cpu_processes=1, cuda=True,
+                                 timer=_fake_timer(1e-3, 1.5e-3, calls)).device == "cuda"
+    calls.clear()
+    # A cohort of 10 is timed on its whole batch on CUDA and shared by its clients; the
+    # CPU, linear in the examples, is timed on one client's batch.
+    got = choose_by_measurement(model, (4,), 3, 32, cpu_processes=1, cpu_threads=8, cohort_clients=10, cuda=True,
+                                timer=_fake_timer(2e-3, 3e-3, calls))
+    assert [c["batch"] for c in calls] == [320, 32] and calls[1]["threads"] == 8
+    assert got.device == "cuda" and got.per_client_step_s == pytest.approx({"cuda": 2e-4, "cpu": 3e-3})
+    assert "a cohort of 10 clients x 32 examples" in got.reason
+    # Without CUDA nothing is timed.
+    assert choose_by_measurement(model, (4,), 3, 32, cpu_processes=2, cuda=False,
+                                 timer=lambda *a, **k: pytest.fail("timed")).reason == "no CUDA device"
+
+
+def test_a_real_training_step_is_timed_on_the_cpu_and_the_threads_are_put_back():
+    from fededge.clients.device import time_sgd_step
+    from fededge.models.zoo import build_model
+
+    threads = torch.get_num_threads()
+    s = time_sgd_step(lambda: build_model("mlp", input_shape=(64,), num_classes=10, seed=0), (64,), 10, 32, "cpu",
+                      threads=1, steps=3)
+    assert 0 < s < 5 and torch.get_num_threads() == threads
+    # A step above give_up_above_s ends the timing at once and returns that step.
+    assert time_sgd_step(lambda: build_model("mlp", input_shape=(64,), num_classes=10, seed=0), (64,), 10, 32,
+                         "cpu", give_up_above_s=1e-9) > 1e-9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: device=auto times the step on both devices")
+def test_device_auto_times_both_devices_where_cuda_is():
+    from fededge.clients.device import choose_by_measurement
+    from fededge.models.zoo import build_model
+
+    got = choose_by_measurement(lambda: build_model("mlp", input_shape=(64,), num_classes=10, seed=0), (64,), 10,
+                                32, cpu_processes=2)
+    assert got.device in ("cpu", "cuda") and set(got.per_client_step_s) == {"cpu", "cuda"}
+
+
+def test_the_runtime_gives_every_client_the_measured_device_and_spreads_them_when_it_is_the_cpu(
+        tmp_path, monkeypatch):
+    """On a (pretend) CUDA machine where the timing favours the CPU, the clients train on
+    the CPU over every core, and the run's first line gives the timings; a choice of
+    CUDA reaches each node's config, and the process count drops to one."""
+    import fededge.clients.device as device
+    import fededge.server.inprocess as inprocess
+    from fededge import keys
+
+    calls: list = []
+    monkeypatch.setattr(inprocess, "torch_cuda_available", lambda: True)
+    monkeypatch.setattr(inprocess, "usable_cores", lambda: 2)
+    monkeypatch.setattr(device, "time_sgd_step", _fake_timer(1e-3, 0.2e-3, calls))
+    out = run_inprocess({"num-rounds": 1, "local-steps": 2, "model": "mlp", "progress": "off", "clients-per-round": 4,
+                         "results-dir": str(tmp_path)}, num_clients=4, workers="auto")
+    note = json.loads((out / "config.json").read_text())["inprocess_runtime"]
+    assert note.startswith("clients on cpu (auto: timed one client's step of 32 examples: 1 ms a client on cuda, "
+                           "0.1 ms on cpu (2 processes x 1 thread)); 2 processes (auto: 2 usable cores")
+    assert [c["model"] for c in calls] == ["MLP", "MLP"]
+    assert inprocess.auto_workers(RunConfig(clients_per_round=4), 4, cores=2, cuda=True)[0] == 1
+    grid = InProcessGrid("fededge.clients.app:app", num_nodes=2, run_config={}, client_device="cuda:0")
+    try:
+        assert {grid.node_config(n)[keys.CLIENT_DEVICE] for n in grid.get_node_ids()} == {"cuda:0"}
+    finally:
+        grid.close()
+    # No CUDA: the CPU, untimed; a device asked for is taken as asked.
+    assert inprocess.client_device_choice(RunConfig(), 4, cuda=False).reason == "auto: no CUDA device"
+    assert inprocess.client_device_choice(RunConfig(device="cpu"), 4, cuda=True).reason == "as asked"
+
+
+def test_a_move_to_disk_that_fails_keeps_the_states_in_memory_and_says_so_once(tmp_path, monkeypatch, caplog):
+    import fededge.server.nodestates as nodestates
+
+    def full(directory):  # noqa: ANN001, ANN202
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nodestates, "DiskStates", full)
+    store = AutoStates(tmp_path, budget_bytes=1)
+    caplog.set_level(logging.INFO, logger="fededge.server.nodestates")
+    try:
+        for node in range(3):
+            store.put(node, _state(node))
+        assert store.kind == "memory" and sorted(store.nodes()) == [0, 1, 2]
+        assert store.take_bytes(2) == state_to_bytes(_state(2))
+        warned = [r for r in caplog.records if "could not move to disk" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "No space left" in warned[0].getMessage()
+    finally:
+        store.close()
+
+
+def test_usable_cores_follow_a_cgroup_cpu_quota(tmp_path):
+    from fededge.server.inprocess import _cgroup_cpu_quota
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path)) == 2.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _cgroup_cpu_quota(str(tmp_path)) is None
+    assert _cgroup_cpu_quota(str(tmp_path / "nothing")) is None
+
+
+def test_a_sweeps_runs_share_the_cores_and_a_resume_keeps_the_runs_device(tmp_path):
+    from fededge.sweep import _command, plan
+
+    sweep = plan(tmp_path / "sw", {"compressor": ["none"]}, [0], base={"num-rounds": 1}, num_clients=4)
+    cmd = _command(sweep.runs[0], sweep, "run", "3")
+    assert cmd[cmd.index("--workers") + 1] == "3"
+    out = run_inprocess({"num-rounds": 1, "local-steps": 2, "model": "mlp", "progress": "off",
+                         "results-dir": str(tmp_path / "r")}, num_clients=2, client_device="cpu")
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["inprocess_client_device"] == "cpu" and meta["inprocess_workers"] == 1
+    assert meta["inprocess_runtime"].startswith("clients on cpu (auto: the run's own choice); 1 process (as given)")
