@@ -231,8 +231,17 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--only", nargs="*", help="labels to run (default: the whole study)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                    help="print the table of runs saved by --json (several files: one table of all their rows, "
+                         "in the order given) and run nothing")
     args = ap.parse_args()
 
+    if args.from_json:
+        saved = [json.loads(Path(f).read_text()) for f in args.from_json]
+        rows = [r for d in saved for r in d["rows"]]
+        seeds = sorted({r["seed"] for r in rows})
+        print_table(saved[0]["task"], saved[0]["base"], args.clients, seeds, rows)
+        return 0
     base = {**TASKS[args.task], "num-rounds": args.rounds}
     cases = [c for c in STUDIES[args.study] if not args.only or c[0] in args.only]
     rows = []
@@ -247,13 +256,20 @@ def main() -> int:
                 print(f"[bench]   final {r['final']:.4f} max drop {r['max_drop']:.4f} "
                       f"{r['wall_s']:.0f} s: {' '.join(f'{a:.3f}' for a in r['accuracy_by_round'])}",
                       file=sys.stderr, flush=True)
+    print_table(args.task, base, args.clients, args.seeds, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"task": args.task, "base": base, "rows": rows}, indent=2))
+    return 0
+
+
+def print_table(task: str, base: dict, clients: int, seeds: list, rows: list[dict]) -> None:
     labels = list(dict.fromkeys(r["label"] for r in rows))
     by = {lab: [r for r in rows if r["label"] == lab] for lab in labels}
     ref = by.get("none", by[labels[0]])
     ref_final = statistics.mean(r["final"] for r in ref)
     ref_bytes = statistics.mean(r["bytes_up"] for r in ref)
     ref_drop = statistics.mean(r["max_drop"] for r in ref)
-    print(f"\nTask {args.task}: {base}, {args.clients} clients, seeds {args.seeds}")
+    print(f"\nTask {task}: {base}, {clients} clients, seeds {seeds}")
     head = (f"{'case':<22}{'final':>8}{'Δ pts':>8}{'min..max':>14}{'max drop':>10}{'x ref':>7}"
             f"{'x fewer':>9}{'payload x':>10}{'guard':>9}{'wall s':>8}")
     print(head)
@@ -274,9 +290,6 @@ def main() -> int:
           "and norm-stats answers included); payload x: float32 bytes of the decoded updates / their payload "
           "bytes (mean over compressed rounds); guard: PowerSGD encodes where the guard took the rows / all PowerSGD encodes")
     print(f"command: {' '.join(sys.argv)}\ndate: {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"task": args.task, "base": base, "rows": rows}, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
