@@ -15,6 +15,10 @@ Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new us
   per-client path with 1 and with 8 worker processes, and the cohort path
   (``cohort = true``: each round's clients as one batched program), on ``cuda`` and on
   the CPU.
+- **defaults**, for each workload: ``device=auto`` and ``--workers auto``, what
+  ``fededge run`` does without flags (issue 35, items 5 and 6: the device is timed on
+  both where CUDA is); the table's last lines say what they chose (config.json's
+  ``inprocess_runtime``).
 
 Columns: ``s/round`` (wall seconds per round over rounds 2..R: round 1 also builds the
 data and warms up), ``compute`` (the clients' summed ``compute_s`` per round: their
@@ -69,6 +73,11 @@ def _rows(quick: bool, cuda: bool) -> list[dict]:
         for workers in (1, 8 if not quick else 2):
             rows.append({"workload": "mlp", "device": dev, "path": "per-client", "workers": workers})
         rows.append({"workload": "mlp", "device": dev, "path": "cohort", "workers": 1})
+    # What a user gets without flags: device=auto (timed on both devices where CUDA is) and
+    # --workers auto; the row says what they chose.
+    for workload in ("resnet", "mlp"):
+        rows.append({"workload": workload, "device": "auto", "path": "defaults", "workers": "auto",
+                     **({"num-rounds": cpu_rounds} if workload == "resnet" and not cuda else {})})
     return rows
 
 
@@ -116,6 +125,8 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
         "cohort": row["path"] == "cohort",
         # the CPU rows use every core: per client in one process, or spread over the workers
         "client-threads": 0 if row["device"] == "cpu" and row.get("workers", 1) == 1 else 1}
+    if row["path"] == "defaults":  # fededge run's own choices: client-threads as it comes
+        overrides.pop("client-threads")
     if "num-rounds" in row:
         overrides["num-rounds"] = row["num-rounds"]
     run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1))
@@ -123,7 +134,9 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
     later = lines[2:]
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
     compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
-    return {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"]}
+    meta = json.loads((run_dir / "config.json").read_text())
+    return {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
+            "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
 
 
 def one(row: dict, quick: bool) -> dict:
@@ -164,6 +177,9 @@ def main() -> int:
     print("\nthe same rows, with every ratio against the finished table:")
     for r in results:
         print(_line(r, results))
+    for r in results:
+        if r.get("chose"):
+            print(f"{r['workload']} defaults chose: {r['chose']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
