@@ -16,7 +16,8 @@ from typing import Any, Literal
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
-from fededge.clients.device import DeviceChoice
+from fededge.clients import device as _device  # its time_sgd_step looked up at call time (tests replace it)
+from fededge.clients.device import DeviceChoice, choose_by_measurement, set_cuda_determinism
 from fededge.config import ConfigError, RunConfig
 from fededge.keys import SERVER_RESULT_KEY
 from fededge.server.app import app as default_server
@@ -115,20 +116,16 @@ def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = 
     once, here, for every client of the run (the grid gives it to them in their node
     config), so that all train on one device whatever their process.
     """
-    from fededge.clients.device import choose_by_measurement, time_sgd_step
-
     if cfg.device != "auto":
         return DeviceChoice(cfg.device, "as asked")
     if cuda is None:
         cuda = torch_cuda_available()
     if not cuda:
         return DeviceChoice("cpu", "auto: no CUDA device")
-    from fededge.models.zoo import build_model
-    from fededge.workload import dataset_for
-
     import torch
 
-    from fededge.clients.device import set_cuda_determinism
+    from fededge.models.zoo import build_model
+    from fededge.workload import dataset_for
 
     # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
     set_cuda_determinism(torch.device("cuda"), cfg.deterministic)
@@ -143,7 +140,7 @@ def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = 
     choice = choose_by_measurement(
         lambda: build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0),
         tuple(ds.input_shape), ds.num_classes, cfg.batch_size, cpu_processes=processes, cpu_threads=threads,
-        cohort_clients=per_round if cfg.cohort else 1, cuda=True, timer=timer or time_sgd_step)
+        cohort_clients=per_round if cfg.cohort else 1, cuda=True, timer=timer or _device.time_sgd_step)
     return DeviceChoice(choice.device, f"auto: {choice.reason}", choice.per_client_step_s)
 
 

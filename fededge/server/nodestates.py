@@ -295,6 +295,7 @@ class AutoStates:
         self._memory: MemoryStates | None = MemoryStates()
         self._sizes: dict[int, int] = {}  # node -> bytes of its state on the heap
         self._held = 0
+        self._move_failed = False  # a move to disk failed once: memory for the rest of the run
         self.disk: DiskStates | None = None
 
     @property
@@ -310,7 +311,7 @@ class AutoStates:
         self._held += size - self._sizes.pop(node, 0)
         if size:
             self._sizes[node] = size
-        if self._held > self.budget_bytes:
+        if self._held > self.budget_bytes and not self._move_failed:
             self._to_disk()
 
     def _to_disk(self) -> None:
@@ -325,7 +326,7 @@ class AutoStates:
         except (OSError, sqlite3.Error) as err:  # a full or read-only $TMPDIR: memory goes on, as "memory" would
             if disk is not None:
                 disk.close()
-            self.budget_bytes = float("inf")  # type: ignore[assignment]  # tried once; not again
+            self._move_failed = True
             log.warning("client-states=auto: the states of %d clients (%.1f MiB) could not move to disk (%s: %s); "
                         "they stay in memory for the rest of the run (client-states='memory'); give a writable "
                         "states directory ($TMPDIR) with room for them", len(nodes), self._held / 2**20,
