@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """fededge on a GPU against its pure-torch floor and the CPU (issue 35): one script, one table.
 
-Run it on a machine with a CUDA GPU (it takes about 6 minutes on an H100 with 16 cores);
+Run it on a machine with a CUDA GPU (about 8 minutes on an H100 with 16 cores; 2026-11-27,
+without the CPU ResNet rows, the first seven rows took 6 minutes); ``scripts/gpu_check.sh``
+runs it with the CUDA tests;
 ``--quick`` runs tiny sizes on any machine (CPU only where no GPU), to check the script.
 
 Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new user runs it):
@@ -10,7 +12,10 @@ Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new us
   32, every client every round: fededge on ``cuda``, fededge on the CPU (all cores), and
   the **pure-torch floor**: the same 200 SGD steps (``fededge.clients.train.local_sgd``,
   each client from the round's global weights, its data already on the device) with
-  nothing else, timed on the same GPU.
+  nothing else, timed on the same GPU. The floor uses the kernels fededge's clients use
+  (run config ``deterministic``, true by default: cuDNN's deterministic algorithms, no
+  autotuner); on CUDA both rows are also run with ``deterministic=false`` (``path`` marked
+  ``*``), each compared with its own floor.
 - **MLP, 1,000 clients, 100 a round, signSGD + error feedback**, ``synthetic`` data:
   per-client path with 1 and with 8 worker processes, and the cohort path
   (``cohort = true``: each round's clients as one batched program), on ``cuda`` and on
@@ -61,14 +66,19 @@ def _workloads(quick: bool) -> dict[str, dict]:
     }
 
 
-def _rows(quick: bool, cuda: bool) -> list[dict]:
+def _rows(quick: bool, cuda: bool, cpu_resnet: bool = True) -> list[dict]:
     cpu_rounds = 2 if not quick else 3
     rows = []
     devices = (["cuda"] if cuda else []) + ["cpu"]
-    for dev in devices:
-        rows.append({"workload": "resnet", "device": dev, "path": "floor"})
+    for dev in devices if cpu_resnet or not cuda else ["cuda"]:
+        rows.append({"workload": "resnet", "device": dev, "path": "floor",
+                     **({"num-rounds": cpu_rounds} if dev == "cpu" else {})})
         rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 1,
                      **({"num-rounds": cpu_rounds} if dev == "cpu" else {})})
+        if dev == "cuda":  # the same two without deterministic kernels (run config deterministic=false)
+            rows.append({"workload": "resnet", "device": dev, "path": "floor", "deterministic": False})
+            rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 1,
+                         "deterministic": False})
     for dev in devices:
         for workers in (1, 8 if not quick else 2):
             rows.append({"workload": "mlp", "device": dev, "path": "per-client", "workers": workers})
@@ -81,7 +91,7 @@ def _rows(quick: bool, cuda: bool) -> list[dict]:
     return rows
 
 
-def _floor(work: dict, device: str) -> dict:
+def _floor(work: dict, row: dict) -> dict:
     """The same SGD steps in plain torch: each client from the global weights, its data
     already on the device, nothing else (no messages, no aggregation)."""
     import torch
@@ -91,10 +101,17 @@ def _floor(work: dict, device: str) -> dict:
     from fededge.models.zoo import build_model
     from fededge.workload import client_data, dataset_for
 
-    cfg = RunConfig.from_mapping({k: v for k, v in work.items() if k not in ("clients",)} | {"partition": "iid"})
-    dev = torch.device(device)
+    cfg = RunConfig.from_mapping({k: v for k, v in work.items() if k not in ("clients",)} | {"partition": "iid"}
+                                 | ({"num-rounds": row["num-rounds"]} if "num-rounds" in row else {})
+                                 | ({"deterministic": row["deterministic"]} if "deterministic" in row else {}))
+    from fededge.clients.device import set_cuda_determinism
+
+    dev = torch.device(row["device"])
     if dev.type == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
+    # The kernels fededge's clients use: deterministic ones unless the row says otherwise
+    # (run config deterministic, true by default), so that "vs floor" compares like with like.
+    set_cuda_determinism(dev, cfg.deterministic)
     ds = dataset_for(cfg)
     model = build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0).to(dev)
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -127,8 +144,9 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
         "client-threads": 0 if row["device"] == "cpu" and row.get("workers", 1) == 1 else 1}
     if row["path"] == "defaults":  # fededge run's own choices: client-threads as it comes
         overrides.pop("client-threads")
-    if "num-rounds" in row:
-        overrides["num-rounds"] = row["num-rounds"]
+    for key in ("num-rounds", "deterministic"):
+        if key in row:
+            overrides[key] = row[key]
     run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = lines[2:]
@@ -139,61 +157,101 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
             "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
 
 
-def one(row: dict, quick: bool) -> dict:
+def one(row: dict, quick: bool, profile: str | None = None) -> dict:
     work = _workloads(quick)[row["workload"]]
     with tempfile.TemporaryDirectory() as tmp:
-        res = _floor(work, row["device"]) if row["path"] == "floor" else _fededge(work, row, Path(tmp))
-    return row | res
+        if row["path"] == "floor":
+            return row | _floor(work, row)
+        if not profile:
+            return row | _fededge(work, row, Path(tmp))
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        res = prof.runcall(_fededge, work, row, Path(tmp))
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text).sort_stats("cumulative")
+        stats.print_stats(60)
+        stats.sort_stats("tottime").print_stats(30)
+        Path(profile).write_text(text.getvalue())
+        return row | res
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on any machine")
     p.add_argument("--json", default=None)
+    p.add_argument("--only", default=None, choices=("resnet", "mlp"), help="one workload's rows")
+    p.add_argument("--no-cpu-resnet", action="store_true",
+                   help="leave out the ResNet rows on the CPU where CUDA is (minutes each, known from earlier runs)")
+    p.add_argument("--row-timeout", type=float, default=240, help="seconds a row may take before it is given up")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="also run the first GPU (else CPU) per-client row of each workload under cProfile once, "
+                        "and write the top functions to FILE.<workload>.txt (its timing is not in the table)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(json.loads(args.one), args.quick)))
+        print(json.dumps(one(json.loads(args.one), args.quick, args.profile)))
         return 0
     import torch
 
     cuda = torch.cuda.is_available()
     machine = (torch.cuda.get_device_name(0) if cuda else "no GPU") + f", {os.cpu_count()} CPU cores, torch {torch.__version__}"
     print(f"# {machine}{' (quick sizes)' if args.quick else ''}", flush=True)
-    print(f"{'workload':>8} {'device':>6} {'path':>10} {'workers':>7} {'s/round':>8} {'compute':>8} "
+    print(f"{'workload':>8} {'device':>6} {'path':>11} {'workers':>7} {'s/round':>8} {'compute':>8} "
           f"{'vs floor':>8} {'vs best CPU':>11} {'acc':>6}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}
-        for row in _rows(args.quick, cuda):
+        rows = [r for r in _rows(args.quick, cuda, not args.no_cpu_resnet) if args.only in (None, r["workload"])]
+        for row in rows:
             cmd = [sys.executable, __file__, "--one", json.dumps(row)] + (["--quick"] if args.quick else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
+                                      timeout=args.row_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{row}: gave up after {args.row_timeout:.0f} s (--row-timeout)", flush=True)
+                continue
             if proc.returncode != 0:
                 print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results.append(r)
             print(_line(r, results), flush=True)
-    print("\nthe same rows, with every ratio against the finished table:")
-    for r in results:
-        print(_line(r, results))
-    for r in results:
-        if r.get("chose"):
-            print(f"{r['workload']} defaults chose: {r['chose']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        print("\nthe same rows, with every ratio against the finished table:")
+        for r in results:
+            print(_line(r, results))
+        for r in results:
+            if r.get("chose"):
+                print(f"{r['workload']} defaults chose: {r['chose']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.profile:  # after the table: a profile cut short by a timeout loses no row
+            for workload in ("resnet", "mlp"):
+                first = next((r for r in rows if r["workload"] == workload and r["path"] == "per-client"), None)
+                if first is None:
+                    continue
+                cmd = [sys.executable, __file__, "--one", json.dumps(first), "--profile",
+                       f"{args.profile}.{workload}.txt"] + (["--quick"] if args.quick else [])
+                try:
+                    subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=args.row_timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"profile of {first}: gave up after {args.row_timeout:.0f} s", flush=True)
     return 0
 
 
 def _line(r: dict, results: list[dict]) -> str:
     floor = next((x["round_s"] for x in results if x["workload"] == r["workload"] and x["path"] == "floor"
-                  and x["device"] == r["device"]), None)
+                  and x["device"] == r["device"] and x.get("deterministic", True) == r.get("deterministic", True)),
+                 None)
     cpu = [x["round_s"] for x in results if x["workload"] == r["workload"] and x["device"] == "cpu"
            and x["path"] != "floor"]
     vs_floor = f"{r['round_s'] / floor:.2f}" if floor and r["path"] != "floor" else "—"
     vs_cpu = f"{min(cpu) / r['round_s']:.2f}" if cpu and r["path"] != "floor" else "—"
     acc = "—" if r.get("accuracy") is None else f"{r['accuracy']:.3f}"
-    return (f"{r['workload']:>8} {r['device']:>6} {r['path']:>10} {r.get('workers', '—')!s:>7} {r['round_s']:>8.3f} "
+    path = r["path"] + ("*" if r.get("deterministic", True) is False else "")
+    return (f"{r['workload']:>8} {r['device']:>6} {path:>11} {r.get('workers', '—')!s:>7} {r['round_s']:>8.3f} "
             f"{r['compute_s']:>8.3f} {vs_floor:>8} {vs_cpu:>11} {acc:>6}")
 
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# fededge's checks on a GPU machine, as one call: the CUDA tests, then benchmarks/bench_gpu.py.
+#
+# For the workplace's GPU machine (python3 with torch+CUDA, no flwr), from the project root:
+#   here:   bash scripts/gpu_wheels.sh                   # flwr's wheels into .whl (ignored)
+#   there:  bash scripts/gpu_check.sh [bench_gpu.py's arguments]   (carry .whl)
+# Results go to $OUT (or ./gpu-out): tests.txt, bench.txt, gpu.json, prof.*.txt.
+# On any machine with CUDA and fededge installed, the same steps are:
+#   python -m pytest -k cuda tests/clients tests/server/test_cohort_inprocess.py tests/server/test_runtime_auto.py
+#   python benchmarks/bench_gpu.py
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import torch, flwr, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, 'cuda', torch.cuda.is_available())"
+timeout "${GPU_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -k cuda \
+  tests/clients/test_device.py tests/clients/test_cohort.py tests/server/test_cohort_inprocess.py \
+  tests/server/test_runtime_auto.py > "$out/tests.txt" 2>&1
+tail -25 "$out/tests.txt"
+timeout "${GPU_BENCH_TIMEOUT:-420}" python3 benchmarks/bench_gpu.py --json "$out/gpu.json" --profile "$out/prof" "$@" \
+  2>&1 | tee "$out/bench.txt"
