@@ -15,7 +15,8 @@ Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new us
   nothing else, timed on the same GPU. The floor uses the kernels fededge's clients use
   (run config ``deterministic``, true by default: cuDNN's deterministic algorithms, no
   autotuner); on CUDA both rows are also run with ``deterministic=false`` (``path`` marked
-  ``*``), each compared with its own floor.
+  ``*``), each compared with its own floor; and once with every message serialised
+  (``/ser``: ``run_inprocess(direct=False)``, the path before direct delivery).
 - **MLP, 1,000 clients, 100 a round, signSGD + error feedback**, ``synthetic`` data:
   per-client path with 1 and with 8 worker processes, and the cohort path
   (``cohort = true``: each round's clients as one batched program), on ``cuda`` and on
@@ -79,6 +80,8 @@ def _rows(quick: bool, cuda: bool, cpu_resnet: bool = True) -> list[dict]:
             rows.append({"workload": "resnet", "device": dev, "path": "floor", "deterministic": False})
             rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 1,
                          "deterministic": False})
+            # every message serialised, as before direct delivery (issue 35, item 2)
+            rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 1, "direct": False})
     for dev in devices:
         for workers in (1, 8 if not quick else 2):
             rows.append({"workload": "mlp", "device": dev, "path": "per-client", "workers": workers})
@@ -147,7 +150,8 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
     for key in ("num-rounds", "deterministic"):
         if key in row:
             overrides[key] = row[key]
-    run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1))
+    run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1),
+                            direct=row.get("direct"))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = lines[2:]
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
@@ -199,7 +203,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     machine = (torch.cuda.get_device_name(0) if cuda else "no GPU") + f", {os.cpu_count()} CPU cores, torch {torch.__version__}"
     print(f"# {machine}{' (quick sizes)' if args.quick else ''}", flush=True)
-    print(f"{'workload':>8} {'device':>6} {'path':>11} {'workers':>7} {'s/round':>8} {'compute':>8} "
+    print(f"{'workload':>8} {'device':>6} {'path':>14} {'workers':>7} {'s/round':>8} {'compute':>8} "
           f"{'vs floor':>8} {'vs best CPU':>11} {'acc':>6}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as cache:
@@ -250,8 +254,9 @@ def _line(r: dict, results: list[dict]) -> str:
     vs_floor = f"{r['round_s'] / floor:.2f}" if floor and r["path"] != "floor" else "—"
     vs_cpu = f"{min(cpu) / r['round_s']:.2f}" if cpu and r["path"] != "floor" else "—"
     acc = "—" if r.get("accuracy") is None else f"{r['accuracy']:.3f}"
-    path = r["path"] + ("*" if r.get("deterministic", True) is False else "")
-    return (f"{r['workload']:>8} {r['device']:>6} {path:>11} {r.get('workers', '—')!s:>7} {r['round_s']:>8.3f} "
+    path = r["path"] + ("*" if r.get("deterministic", True) is False else "") + ("/ser" if r.get("direct") is False
+                                                                                   else "")
+    return (f"{r['workload']:>8} {r['device']:>6} {path:>14} {r.get('workers', '—')!s:>7} {r['round_s']:>8.3f} "
             f"{r['compute_s']:>8.3f} {vs_floor:>8} {vs_cpu:>11} {acc:>6}")
 
 

@@ -37,6 +37,13 @@ Internals used (checked against flwr 1.41):
   ``np.load``/``np.save`` per array.
 - ``flwr.clientapp.typing.ClientAppCallable`` / ``Mod``: the signatures of a ClientApp
   callable and of a client mod (annotations of fededge's mods).
+- For the in-process runtime's direct delivery (:func:`detached_copy`,
+  :func:`direct_wire_size`): ``flwr.app.message.message.make_message`` (a Message from
+  metadata, content and error), ``flwr.app.message.arraychunk.ArrayChunk``,
+  ``flwr.app.message.array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE`` (how an Array's bytes are
+  cut into chunks), an Array's cached chunks (``__dict__["_chunks"]``), the object-id
+  cache of ``no_object_id_recompute`` (``_get_computed_object_ids``) and the object
+  header's format (``add_header_to_object_body``).
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ __all__ = [
     "take_noted_wire_size",
     "wire_size",
     "wire_sizes",
+    "detached_copy",
+    "direct_wire_size",
 ]
 
 
@@ -104,7 +113,11 @@ try:
     from flwr.serverapp.strategy import fedavg as _fedavg_module
     from flwr.serverapp.strategy.fedavg import aggregate_arrayrecords as _flower_fedavg_average
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
+    from flwr.app.message import array as _array_module
+    from flwr.app.message.arraychunk import ArrayChunk
+    from flwr.app.message.message import make_message
+    from flwr.supercore.inflatable.inflatable_object import (_get_computed_object_ids, add_header_to_object_body,
+                                                             get_all_nested_objects, no_object_id_recompute)
     from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
     from flwr.supercore.run import Run
     from flwr.supercore.task_identity import TaskIdentity
@@ -237,6 +250,105 @@ def fast_average() -> Iterator[None]:
             _fast_users -= 1
             if not _fast_users and _fedavg_module.aggregate_arrayrecords is average_arrayrecords:
                 _fedavg_module.aggregate_arrayrecords = _flower_fedavg_average
+
+
+# -- direct delivery: a message handed over as a copy, its size on the wire computed ----
+
+def detached_copy(msg: Message) -> Message:
+    """A copy of ``msg`` that shares nothing mutable with it: new metadata, content,
+    records and Arrays; only the Arrays' bytes (immutable) are shared. What the other
+    side of a transport gets, without serialising and rebuilding 45 MB per message
+    (the in-process runtime's direct delivery). Error messages are copied too."""
+    import copy
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+    def array(a: Any) -> Any:
+        data = a.data if isinstance(a.data, bytes) else bytes(a.data)
+        return Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=data)
+
+    def record(r: Any) -> Any:
+        if isinstance(r, ArrayRecord):
+            return ArrayRecord({k: array(a) for k, a in r.items()})
+        if isinstance(r, (ConfigRecord, MetricRecord)):
+            return type(r)({k: list(v) if isinstance(v, list) else v for k, v in r.items()})
+        return copy.deepcopy(r)  # a record type of a later Flower: copied whole
+
+    content = RecordDict({k: record(r) for k, r in msg.content.items()}) if msg.has_content() else None
+    error = copy.copy(msg.error) if msg.has_error() else None
+    return make_message(metadata=copy.copy(msg.metadata), content=content, error=error)
+
+
+def direct_wire_size(msg: Message) -> int:
+    """The bytes ``msg`` takes on Flower's wire (:func:`wire_size`), without hashing or
+    copying its arrays' data: the same number, from the format.
+
+    An object's size does not depend on its id's value (a fixed 64 hex digits), only on
+    which objects are equal (a message carries each distinct object once). So each
+    array chunk gets a stand-in id, the same for chunks of equal bytes (compared, not
+    hashed), and Flower's own ``deflate`` sizes every other object (message, records,
+    arrays: small) with those ids in their headers; a chunk's size is its header's
+    and its bytes'. ``msg`` must be a message no one else holds (a
+    :func:`detached_copy`): its Arrays' cached chunks and every cached id are dropped
+    afterwards, so that a real serialisation later computes real ids."""
+    import hashlib
+
+    arrays = [a for r in (msg.content.array_records.values() if msg.has_content() else ()) for a in r.values()]
+    step = _array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    # chunks of equal length, compared byte for byte: (view, stand-in id) per class
+    classes: dict[int, list[tuple[memoryview, str]]] = {}
+    stand_ins: list[str] = []
+    salt = hashlib.sha256(repr(id(msg)).encode()).hexdigest()
+    try:
+        with no_object_id_recompute():
+            known = _get_computed_object_ids()
+            for a in arrays:
+                view = memoryview(a.data).cast("B")
+                chunks = []
+                for start in range(0, len(view), step):
+                    part = view[start:start + step]
+                    same = classes.setdefault(len(part), [])
+                    sid = next((cid for other, cid in same if _equal(part, other)), None)
+                    if sid is None:
+                        sid = hashlib.sha256(f"{salt}:{len(stand_ins)}".encode()).hexdigest()
+                        stand_ins.append(sid)
+                        same.append((part, sid))
+                    chunk = ArrayChunk(part)
+                    chunk.__dict__["_object_id"] = sid
+                    known.add(sid)
+                    chunks.append((sid, chunk))
+                a.__dict__["_chunks"] = chunks
+            total = 0
+            for o in get_all_nested_objects(msg).values():
+                total += _chunk_size(o) if isinstance(o, ArrayChunk) else len(o.deflate())
+        return total
+    finally:
+        _forget_all(msg, arrays)
+
+
+def _equal(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte views of one length hold the same bytes: their last bytes
+    compared first (distinct arrays differ there; a first chunk starts with the
+    array's .npy header, the same for arrays of one shape), then all."""
+    if a[-64:] != b[-64:]:
+        return False
+    return np.array_equal(np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8))
+
+
+def _chunk_size(chunk: Any) -> int:
+    """The length of ``chunk.deflate()`` (its header, the divider, its bytes), from the
+    header's format alone."""
+    return len(add_header_to_object_body(b"", chunk)) + len(chunk.data) + len(str(len(chunk.data))) - 1
+
+
+def _forget_all(msg: Message, arrays: list[Any]) -> None:
+    for a in arrays:
+        for key in ("_chunks", "_object_id", "_is_dirty"):
+            a.__dict__.pop(key, None)
+    if msg.has_content():
+        for r in msg.content.values():
+            r.__dict__.pop("_is_dirty", None)
+    _forget_ids(msg)
 
 
 # message -> its size on the wire, noted by whoever serialised it (the in-process grid)
@@ -376,6 +488,9 @@ def check() -> None:
         back = message_from_objects(msg.object_id, dict(objs))
         if not np.array_equal(back.content["a"]["x"].numpy(), expected):
             raise AssertionError("array changed in the round trip")
+        name = "direct delivery: make_message, ArrayChunk, an Array's cached chunks, the computed-ids cache"
+        if direct_wire_size(detached_copy(msg)) != sum(map(len, objs.values())):
+            raise AssertionError("the size computed from the format is not the serialised size")
         name = "flwr.supercore.run.Run.create_empty"
         if empty_run(7).run_id != 7:
             raise AssertionError("run id not kept")

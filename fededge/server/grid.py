@@ -33,6 +33,7 @@ their own apps. Private Flower internals used here live in :mod:`fededge._flwr_i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -52,7 +53,7 @@ from fededge import keys
 from fededge.safefile import bytes_from_tensor, tensor_of_bytes
 from fededge.server.nodestates import DiskStates, NodeStates, make_states
 from fededge.server.workers import (SUPERLINK_NODE_ID, Job, WorkerPool, error_reply, load_client_app, over_the_wire,
-                                    received, run_message)
+                                    received, run_message, run_message_direct)
 
 __all__ = ["InProcessGrid", "run_server", "SUPERLINK_NODE_ID"]
 
@@ -108,6 +109,15 @@ class InProcessGrid(Grid):
         The device fededge's ClientApp trains on where the run config says
         ``device=auto`` (node config ``fededge-client-device``): one choice for every
         node, made by :func:`fededge.server.inprocess.client_device_choice`.
+    direct : bool
+        Hand each message and reply over as a copy (:func:`fededge._flwr_internals.detached_copy`:
+        new records and Arrays, the arrays' immutable bytes shared) instead of
+        serialising it and rebuilding it on the other side, and count its bytes on the
+        wire from the format (:func:`~fededge._flwr_internals.direct_wire_size`: the
+        same number, without hashing or copying 45 MB per message). Needs ``workers=1``
+        (a worker process needs the bytes). A ClientApp whose replies Flower could not
+        serialise would pass here and fail on a SuperLink: :func:`run_inprocess` uses it
+        for fededge's own ClientApp only.
     """
 
     #: Each node's messages run one at a time, in push order (checked by strategies
@@ -136,6 +146,7 @@ class InProcessGrid(Grid):
         client_app_ref: str | None = None,
         cohort: bool = False,
         client_device: str | None = None,
+        direct: bool = False,
     ) -> None:
         global _checked
         if not _checked:
@@ -149,6 +160,8 @@ class InProcessGrid(Grid):
             raise ValueError(f"workers must be >= 1 (this process counts as one), got {workers}")
         if worker_threads < 1:
             raise ValueError(f"worker_threads must be >= 1, got {worker_threads}")
+        if direct and workers > 1:
+            raise ValueError("direct delivery runs every message in this process: it needs workers=1")
         if isinstance(client_app, str):
             client_app_ref, client_app = client_app, load_client_app(client_app)
         if workers > 1 and client_app_ref is None:
@@ -176,9 +189,12 @@ class InProcessGrid(Grid):
         self.worker_threads = worker_threads
         self.cohort = cohort
         self.client_device = client_device
+        self.direct = direct
+        self._pushed = 0  # direct delivery: messages pushed, for their ids
         #: The runtime's choices in words, for the run's first line and config.json
         #: (:func:`fededge.server.inprocess.run_inprocess` says why it chose them).
-        self.runtime_note = f"{workers} process{'es' if workers > 1 else ''}; client states {client_states}"
+        self.runtime_note = (f"{workers} process{'es' if workers > 1 else ''}; client states {client_states}"
+                             + ("; messages handed over directly" if direct else ""))
         self._pool: WorkerPool | None = None
         self._run = fi.empty_run(run_id)
         # message id -> (destination node, root object id, serialised objects), in push order
@@ -319,6 +335,8 @@ class InProcessGrid(Grid):
             if msg.metadata.reply_to_message_id:
                 raise ValueError("push_messages takes instruction messages, not replies")
             fi.set_run_id(msg, self._run.run_id)
+        if self.direct:
+            return [self._push_direct(msg) for msg in messages]
         ids = []
         # The SuperLink's id for a message is its object id (HttpGrid does the same), so
         # replies carry a 64-hex-char reply_to id, as on the real wire. A model the
@@ -330,6 +348,20 @@ class InProcessGrid(Grid):
             fi.note_wire_size(msg, sum(map(len, objects.values())))  # for the meter
             ids.append(mid)
         return ids
+
+    def _push_direct(self, msg: Message) -> str:
+        """Push ``msg`` as the copy its node will get, with its size on the wire noted.
+        Its id has the length of a SuperLink's (64 hex digits, an object id), so that a
+        reply's ``reply_to`` costs the same bytes; it is unique within the run."""
+        self._pushed += 1
+        mid = hashlib.sha256(f"fededge-direct:{self._run.run_id}:{self.messages_run}:{self._pushed}".encode()
+                             ).hexdigest()
+        if mid in self._pending or mid in self._replies:
+            raise ValueError(f"message {mid} was pushed twice")
+        copy = fi.detached_copy(msg)
+        fi.note_wire_size(msg, fi.direct_wire_size(copy))  # for the meter
+        self._pending[mid] = (msg.metadata.dst_node_id, mid, copy)
+        return mid
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         ids = list(message_ids)
@@ -456,6 +488,9 @@ class InProcessGrid(Grid):
 
     def _call(self, mid: str, node_id: int, root: str, objects: dict[str, bytes]) -> Callable[[], tuple]:
         """The message as a call of the ClientApp, with the node's state taken now."""
+        if isinstance(objects, Message):  # direct delivery: the message's copy
+            return partial(run_message_direct, self.client_app, self._run.run_id, self.run_config, node_id, mid,
+                           objects, self.node_config(node_id), self.states.take(node_id))
         return partial(run_message, self.client_app, self._run.run_id, self.run_config, node_id, mid, root, objects,
                        self.node_config(node_id), self.states.take(node_id))
 

@@ -157,6 +157,7 @@ def run_inprocess(
     client_states: str | None = None,
     states_dir: str | None = None,
     client_device: str | None = None,
+    direct: bool | None = None,
 ) -> Path | None:
     """Run fededge's ServerApp and ClientApp (or the given ones) in this process.
 
@@ -178,6 +179,13 @@ def run_inprocess(
     config.json keeps it (``inprocess_runtime``, ``inprocess_workers``,
     ``inprocess_client_device``). ``client_device`` gives fededge's clients the device
     ``device=auto`` chose before (``fededge resume`` passes the run's own), untimed.
+
+    ``direct`` (default: fededge's own ClientApp in one process) hands messages and
+    replies over as copies instead of serialising and rebuilding them, their bytes on
+    the wire computed from Flower's format: the same bytes counted and the same results
+    (``InProcessGrid``'s ``direct``). ``direct=False`` serialises every message, as
+    before; a ClientApp of one's own is always serialised (what Flower cannot serialise
+    then fails here, not first on a SuperLink).
 
     Examples
     --------
@@ -211,6 +219,11 @@ def run_inprocess(
         raise ValueError(f"workers must be an int >= 1 or 'auto', got {workers!r}")
     else:
         why = "as given"
+    if direct is None:
+        direct = workers == 1 and client_app is None
+    elif direct and client_app is not None:
+        raise ValueError("direct delivery is for fededge's own ClientApp: a ClientApp of one's own is serialised, "
+                         "so that what Flower cannot send fails here too")
     run_config = cfg.to_mapping()
     states = client_states or cfg.client_states
     grid = InProcessGrid(
@@ -220,12 +233,14 @@ def run_inprocess(
         client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
         cohort=cfg.cohort and client_app is None,  # a ClientApp of one's own keeps its own path
         client_device=choice.device if choice is not None and cfg.device == "auto" else None,
+        direct=direct,
     )
     grid.runtime_note = (
         (f"clients on {choice.device} ({choice.reason}); " if choice is not None else "")
         + f"{workers} process{'es' if workers > 1 else ''} ({why}); client states "
         + (f"in memory up to {cfg.client_states_memory_mb:g} MiB, then on disk" if states == "auto" else
-           "on disk" if states == "disk" else "in memory"))
+           "on disk" if states == "disk" else "in memory")
+        + ("; messages handed over directly, their bytes counted from the format" if direct else ""))
     try:
         # A data split the clients cannot make stops the run here, before anything starts,
         # with one ConfigError. The split is cached: the clients reuse it.

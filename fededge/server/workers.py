@@ -26,6 +26,7 @@ reply, and a fresh worker takes its place; the run goes on, as when a real node 
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import os
@@ -45,7 +46,8 @@ from fededge import _flwr_internals as fi
 from fededge.server.nodestates import state_from_bytes, state_to_bytes
 
 __all__ = ["ENV_WORKER", "Job", "JobResult", "SUPERLINK_NODE_ID", "WorkerPool", "WorkerStartError", "error_reply",
-           "load_client_app", "over_the_wire", "received", "run_message", "run_message_objects"]
+           "load_client_app", "over_the_wire", "received", "run_message", "run_message_direct",
+           "run_message_objects"]
 
 SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID
 #: Set to "1" in a worker process's environment.
@@ -109,15 +111,39 @@ def run_message(client_app: Any, run_id: int, run_config: Mapping[str, Any], nod
     return received(reply_root, reply_objects, reply_root), new_state, failure  # the reply crosses the wire too
 
 
+def run_message_direct(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_id: int, mid: str, msg: Any,
+                       node_config: Mapping[str, Any], state: Any) -> tuple[Any, Any, Any]:
+    """:func:`run_message` for direct delivery: ``msg`` is the node's own copy of the
+    message (:func:`fededge._flwr_internals.detached_copy`), and the reply comes back as
+    a copy too, its size on the wire noted (:func:`~fededge._flwr_internals.direct_wire_size`)
+    and its id derived from ``mid``. Nothing is serialised."""
+    fi.set_message_id(msg, mid)
+    reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, msg, node_config, state)
+    back = fi.detached_copy(reply)
+    size = fi.direct_wire_size(back)
+    fi.set_message_id(back, hashlib.sha256(f"reply:{mid}".encode()).hexdigest())
+    fi.note_wire_size(back, size)
+    return back, new_state, failure
+
+
 def run_message_objects(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_id: int, mid: str,
                         root: str, objects: dict[str, bytes], node_config: Mapping[str, Any],
                         state: Any) -> tuple[str, dict[str, bytes], Any, Any]:
     """:func:`run_message` with the reply as it travels: ``(its root object id, its
     serialised objects, state, failure)`` (a worker sends those; nothing rebuilds it
     on this side)."""
+    reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, received(root, objects, mid),
+                                          node_config, state)
+    return (*fi.serialise(reply), new_state, failure)
+
+
+def _call_app(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_id: int, msg: Any,
+              node_config: Mapping[str, Any], state: Any) -> tuple[Any, Any, Any]:
+    """``client_app`` on ``msg`` with a fresh Context holding ``state``: ``(reply, the
+    Context's state afterwards, (reason, traceback) or None)``; an exception becomes an
+    error reply, as in Flower's runtimes."""
     from flwr.app import Context
 
-    msg = received(root, objects, mid)
     ctx = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config), state=state,
                   run_config=dict(run_config))
     failure = None
@@ -126,7 +152,7 @@ def run_message_objects(client_app: Any, run_id: int, run_config: Mapping[str, A
     except Exception as err:  # noqa: BLE001 - becomes an error reply, as in Flower
         failure = (f"{type(err).__name__}: {err}", traceback.format_exc())
         reply = error_reply(msg, failure[0])
-    return (*fi.serialise(reply), ctx.state, failure)
+    return reply, ctx.state, failure
 
 
 def _worker_main(conn: Connection) -> None:

@@ -1,0 +1,173 @@
+"""Direct delivery in the in-process runtime (issue 35, item 2): messages handed over as
+copies, their bytes on the wire computed from Flower's format.
+
+The size must be exactly what serialising gives (``fededge._flwr_internals.wire_size``),
+whatever the message holds: equal arrays and equal chunks are carried once on the wire,
+so those are the cases that matter. And a run must be the same run: the same bytes, the
+same losses, bit for bit, as with every message serialised.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fededge import _flwr_internals as fi
+from fededge.arrays import record_from_torch
+from fededge.clients import cohort
+from fededge.models.zoo import build_model
+from fededge.server.grid import InProcessGrid
+from fededge.server.inprocess import run_inprocess
+
+
+def _message(content: RecordDict | None = None) -> Message:
+    with fi.task_identity(run_id=3, node_id=1, task_id=1):
+        msg = Message(content, 5, "train")
+    fi.set_run_id(msg, 3)
+    fi.set_message_id(msg, "f" * 64)
+    return msg
+
+
+def _check(msg: Message) -> int:
+    """The direct size of ``msg``'s copy equals its serialised size, and the copy, once
+    sized, serialises to the original's objects (no stand-in id is left behind)."""
+    copy = fi.detached_copy(msg)
+    size = fi.direct_wire_size(copy)
+    assert size == fi.wire_size(msg)
+    assert fi.serialise(copy) == fi.serialise(msg)
+    return size
+
+
+def test_a_model_message_is_sized_exactly():
+    model = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    # BatchNorm's num_batches_tracked and fresh running statistics repeat: equal Arrays
+    _check(_message(RecordDict({"arrays": record_from_torch(model.state_dict()),
+                                "config": ConfigRecord({"lr": 0.1, "server-round": 3, "l": [1, 2], "s": "x"})})))
+
+
+def test_equal_chunks_and_arrays_count_once(monkeypatch):
+    # Small chunks, so that arrays span many and zeros give equal ones; an array equal to
+    # another whole, and one equal to another only in its first chunk.
+    from flwr.app.message import array as array_module
+
+    monkeypatch.setattr(array_module, "FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE", 256)
+    z = np.zeros(1000, dtype=np.float32)
+    half = np.concatenate([np.zeros(40, dtype=np.float32), np.arange(960, dtype=np.float32)])
+    rng = np.random.default_rng(0)
+    record = ArrayRecord({"z": Array(z), "z-again": Array(z.copy()), "half": Array(half),
+                          "r": Array(rng.standard_normal(333).astype(np.float32)),
+                          "i": Array(np.arange(7, dtype=np.int64)), "scalar": Array(np.array(3.0, dtype=np.float32)),
+                          "empty": Array(np.zeros(0, dtype=np.float32))})
+    size = _check(_message(RecordDict({"a": record, "m": MetricRecord({"n": 3, "v": [0.5, 1.5]})})))
+    # the two zero arrays and the zero chunks are carried once: fewer bytes than their sum
+    assert size < sum(len(a.data) for a in record.values())
+
+
+def test_messages_without_arrays_and_errors():
+    _check(_message(RecordDict({"m": MetricRecord({"n": 3})})))
+    _check(_message(RecordDict()))
+    _check(Message(Error(0, "the ClientApp raised"), reply_to=_message(RecordDict())))
+    _check(Message(RecordDict({"m": MetricRecord({"n": 1})}), reply_to=_message(RecordDict())))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 70), st.sampled_from(["float32", "int64", "float16"])),
+                min_size=1, max_size=8), st.integers(16, 300))
+def test_any_arrays_any_chunking(spec, chunk):
+    """Arrays drawn from a few values (so that equal arrays and chunks are common), any
+    length, three dtypes, any chunk size: the direct size is the serialised size."""
+    from flwr.app.message import array as array_module
+
+    saved = array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = chunk
+    try:
+        arrays = {f"a{i}": Array(np.full(n, value, dtype=dtype)) for i, (value, n, dtype) in enumerate(spec)}
+        _check(_message(RecordDict({"a": ArrayRecord(arrays)})))
+    finally:
+        array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = saved
+
+
+def test_a_copy_shares_nothing_mutable():
+    original = _message(RecordDict({"a": ArrayRecord({"x": Array(np.arange(4, dtype=np.float32))}),
+                                    "c": ConfigRecord({"l": [1, 2]})}))
+    copy = fi.detached_copy(original)
+    copy.content["a"]["x"] = Array(np.zeros(4, dtype=np.float32))
+    copy.content["c"]["l"].append(3)
+    copy.content["new"] = MetricRecord({"n": 1})
+    fi.set_message_id(copy, "changed")
+    assert np.array_equal(original.content["a"]["x"].numpy(), np.arange(4, dtype=np.float32))
+    assert list(original.content["c"]["l"]) == [1, 2] and "new" not in original.content
+    assert original.metadata.message_id != "changed"
+
+
+def _lines(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"compressor": "signsgd", "error-feedback": True, "client-states": "disk"},
+    {"strategy": "dga", "dga-delay": 1, "compressor": "topk", "error-feedback": True, "momentum": 0.9},
+    {"strategy": "fedadam", "compressor": "powersgd", "error-feedback": True, "norm-stats": "global",
+     "model": "cnn-bn"},
+    {"cohort": True, "compressor": "signsgd", "error-feedback": True},
+], ids=["fedavg", "signsgd-disk", "dga-topk", "fedadam-powersgd-global", "cohort"])
+def test_a_direct_run_is_the_serialised_run(tmp_path, overrides):
+    """The same bytes per round and per client, the same losses and accuracies, bit for
+    bit."""
+    runs = []
+    for direct in (False, True):
+        for table in (cohort._alone_s, cohort._faster, cohort._seen):  # each run meets its cohorts afresh
+            table.clear()
+        run_dir = run_inprocess({"num-rounds": 2, "model": "mlp", "progress": "off", "checkpoint-every": 0,
+                                 "results-dir": str(tmp_path / str(direct))} | overrides, num_clients=5, direct=direct)
+        runs.append(_lines(run_dir))
+        note = json.loads((run_dir / "config.json").read_text())["inprocess_runtime"]
+        assert ("handed over directly" in note) == direct
+    for a, b in zip(*runs, strict=True):
+        assert a["bytes_up"] > 0 or a["round"] == 0
+        for key in ("bytes_up", "bytes_down", "loss", "accuracy", "failures"):
+            assert a[key] == b[key], key
+        assert [c["bytes_up"] for c in a.get("clients", [])] == [c["bytes_up"] for c in b.get("clients", [])]
+
+
+def test_direct_is_the_default_for_fededges_app_in_one_process(tmp_path):
+    run_dir = run_inprocess({"num-rounds": 1, "model": "mlp", "progress": "off", "results-dir": str(tmp_path)},
+                            num_clients=3)
+    assert "handed over directly" in json.loads((run_dir / "config.json").read_text())["inprocess_runtime"]
+
+
+def test_direct_is_refused_where_it_cannot_work():
+    from fededge.clients.app import app
+
+    with pytest.raises(ValueError, match="needs workers=1"):
+        InProcessGrid(app, num_nodes=2, run_config={}, workers=2, client_app_ref="fededge.clients.app:app",
+                      direct=True)
+    with pytest.raises(ValueError, match="fededge's own ClientApp"):
+        run_inprocess({"num-rounds": 1}, num_clients=2, client_app="fededge.clients.app:app", direct=True)
+
+
+def test_a_failing_client_gives_an_error_reply_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A ClientApp that raises on one node: that node's reply is an error (counted as a
+    failure, its traceback logged), the others' updates are used."""
+    from fededge.clients import app as client_app
+
+    real = client_app.client_workload
+
+    def failing(context):
+        work = real(context)
+        if work.partition_id == 1:
+            raise RuntimeError("node 1 is broken")
+        return work
+
+    monkeypatch.setattr(client_app, "client_workload", failing)
+    run_dir = run_inprocess({"num-rounds": 2, "model": "mlp", "progress": "off", "results-dir": str(tmp_path)},
+                            num_clients=4, direct=True)
+    lines = _lines(run_dir)
+    assert [x["failures"] for x in lines[1:]] == [1, 1]
+    assert lines[-1]["accuracy"] > 0.2
