@@ -261,21 +261,31 @@ def detached_copy(msg: Message) -> Message:
     (the in-process runtime's direct delivery). Error messages are copied too."""
     import copy
 
-    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Error, MetricRecord
 
     def array(a: Any) -> Any:
         data = a.data if isinstance(a.data, bytes) else bytes(a.data)
         return Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=data)
 
+    def plain(v: Any) -> Any:  # as the wire gives it back: numpy scalars and subclasses as Python's own
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, np.generic):
+            return v.item()
+        for kind in (bool, int, float, str, bytes):
+            if isinstance(v, kind):
+                return kind(v)
+        return v
+
     def record(r: Any) -> Any:
         if isinstance(r, ArrayRecord):
             return ArrayRecord({k: array(a) for k, a in r.items()})
         if isinstance(r, (ConfigRecord, MetricRecord)):
-            return type(r)({k: list(v) if isinstance(v, list) else v for k, v in r.items()})
+            return type(r)({k: plain(v) for k, v in r.items()})
         return copy.deepcopy(r)  # a record type of a later Flower: copied whole
 
     content = RecordDict({k: record(r) for k, r in msg.content.items()}) if msg.has_content() else None
-    error = copy.copy(msg.error) if msg.has_error() else None
+    error = Error(int(msg.error.code), msg.error.reason or None) if msg.has_error() else None  # "" travels as None
     return make_message(metadata=copy.copy(msg.metadata), content=content, error=error)
 
 
@@ -288,15 +298,17 @@ def direct_wire_size(msg: Message) -> int:
     array chunk gets a stand-in id, the same for chunks of equal bytes (compared, not
     hashed), and Flower's own ``deflate`` sizes every other object (message, records,
     arrays: small) with those ids in their headers; a chunk's size is its header's
-    and its bytes'. ``msg`` must be a message no one else holds (a
-    :func:`detached_copy`): its Arrays' cached chunks and every cached id are dropped
-    afterwards, so that a real serialisation later computes real ids."""
+    and its bytes'. Meant for a message no one else holds (a :func:`detached_copy`):
+    its objects' cached ids and chunks are dropped before (an id cached by an earlier
+    serialisation would count its object as another's equal) and after (so that a real
+    serialisation later computes real ids)."""
     import hashlib
 
     arrays = [a for r in (msg.content.array_records.values() if msg.has_content() else ()) for a in r.values()]
+    _forget_all(msg, arrays)
     step = _array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
-    # chunks of equal length, compared byte for byte: (view, stand-in id) per class
-    classes: dict[int, list[tuple[memoryview, str]]] = {}
+    # chunks of equal length and fingerprint, compared byte for byte: (view, stand-in id) per class
+    classes: dict[tuple[int, bytes], list[tuple[memoryview, str]]] = {}
     stand_ins: list[str] = []
     salt = hashlib.sha256(repr(id(msg)).encode()).hexdigest()
     try:
@@ -307,7 +319,7 @@ def direct_wire_size(msg: Message) -> int:
                 chunks = []
                 for start in range(0, len(view), step):
                     part = view[start:start + step]
-                    same = classes.setdefault(len(part), [])
+                    same = classes.setdefault((len(part), _fingerprint(part)), [])
                     sid = next((cid for other, cid in same if _equal(part, other)), None)
                     if sid is None:
                         sid = hashlib.sha256(f"{salt}:{len(stand_ins)}".encode()).hexdigest()
@@ -326,12 +338,16 @@ def direct_wire_size(msg: Message) -> int:
         _forget_all(msg, arrays)
 
 
+def _fingerprint(view: memoryview) -> bytes:
+    """32 bytes from four places of a chunk (its start is an .npy header, the same for
+    arrays of one shape; its end may be padding): chunks that differ nearly always
+    differ here, so few pairs are compared whole."""
+    n = len(view)
+    return b"".join(bytes(view[i:i + 8]) for i in {0, n // 3, 2 * n // 3, max(n - 8, 0)})
+
+
 def _equal(a: memoryview, b: memoryview) -> bool:
-    """Whether two byte views of one length hold the same bytes: their last bytes
-    compared first (distinct arrays differ there; a first chunk starts with the
-    array's .npy header, the same for arrays of one shape), then all."""
-    if a[-64:] != b[-64:]:
-        return False
+    """Whether two byte views of one length hold the same bytes."""
     return np.array_equal(np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8))
 
 
@@ -342,6 +358,7 @@ def _chunk_size(chunk: Any) -> int:
 
 
 def _forget_all(msg: Message, arrays: list[Any]) -> None:
+    """Drop every id and chunk list cached on ``msg``, its records and ``arrays``."""
     for a in arrays:
         for key in ("_chunks", "_object_id", "_is_dirty"):
             a.__dict__.pop(key, None)

@@ -190,7 +190,11 @@ class InProcessGrid(Grid):
         self.cohort = cohort
         self.client_device = client_device
         self.direct = direct
-        self._pushed = 0  # direct delivery: messages pushed, for their ids
+        # direct delivery: messages pushed (for their ids, with this grid's salt), and the
+        # objects of those pending (id of the Message pushed), so that one pushed twice is refused
+        self._pushed = 0
+        self._salt = os.urandom(8).hex()
+        self._origins: dict[str, int] = {}
         #: The runtime's choices in words, for the run's first line and config.json
         #: (:func:`fededge.server.inprocess.run_inprocess` says why it chose them).
         self.runtime_note = (f"{workers} process{'es' if workers > 1 else ''}; client states {client_states}"
@@ -336,7 +340,7 @@ class InProcessGrid(Grid):
                 raise ValueError("push_messages takes instruction messages, not replies")
             fi.set_run_id(msg, self._run.run_id)
         if self.direct:
-            return [self._push_direct(msg) for msg in messages]
+            return self._push_direct(messages)
         ids = []
         # The SuperLink's id for a message is its object id (HttpGrid does the same), so
         # replies carry a 64-hex-char reply_to id, as on the real wire. A model the
@@ -349,19 +353,26 @@ class InProcessGrid(Grid):
             ids.append(mid)
         return ids
 
-    def _push_direct(self, msg: Message) -> str:
-        """Push ``msg`` as the copy its node will get, with its size on the wire noted.
-        Its id has the length of a SuperLink's (64 hex digits, an object id), so that a
-        reply's ``reply_to`` costs the same bytes; it is unique within the run."""
-        self._pushed += 1
-        mid = hashlib.sha256(f"fededge-direct:{self._run.run_id}:{self.messages_run}:{self._pushed}".encode()
-                             ).hexdigest()
-        if mid in self._pending or mid in self._replies:
-            raise ValueError(f"message {mid} was pushed twice")
-        copy = fi.detached_copy(msg)
-        fi.note_wire_size(msg, fi.direct_wire_size(copy))  # for the meter
-        self._pending[mid] = (msg.metadata.dst_node_id, mid, copy)
-        return mid
+    def _push_direct(self, messages: list[Message]) -> list[str]:
+        """Push ``messages`` as the copies their nodes will get, each one's size on the
+        wire noted, all or none (as serialising them all first does). An id has the
+        length of a SuperLink's (64 hex digits, an object id), so that a reply's
+        ``reply_to`` costs the same bytes; it is unique to this grid."""
+        pushed = {id(m) for m in messages}
+        if len(pushed) < len(messages) or not pushed.isdisjoint(self._origins.values()):
+            raise ValueError("a message was pushed twice")
+        queued = []
+        for msg in messages:
+            copy = fi.detached_copy(msg)
+            size = fi.direct_wire_size(copy)
+            self._pushed += 1
+            mid = hashlib.sha256(f"fededge-direct:{self._salt}:{self._pushed}".encode()).hexdigest()
+            queued.append((msg, mid, copy, size))
+        for msg, mid, copy, size in queued:
+            fi.note_wire_size(msg, size)  # for the meter
+            self._pending[mid] = (msg.metadata.dst_node_id, mid, copy)
+            self._origins[mid] = id(msg)
+        return [mid for _, mid, _, _ in queued]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         ids = list(message_ids)
@@ -373,6 +384,7 @@ class InProcessGrid(Grid):
             if wanted.isdisjoint(self._pending):
                 break
             batch.append((mid, *self._pending.pop(mid)))
+            self._origins.pop(mid, None)
         if batch:
             self._replies.update(self._run_batch(batch))
         return [self._replies.pop(mid) for mid in ids if mid in self._replies]

@@ -116,7 +116,9 @@ def _lines(run_dir):
     {"strategy": "fedadam", "compressor": "powersgd", "error-feedback": True, "norm-stats": "global",
      "model": "cnn-bn"},
     {"cohort": True, "compressor": "signsgd", "error-feedback": True},
-], ids=["fedavg", "signsgd-disk", "dga-topk", "fedadam-powersgd-global", "cohort"])
+    {"strategy": "fedbuff", "dropout": 0.2, "netem": "4g"},
+    {"compressor": "qsgd", "dropout": 0.2},
+], ids=["fedavg", "signsgd-disk", "dga-topk", "fedadam-powersgd-global", "cohort", "fedbuff-dropout", "qsgd-dropout"])
 def test_a_direct_run_is_the_serialised_run(tmp_path, overrides):
     """The same bytes per round and per client, the same losses and accuracies, bit for
     bit."""
@@ -171,3 +173,79 @@ def test_a_failing_client_gives_an_error_reply_and_the_run_goes_on(tmp_path, mon
     lines = _lines(run_dir)
     assert [x["failures"] for x in lines[1:]] == [1, 1]
     assert lines[-1]["accuracy"] > 0.2
+
+
+# -- the grid: what a strategy and the meter see, either way ----------------------------
+
+def _echo_app(msg, ctx):
+    """Changes what it received, fails on request, keeps a state, replies x + 1."""
+    x = msg.content["a"]["x"].numpy()
+    msg.content["a"]["x"] = Array(np.zeros(3, dtype=np.float32))
+    msg.content["c"]["l"].append(99)
+    if msg.content["c"]["fail"]:
+        raise RuntimeError("boom")
+    ctx.state["kept"] = ArrayRecord({"x": Array(x)})
+    return Message(RecordDict({"a": ArrayRecord({"x": Array(x + 1)}), "m": MetricRecord({"n": np.float64(1.0)})}),
+                   reply_to=msg)
+
+
+def _grid_message(grid: InProcessGrid, node: int, fail: bool = False) -> Message:
+    with fi.task_identity(run_id=grid.run.run_id, node_id=1, task_id=grid.run.run_id):
+        return Message(RecordDict({"a": ArrayRecord({"x": Array(np.arange(3, dtype=np.float32))}),
+                                   "c": ConfigRecord({"l": [1], "fail": fail})}), node, "train")
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["reply", "error"])
+def test_the_grid_gives_the_same_replies_sizes_and_ids_either_way(fail):
+    """The noted sizes (down and up) are the serialised ones; a reply answers its
+    message's id (64 hex digits, as a SuperLink's); an error reply reads the same;
+    neither side sees what the other changes after the hand-over."""
+    seen = []
+    for direct in (False, True):
+        grid = InProcessGrid(_echo_app, num_nodes=2, run_config={}, direct=direct)
+        node = grid.get_node_ids()[0]
+        msg = _grid_message(grid, node, fail)
+        (mid,) = grid.push_messages([msg])
+        assert fi.take_noted_wire_size(msg) == fi.wire_size(msg)
+        msg.content["c"]["l"].append(7)  # the server changes its message after the push
+        (reply,) = grid.pull_messages([mid])
+        assert len(mid) == 64 and reply.metadata.reply_to_message_id == mid
+        assert fi.take_noted_wire_size(reply) == fi.wire_size(reply)
+        assert list(msg.content["c"]["l"]) == [1, 7]  # the client's change did not come back
+        assert np.array_equal(msg.content["a"]["x"].numpy(), np.arange(3, dtype=np.float32))
+        seen.append((reply.has_error(), reply.error.code if reply.has_error() else None,
+                     reply.error.reason if reply.has_error() else None,
+                     None if reply.has_error() else reply.content["a"]["x"].numpy().tolist(),
+                     None if reply.has_error() else type(reply.content["m"]["n"]),
+                     reply.metadata.src_node_id, reply.metadata.dst_node_id, reply.metadata.group_id,
+                     reply.metadata.message_type))
+    assert seen[0] == seen[1]
+    assert seen[1][0] == fail
+
+
+def test_a_direct_push_is_all_or_nothing_and_refuses_a_message_twice():
+    grid = InProcessGrid(_echo_app, num_nodes=2, run_config={}, direct=True)
+    a, b = grid.get_node_ids()
+    good, bad = _grid_message(grid, a), _grid_message(grid, b)
+    bad.content["a"]["x"].__dict__["shape"] = (np.int64(3),)  # cannot go on Flower's wire (not JSON)
+    with pytest.raises(TypeError):
+        grid.push_messages([good, bad])
+    assert grid.state_dict()["messages_run"] == 0  # nothing was left pending
+    (mid,) = grid.push_messages([good])
+    with pytest.raises(ValueError, match="pushed twice"):
+        grid.push_messages([good])
+    with pytest.raises(ValueError, match="pushed twice"):
+        grid.push_messages([_grid_message(grid, b)] * 2)
+    grid.pull_messages([mid])
+    grid.push_messages([good])  # once its first push has run, it may go again
+
+
+def test_a_message_sized_after_a_real_serialisation_is_sized_the_same():
+    """Ids cached by an earlier serialisation (of this very message) are not taken for
+    the stand-ins: two arrays whose real ids are cached count as what they are."""
+    msg = _message(RecordDict({"a": ArrayRecord({"x": Array(np.zeros(10, dtype=np.float32)),
+                                                 "y": Array(np.zeros(10, dtype=np.float32)),
+                                                 "z": Array(np.ones(10, dtype=np.float32))})}))
+    want = fi.wire_size(msg)  # caches real ids on the arrays
+    assert fi.direct_wire_size(msg) == want
+    assert fi.serialise(msg) == fi.serialise(fi.detached_copy(msg))

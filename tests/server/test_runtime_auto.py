@@ -161,7 +161,8 @@ def test_the_defaults_give_the_same_run_as_one_process_in_memory_and_say_what_th
     assert meta["inprocess_runtime"] == ("clients on cpu (auto: no CUDA device); 3 processes (auto: 3 usable "
                                          "cores, 4 clients a round); client states in memory up to 0.5 MiB, then on disk")
     assert json.loads((ref / "config.json").read_text())["inprocess_runtime"] == \
-        "clients on cpu (auto: no CUDA device); 1 process (as given); client states in memory"
+        ("clients on cpu (auto: no CUDA device); 1 process (as given); client states in memory; messages handed "
+         "over directly, their bytes counted from the format")
     assert list((tmp_path / "states").iterdir()) == []  # the store moved to disk, and removed its files
 
 
