@@ -191,10 +191,11 @@ class InProcessGrid(Grid):
         self.client_device = client_device
         self.direct = direct
         # direct delivery: messages pushed (for their ids, with this grid's salt), and the
-        # objects of those pending (id of the Message pushed), so that one pushed twice is refused
+        # Messages pushed and still pending, held so that one pushed twice is refused (held:
+        # a freed message's id() could be a new one's)
         self._pushed = 0
         self._salt = os.urandom(8).hex()
-        self._origins: dict[str, int] = {}
+        self._origins: dict[str, Message] = {}
         #: The runtime's choices in words, for the run's first line and config.json
         #: (:func:`fededge.server.inprocess.run_inprocess` says why it chose them).
         self.runtime_note = (f"{workers} process{'es' if workers > 1 else ''}; client states {client_states}"
@@ -358,8 +359,8 @@ class InProcessGrid(Grid):
         wire noted, all or none (as serialising them all first does). An id has the
         length of a SuperLink's (64 hex digits, an object id), so that a reply's
         ``reply_to`` costs the same bytes; it is unique to this grid."""
-        pushed = {id(m) for m in messages}
-        if len(pushed) < len(messages) or not pushed.isdisjoint(self._origins.values()):
+        pushed = {id(m) for m in messages}  # the messages are alive: their ids are theirs
+        if len(pushed) < len(messages) or any(id(m) in pushed for m in self._origins.values()):
             raise ValueError("a message was pushed twice")
         queued = []
         for msg in messages:
@@ -371,7 +372,7 @@ class InProcessGrid(Grid):
         for msg, mid, copy, size in queued:
             fi.note_wire_size(msg, size)  # for the meter
             self._pending[mid] = (msg.metadata.dst_node_id, mid, copy)
-            self._origins[mid] = id(msg)
+            self._origins[mid] = msg
         return [mid for _, mid, _, _ in queued]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
