@@ -94,6 +94,11 @@ def _rows(quick: bool, cuda: bool, cpu_resnet: bool = True) -> list[dict]:
     return rows
 
 
+def _row_config(row: dict) -> dict:
+    """The run-config keys a row sets over its workload's."""
+    return {k: row[k] for k in ("num-rounds", "deterministic") if k in row}
+
+
 def _floor(work: dict, row: dict) -> dict:
     """The same SGD steps in plain torch: each client from the global weights, its data
     already on the device, nothing else (no messages, no aggregation)."""
@@ -105,8 +110,7 @@ def _floor(work: dict, row: dict) -> dict:
     from fededge.workload import client_data, dataset_for
 
     cfg = RunConfig.from_mapping({k: v for k, v in work.items() if k not in ("clients",)} | {"partition": "iid"}
-                                 | ({"num-rounds": row["num-rounds"]} if "num-rounds" in row else {})
-                                 | ({"deterministic": row["deterministic"]} if "deterministic" in row else {}))
+                                 | _row_config(row))
     from fededge.clients.device import set_cuda_determinism
 
     dev = torch.device(row["device"])
@@ -147,9 +151,7 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
         "client-threads": 0 if row["device"] == "cpu" and row.get("workers", 1) == 1 else 1}
     if row["path"] == "defaults":  # fededge run's own choices: client-threads as it comes
         overrides.pop("client-threads")
-    for key in ("num-rounds", "deterministic"):
-        if key in row:
-            overrides[key] = row[key]
+    overrides |= _row_config(row)
     run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1),
                             direct=row.get("direct"))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -210,12 +212,8 @@ def main() -> int:
         env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}
         rows = [r for r in _rows(args.quick, cuda, not args.no_cpu_resnet) if args.only in (None, r["workload"])]
         for row in rows:
-            cmd = [sys.executable, __file__, "--one", json.dumps(row)] + (["--quick"] if args.quick else [])
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
-                                      timeout=args.row_timeout)
-            except subprocess.TimeoutExpired:
-                print(f"{row}: gave up after {args.row_timeout:.0f} s (--row-timeout)", flush=True)
+            proc = _in_a_process(row, args, env)
+            if proc is None:
                 continue
             if proc.returncode != 0:
                 print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
@@ -236,13 +234,19 @@ def main() -> int:
                 first = next((r for r in rows if r["workload"] == workload and r["path"] == "per-client"), None)
                 if first is None:
                     continue
-                cmd = [sys.executable, __file__, "--one", json.dumps(first), "--profile",
-                       f"{args.profile}.{workload}.txt"] + (["--quick"] if args.quick else [])
-                try:
-                    subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=args.row_timeout)
-                except subprocess.TimeoutExpired:
-                    print(f"profile of {first}: gave up after {args.row_timeout:.0f} s", flush=True)
+                _in_a_process(first, args, env, ["--profile", f"{args.profile}.{workload}.txt"])
     return 0
+
+
+def _in_a_process(row: dict, args: argparse.Namespace, env: dict, extra: list[str] | None = None
+                  ) -> subprocess.CompletedProcess | None:
+    """``row`` run by this script in a fresh process, or None (said) past ``--row-timeout``."""
+    cmd = [sys.executable, __file__, "--one", json.dumps(row)] + (extra or []) + (["--quick"] if args.quick else [])
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{row}: gave up after {args.row_timeout:.0f} s (--row-timeout)", flush=True)
+        return None
 
 
 def _line(r: dict, results: list[dict]) -> str:

@@ -309,7 +309,7 @@ def direct_wire_size(msg: Message) -> int:
     step = _array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
     # chunks of equal length and fingerprint, compared byte for byte: (view, stand-in id) per class
     classes: dict[tuple[int, bytes], list[tuple[memoryview, str]]] = {}
-    stand_ins: list[str] = []
+    distinct = 0  # stand-in ids made
     salt = hashlib.sha256(repr(id(msg)).encode()).hexdigest()
     try:
         with no_object_id_recompute():
@@ -322,8 +322,8 @@ def direct_wire_size(msg: Message) -> int:
                     same = classes.setdefault((len(part), _fingerprint(part)), [])
                     sid = next((cid for other, cid in same if _equal(part, other)), None)
                     if sid is None:
-                        sid = hashlib.sha256(f"{salt}:{len(stand_ins)}".encode()).hexdigest()
-                        stand_ins.append(sid)
+                        sid = hashlib.sha256(f"{salt}:{distinct}".encode()).hexdigest()
+                        distinct += 1
                         same.append((part, sid))
                     chunk = ArrayChunk(part)
                     chunk.__dict__["_object_id"] = sid
