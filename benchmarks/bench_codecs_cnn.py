@@ -37,6 +37,7 @@ Examples
 
     python benchmarks/bench_codecs_cnn.py --task cnn-bn-digits --rounds 20 --study powersgd
     python benchmarks/bench_codecs_cnn.py --task resnet-synth --rounds 30 --study table --seeds 0 1 2
+    python benchmarks/bench_codecs_cnn.py --task resnet-synth --rounds 30 --study table-global --only none --set local-lr=0.05
 """
 
 from __future__ import annotations
@@ -217,6 +218,19 @@ def run(label: str, over: dict, base: dict, clients: int, seed: int, out: Path) 
             "guard": counter["guard"], "psgd_calls": counter["calls"], "wall_s": time.perf_counter() - t0}
 
 
+def _settings(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def _mean_or_dash(xs: list) -> str:
     xs = [x for x in xs if x is not None]
     return f"{statistics.mean(xs):.1f}x" if xs else "-"
@@ -230,6 +244,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--only", nargs="*", help="labels to run (default: the whole study)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="run-config keys over the task's own for every case (e.g. local-lr=0.05); "
+                         "a value is read as JSON where it parses (numbers, true/false), else as a string")
     ap.add_argument("--json", default=None)
     ap.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                     help="print the table of runs saved by --json (several files: one table of all their rows, "
@@ -242,7 +259,7 @@ def main() -> int:
         seeds = sorted({r["seed"] for r in rows})
         print_table(saved[0]["task"], saved[0]["base"], args.clients, seeds, rows)
         return 0
-    base = {**TASKS[args.task], "num-rounds": args.rounds}
+    base = {**TASKS[args.task], "num-rounds": args.rounds, **_settings(args.set)}
     cases = [c for c in STUDIES[args.study] if not args.only or c[0] in args.only]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -175,22 +175,24 @@ def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> f
     # Every client's K mini-batches, drawn from its own sampler in the per-client order;
     # gathered a step at a time (a CNN cohort's K batches at once would be gigabytes).
     idx = [torch.stack([j.sampler.next_batch() for _ in range(first.steps)]).to(device) for j in jobs]
+    gather = _Gather([j.x for j in jobs], [j.y for j in jobs], idx)
     total = torch.zeros(len(jobs), device=device)
     model.train()
+    p_list = [params[n] for n in names]
+    b_list = None if bufs is None else [bufs[n] for n in names]
     for k in range(first.steps):
-        xb = torch.stack([j.x.index_select(0, i[k]) for j, i in zip(jobs, idx)])
-        yb = torch.stack([j.y.index_select(0, i[k]) for j, i in zip(jobs, idx)])
+        xb, yb = gather(k)
         grads, (_, data_loss) = step(params, stats, xb, yb, anchor)
         total += data_loss.detach()
-        with torch.no_grad():
-            for n in names:
-                g = grads[n]
-                if wd != 0:
-                    g = g.add(params[n], alpha=wd)
-                if bufs is not None:
-                    bufs[n].mul_(momentum).add_(g, alpha=1.0)
-                    g = bufs[n]
-                params[n] = params[n].add(g, alpha=-lr)
+        with torch.no_grad():  # sgd_step's operations, in place on the stacks, a list at a time
+            g_list = [grads[n] for n in names]
+            if wd != 0:
+                g_list = torch._foreach_add(g_list, p_list, alpha=wd)
+            if b_list is not None:
+                torch._foreach_mul_(b_list, momentum)
+                torch._foreach_add_(b_list, g_list, alpha=1.0)
+                g_list = b_list
+            torch._foreach_add_(p_list, g_list, alpha=-lr)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -206,6 +208,35 @@ def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> f
                                compute_s=seconds / len(jobs) if charge_s is None else charge_s)
     return seconds
 
+
+class _Gather:
+    """Each step's mini-batches of every client, stacked ``[C, batch, ...]``: one
+    ``index_select`` over the clients' data laid end to end (copied once per cohort when
+    that is at most :data:`GATHER_COPY_BYTES`), else one per client. The same rows either
+    way."""
+
+    def __init__(self, xs: list[torch.Tensor], ys: list[torch.Tensor], idx: list[torch.Tensor]) -> None:
+        self.xs, self.ys, self.idx = xs, ys, idx
+        self.flat = sum(x.numel() * x.element_size() for x in xs) <= GATHER_COPY_BYTES
+        if self.flat:
+            self.x, self.y = torch.cat(xs), torch.cat(ys)
+            offsets = torch.tensor([0] + [len(x) for x in xs[:-1]], device=idx[0].device).cumsum(0)
+            # [K, C, batch]: step k's rows of every client, as indices into the laid-out data
+            self.rows = torch.stack(idx, dim=1) + offsets.view(1, -1, 1).to(idx[0].dtype)
+
+    def __call__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.flat:
+            rows = self.rows[k]
+            flat = rows.reshape(-1)
+            return (self.x.index_select(0, flat).view(*rows.shape, *self.x.shape[1:]),
+                    self.y.index_select(0, flat).view(rows.shape))
+        return (torch.stack([x.index_select(0, i[k]) for x, i in zip(self.xs, self.idx)]),
+                torch.stack([y.index_select(0, i[k]) for y, i in zip(self.ys, self.idx)]))
+
+
+#: The most bytes of client data a cohort copies end to end to gather each step's
+#: mini-batches at once (a CNN cohort's data may be far larger: then one gather a client).
+GATHER_COPY_BYTES = 64 * 2**20
 
 _warm = False
 

@@ -74,6 +74,34 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
                                                      reason="no CUDA device here: this case runs on a GPU machine"))
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn-bn"])
+def test_one_gather_or_one_per_client_give_the_same_cohort(name, monkeypatch):
+    """The clients' data laid end to end (one index_select a step) and one gather per
+    client (data over GATHER_COPY_BYTES) pick the same rows: the cohorts are equal bit
+    for bit, with momentum and weight decay (the stacks updated in place)."""
+    model = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([40, 75, 120, 33])
+    kw = dict(steps=6, lr=0.05, momentum=0.9, weight_decay=5e-4, proximal_mu=0.0)
+
+    def trained(limit):
+        monkeypatch.setattr(cohort, "GATHER_COPY_BYTES", limit)
+        jobs = [CohortJob(model=model, weights={n: t + 0.01 * c for n, t in _weights(model).items()}, x=x, y=y,
+                          sampler=BatchSampler(len(x), 16, seed=7, stream=c), momentum_buffers={}, **kw)
+                for c, (x, y) in enumerate(data)]
+        cohort_sgd(jobs)
+        return jobs
+
+    flat, apart = trained(2**40), trained(0)
+    for a, b in zip(flat, apart):
+        for n in a.trained:
+            assert torch.equal(a.trained[n], b.trained[n])
+            assert torch.equal(a.momentum_buffers[n], b.momentum_buffers[n])
+        for n in a.trained_buffers:
+            assert torch.equal(a.trained_buffers[n], b.trained_buffers[n])
+        assert a.result.mean_loss == b.result.mean_loss
+        assert a.sampler.state_dict() == b.sampler.state_dict()
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "cnn-bn"])
 @pytest.mark.parametrize("momentum,weight_decay,mu", [(0.0, 0.0, 0.0), (0.9, 5e-4, 0.0), (0.9, 0.0, 0.1)])
