@@ -4,7 +4,9 @@ Issue 36. Every run is FedAvg through fededge's Flower path (ClientApp with the
 compression mod, ``Compressed(FedAvg)`` on the server) in the in-process runtime, on a
 CPU-sized proxy of ResNet-18 on CIFAR:
 
-- ``cnn-digits``: the default task's CNN, without BatchNorm (a control);
+- ``mlp-digits``, ``cnn-digits``: the default task (scikit-learn's digits, 10 clients,
+  Dirichlet 0.5, K = 20) with its MLP or its CNN, without BatchNorm (controls, and the
+  codec x model table's first rows);
 - ``cnn-bn-digits``: the CNN with BatchNorm on scikit-learn's digits (the default task's
   data, 10 clients, Dirichlet 0.5, K = 20);
 - ``cnn-bn-synth``: the same CNN on ``synthetic-images`` (3x32x32, amplitude 0.1, IID);
@@ -61,6 +63,7 @@ import fededge.server.runner as experiment_mod  # noqa: E402
 from fededge.server.inprocess import run_inprocess  # noqa: E402
 
 TASKS = {
+    "mlp-digits": {"model": "mlp"},
     "cnn-digits": {"model": "cnn"},
     "cnn-bn-digits": {"model": "cnn-bn"},
     "cnn-bn-synth": {"model": "cnn-bn", "dataset": "synthetic-images", "synthetic-samples": 6000,

@@ -14,6 +14,12 @@ untimed warm-up. ``speed-up`` is the best per-client time (either thread count) 
 cohort's with every core. The largest weight difference from the per-client path is
 printed too (float32 rounding: tests/clients/test_cohort.py).
 
+For a model made of ``Linear`` layers (the MLP), ``bmm floor`` is what the cohort cannot
+beat on this machine with every core: the batched matmuls its steps must do (each
+layer's forward, its weight gradient, and its input gradient but the first layer's),
+timed alone with ``torch.bmm`` on the same shapes, best of ``--repeats``; ``best
+possible`` is the per-client time over that floor, the most a cohort could gain here.
+
     python benchmarks/bench_cohort.py
     python benchmarks/bench_cohort.py --models mlp --clients 100 --steps 20
 """
@@ -57,6 +63,33 @@ def _cohort(model, start, data, steps: int, threads: int) -> tuple[float, list[d
     return seconds, [j.trained for j in jobs]
 
 
+def _bmm_floor(model, clients: int, steps: int, batch: int, repeats: int) -> float | None:  # noqa: ANN001
+    """Seconds of the batched matmuls ``steps`` cohort steps of a Linear-only ``model``
+    need (None for any other model): forward ``[C,B,in] x [C,in,out]``, weight gradient
+    ``[C,out,B] x [C,B,in]``, input gradient ``[C,B,out] x [C,out,in]`` (not the first
+    layer's)."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not layers or any(len(list(m.children())) == 0 and not isinstance(m, (torch.nn.Linear, torch.nn.ReLU,
+                                                                                torch.nn.Flatten))
+                         for m in model.modules()):
+        return None
+    shapes = []
+    for i, m in enumerate(layers):
+        fi, fo = m.in_features, m.out_features
+        shapes += [((clients, batch, fi), (clients, fi, fo)), ((clients, fo, batch), (clients, batch, fi))]
+        if i:
+            shapes.append(((clients, batch, fo), (clients, fo, fi)))
+    pairs = [(torch.randn(a), torch.randn(b)) for a, b in shapes]
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for a, b in pairs:
+                torch.bmm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,cnn,cnn-bn,resnet18-w8")
@@ -69,7 +102,8 @@ def main() -> int:
     _warm_up()
     print(f"# {cores} cores, torch {torch.__version__}, {args.steps} steps of batch 32 per client")
     print(f"{'model':>12} {'clients':>7} {'per client 1t':>13} {f'per client {cores}t':>13} {'cohort 1t':>10} "
-          f"{f'cohort {cores}t':>10} {'speed-up':>8} {'max |dw|':>9}", flush=True)
+          f"{f'cohort {cores}t':>10} {'speed-up':>8} {'max |dw|':>9} {'bmm floor':>9} {'best possible':>13}",
+          flush=True)
     for name in args.models.split(","):
         shape = SHAPES[name]
         clients = args.clients or (100 if name == "mlp" else 20)
@@ -89,8 +123,12 @@ def main() -> int:
                 times.append(t)
             best[label] = min(times)
         diff = max((a[n] - b[n]).abs().max().item() for a, b in zip(results["pc1"], results["coN"]) for n in a)
+        torch.set_num_threads(cores)
+        floor = _bmm_floor(model, clients, args.steps, 32, args.repeats)
+        per_client = min(best["pc1"], best["pcN"])
+        tail = "        —             —" if floor is None else f"{floor:>10.3f} {per_client / floor:>12.2f}x"
         print(f"{name:>12} {clients:>7} {best['pc1']:>13.3f} {best['pcN']:>13.3f} {best['co1']:>10.3f} "
-              f"{best['coN']:>10.3f} {min(best['pc1'], best['pcN']) / best['coN']:>8.2f} {diff:>9.1e}", flush=True)
+              f"{best['coN']:>10.3f} {per_client / best['coN']:>8.2f} {diff:>9.1e} {tail}", flush=True)
     return 0
 
 

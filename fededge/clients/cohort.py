@@ -184,15 +184,8 @@ def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> f
         xb, yb = gather(k)
         grads, (_, data_loss) = step(params, stats, xb, yb, anchor)
         total += data_loss.detach()
-        with torch.no_grad():  # sgd_step's operations, in place on the stacks, a list at a time
-            g_list = [grads[n] for n in names]
-            if wd != 0:
-                g_list = torch._foreach_add(g_list, p_list, alpha=wd)
-            if b_list is not None:
-                torch._foreach_mul_(b_list, momentum)
-                torch._foreach_add_(b_list, g_list, alpha=1.0)
-                g_list = b_list
-            torch._foreach_add_(p_list, g_list, alpha=-lr)
+        with torch.no_grad():
+            _update([grads[n] for n in names], p_list, b_list, lr=lr, momentum=momentum, weight_decay=wd)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -207,6 +200,28 @@ def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> f
                                examples_seen=first.steps * first.sampler.batch_size,
                                compute_s=seconds / len(jobs) if charge_s is None else charge_s)
     return seconds
+
+
+def _update(g_list: list[torch.Tensor], p_list: list[torch.Tensor], b_list: list[torch.Tensor] | None, *,
+            lr: float, momentum: float, weight_decay: float) -> None:
+    """:func:`~fededge.clients.train.sgd_step` on the stacks, in place: weight decay, then
+    heavy-ball momentum into ``b_list`` (buffers that start at zero: ``0 * m + g`` is the
+    per-client path's first buffer, ``g``), then the step. With momentum, in one pass
+    over the stacks where torch has its fused SGD kernel (a cohort's stacks outgrow the
+    caches that one client's weights fit in, so passes over memory are what the update
+    costs); otherwise with ``torch._foreach`` lists."""
+    fused = getattr(torch, "_fused_sgd_", None)
+    if b_list is not None and fused is not None:
+        fused(p_list, g_list, b_list, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
+              nesterov=False, maximize=False, is_first_step=False)
+        return
+    if weight_decay != 0:
+        g_list = torch._foreach_add(g_list, p_list, alpha=weight_decay)
+    if b_list is not None:
+        torch._foreach_mul_(b_list, momentum)
+        torch._foreach_add_(b_list, g_list, alpha=1.0)
+        g_list = b_list
+    torch._foreach_add_(p_list, g_list, alpha=-lr)
 
 
 class _Gather:

@@ -102,6 +102,36 @@ def test_one_gather_or_one_per_client_give_the_same_cohort(name, monkeypatch):
         assert a.sampler.state_dict() == b.sampler.state_dict()
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 5e-4])
+def test_the_fused_update_is_sgd_step(weight_decay, monkeypatch):
+    """The cohort's update (torch's fused SGD kernel where it has one, else foreach
+    lists) is train.sgd_step's on each client's slice: three steps from a zero buffer,
+    to float32 rounding (a fused kernel may contract a multiply and an add)."""
+    from fededge.clients.train import sgd_step
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(4, 7, 5), (4, 5)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.delattr(torch, "_fused_sgd_", raising=False)
+        p_list = [t.clone() for t in start]
+        b_list = [torch.zeros_like(t) for t in start]
+        for step in grads:
+            cohort._update([t.clone() for t in step], p_list, b_list, lr=0.05, momentum=0.9, weight_decay=weight_decay)
+        for c in range(4):
+            params = [torch.nn.Parameter(t[c].clone()) for t in start]
+            buffers = [None] * len(params)
+            for step in grads:
+                for p, t in zip(params, step):
+                    p.grad = t[c].clone()
+                sgd_step(params, buffers, lr=0.05, momentum=0.9, weight_decay=weight_decay)
+            for p, q, b, buf in zip(params, p_list, b_list, buffers):
+                torch.testing.assert_close(q[c], p.detach(), atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(b[c], buf, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "cnn-bn"])
 @pytest.mark.parametrize("momentum,weight_decay,mu", [(0.0, 0.0, 0.0), (0.9, 5e-4, 0.0), (0.9, 0.0, 0.1)])
