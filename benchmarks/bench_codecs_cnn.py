@@ -134,6 +134,16 @@ STUDIES = {
         ("psgd r4", {**PSGD, "powersgd-rank": 4}),
         ("dgc", {"compressor": "dgc"}),
     ],
+    # DGC on model deltas: its momentum correction (round-level momentum on top of the
+    # clients' local momentum) and its final sparsity, one at a time.
+    "dgc": [
+        ("none", {}),
+        ("dgc", {"compressor": "dgc"}),
+        ("dgc mom=0", {"compressor": "dgc", "dgc-momentum": 0.0}),
+        ("dgc 99%", {"compressor": "dgc", "dgc-sparsity": 0.99}),
+        ("dgc 99% mom=0", {"compressor": "dgc", "dgc-sparsity": 0.99, "dgc-momentum": 0.0}),
+        ("top0.1%+EF", {"compressor": "topk", "topk-ratio": 0.001, "error-feedback": True}),
+    ],
     # The same codecs with the server's statistics recalibrated (norm-stats = global).
     "table-global": [
         ("none", {"norm-stats": "global"}),

@@ -40,15 +40,21 @@ class DGCConfig:
     Parameters
     ----------
     final_sparsity : float
-        Fraction of elements *not* sent once warmed up, in [0, 1). 0.999 sends 0.1 %.
+        Fraction of elements *not* sent once warmed up, in [0, 1). 0.999 sends 0.1 %,
+        the paper's, for per-step gradients; fededge's run default for model deltas over
+        tens of rounds is 0.99 (``dgc-sparsity``, docs/compression.md).
     initial_sparsity : float
         Sparsity of round 0, in [0, final_sparsity]. The paper uses 0.75.
     warmup_rounds : int
         Rounds over which the density decays exponentially to its final value; 0 starts
         at ``final_sparsity``. The paper warms up over the first epochs (a few rounds).
     momentum : float
-        Momentum m in [0, 1) of the correction; use the optimizer's momentum (0.9).
-        0 reduces DGC to top-k with error feedback.
+        Momentum m in [0, 1) of the correction; use the optimizer's momentum (0.9) where
+        each update is one step's gradient, as in the paper. On model deltas after local
+        SGD with momentum (a federated round) use 0, fededge's run default
+        (``dgc-momentum``): the deltas carry the momentum already, and a correction on top
+        is momentum across rounds (3-42 points lost at 30 rounds, docs/compression.md).
+        0 reduces DGC to top-k with error feedback, with DGC's warm-up and clipping.
     clip_norm : float or None
         Clip each tensor's update to this L2 norm before accumulating; None disables.
     lossless : bool
