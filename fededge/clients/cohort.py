@@ -202,6 +202,10 @@ def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> f
     return seconds
 
 
+#: device type -> False once torch's fused SGD kernel failed there (no kernel for it)
+_fused_works: dict[str, bool] = {}
+
+
 def _update(g_list: list[torch.Tensor], p_list: list[torch.Tensor], b_list: list[torch.Tensor] | None, *,
             lr: float, momentum: float, weight_decay: float) -> None:
     """:func:`~fededge.clients.train.sgd_step` on the stacks, in place: weight decay, then
@@ -211,10 +215,18 @@ def _update(g_list: list[torch.Tensor], p_list: list[torch.Tensor], b_list: list
     caches that one client's weights fit in, so passes over memory are what the update
     costs); otherwise with ``torch._foreach`` lists."""
     fused = getattr(torch, "_fused_sgd_", None)
-    if b_list is not None and fused is not None:
-        fused(p_list, g_list, b_list, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
-              nesterov=False, maximize=False, is_first_step=False)
-        return
+    kind = p_list[0].device.type if p_list else "cpu"
+    # The CPU kernel reads each tensor's memory in order (a strided gradient would be
+    # misread), and torch before 2.4 has no CPU kernel at all (it fails at dispatch,
+    # before writing anything): then the foreach path, from then on.
+    if (b_list is not None and fused is not None and _fused_works.get(kind, True)
+            and all(t.is_contiguous() for t in (*g_list, *p_list, *b_list))):
+        try:
+            fused(p_list, g_list, b_list, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
+                  nesterov=False, maximize=False, is_first_step=False)
+            return
+        except (NotImplementedError, RuntimeError):
+            _fused_works[kind] = False
     if weight_decay != 0:
         g_list = torch._foreach_add(g_list, p_list, alpha=weight_decay)
     if b_list is not None:
@@ -235,16 +247,18 @@ class _Gather:
         self.flat = sum(x.numel() * x.element_size() for x in xs) <= GATHER_COPY_BYTES
         if self.flat:
             self.x, self.y = torch.cat(xs), torch.cat(ys)
-            offsets = torch.tensor([0] + [len(x) for x in xs[:-1]], device=idx[0].device).cumsum(0)
-            # [K, C, batch]: step k's rows of every client, as indices into the laid-out data
-            self.rows = torch.stack(idx, dim=1) + offsets.view(1, -1, 1).to(idx[0].dtype)
+            lengths = torch.tensor([len(x) for x in xs], device=idx[0].device, dtype=idx[0].dtype).view(1, -1, 1)
+            local = torch.stack(idx, dim=1)  # [K, C, batch]: step k's rows of every client
+            if bool(((local < 0) | (local >= lengths)).any()):  # would read a neighbour's rows
+                raise IndexError("a client's sampler drew a row outside its data")
+            self.rows = local + (lengths.cumsum(1) - lengths)  # as indices into the laid-out data
 
     def __call__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.flat:
             rows = self.rows[k]
             flat = rows.reshape(-1)
             return (self.x.index_select(0, flat).view(*rows.shape, *self.x.shape[1:]),
-                    self.y.index_select(0, flat).view(rows.shape))
+                    self.y.index_select(0, flat).view(*rows.shape, *self.y.shape[1:]))
         return (torch.stack([x.index_select(0, i[k]) for x, i in zip(self.xs, self.idx)]),
                 torch.stack([y.index_select(0, i[k]) for y, i in zip(self.ys, self.idx)]))
 

@@ -132,6 +132,40 @@ def test_the_fused_update_is_sgd_step(weight_decay, monkeypatch):
                 torch.testing.assert_close(b[c], buf, atol=1e-6, rtol=1e-6)
 
 
+def test_the_update_reads_a_strided_gradient_as_it_is():
+    """A gradient that is a transposed view (a model of one's own may give one) is
+    applied by its values, not by its memory order: torch's CPU fused kernel would read
+    the latter, so such lists take the foreach path."""
+    g = torch.randn(3, 4, 5).transpose(1, 2)  # [3, 5, 4], not contiguous
+    p_list, b_list = [torch.zeros(3, 5, 4)], [torch.zeros(3, 5, 4)]
+    cohort._update([g], p_list, b_list, lr=1.0, momentum=0.9, weight_decay=0.0)
+    assert torch.equal(p_list[0], -g) and torch.equal(b_list[0], g)
+
+
+def test_a_failing_fused_kernel_falls_back_to_foreach(monkeypatch):
+    """torch before 2.4 has no CPU kernel for fused SGD (it raises at dispatch): the
+    update then takes the foreach path, the same numbers, and remembers it."""
+    def missing(*args, **kwargs):
+        raise NotImplementedError("Could not run 'aten::_fused_sgd_' with arguments from the 'CPU' backend")
+
+    monkeypatch.setattr(torch, "_fused_sgd_", missing, raising=False)
+    monkeypatch.setattr(cohort, "_fused_works", {})
+    p_list, b_list, g = [torch.zeros(2, 3)], [torch.zeros(2, 3)], torch.randn(2, 3)
+    for _ in range(2):
+        cohort._update([g], p_list, b_list, lr=0.5, momentum=0.9, weight_decay=0.0)
+    assert cohort._fused_works == {"cpu": False}
+    torch.testing.assert_close(b_list[0], g * 0.9 + g)
+    torch.testing.assert_close(p_list[0], -0.5 * g - 0.5 * (g * 0.9 + g))
+
+
+def test_a_sampler_row_outside_a_clients_data_is_refused():
+    """Laid end to end, an index past a client's data would read its neighbour's rows;
+    the gather refuses it, as the per-client index_select would."""
+    xs, ys = [torch.zeros(4, 2), torch.ones(6, 2)], [torch.zeros(4, dtype=torch.long), torch.ones(6, dtype=torch.long)]
+    with pytest.raises(IndexError, match="outside its data"):
+        cohort._Gather(xs, ys, [torch.tensor([[0, 4]]), torch.tensor([[0, 1]])])
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "cnn-bn"])
 @pytest.mark.parametrize("momentum,weight_decay,mu", [(0.0, 0.0, 0.0), (0.9, 5e-4, 0.0), (0.9, 0.0, 0.1)])
