@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fededge.compress.roles as roles_mod  # noqa: E402
 import fededge.compress.powersgd as psgd_mod  # noqa: E402
 import fededge.server.runner as experiment_mod  # noqa: E402
+from fededge.runconfig_text import parse_run_config  # noqa: E402
 from fededge.server.inprocess import run_inprocess  # noqa: E402
 
 TASKS = {
@@ -235,19 +236,6 @@ def run(label: str, over: dict, base: dict, clients: int, seed: int, out: Path) 
             "guard": counter["guard"], "psgd_calls": counter["calls"], "wall_s": time.perf_counter() - t0}
 
 
-def _settings(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set takes KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def _mean_or_dash(xs: list) -> str:
     xs = [x for x in xs if x is not None]
     return f"{statistics.mean(xs):.1f}x" if xs else "-"
@@ -262,8 +250,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--only", nargs="*", help="labels to run (default: the whole study)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="run-config keys over the task's own for every case (e.g. local-lr=0.05); "
-                         "a value is read as JSON where it parses (numbers, true/false), else as a string")
+                    help="run-config keys over the task's own for every case (e.g. local-lr=0.05), read as "
+                         "fededge run --run-config reads them")
     ap.add_argument("--json", default=None)
     ap.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                     help="print the table of runs saved by --json (several files: one table of all their rows, "
@@ -276,7 +264,7 @@ def main() -> int:
         seeds = sorted({r["seed"] for r in rows})
         print_table(saved[0]["task"], saved[0]["base"], args.clients, seeds, rows)
         return 0
-    base = {**TASKS[args.task], "num-rounds": args.rounds, **_settings(args.set)}
+    base = {**TASKS[args.task], "num-rounds": args.rounds, **parse_run_config(" ".join(args.set))}
     cases = [c for c in STUDIES[args.study] if not args.only or c[0] in args.only]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -68,11 +68,10 @@ def _bmm_floor(model, clients: int, steps: int, batch: int, repeats: int) -> flo
     need (None for any other model): forward ``[C,B,in] x [C,in,out]``, weight gradient
     ``[C,out,B] x [C,B,in]``, input gradient ``[C,B,out] x [C,out,in]`` (not the first
     layer's)."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not layers or any(len(list(m.children())) == 0 and not isinstance(m, (torch.nn.Linear, torch.nn.ReLU,
-                                                                                torch.nn.Flatten))
-                         for m in model.modules()):
+    leaves = [m for m in model.modules() if not list(m.children())]
+    if not all(isinstance(m, (torch.nn.Linear, torch.nn.ReLU, torch.nn.Flatten)) for m in leaves):
         return None
+    layers = [m for m in leaves if isinstance(m, torch.nn.Linear)]
     shapes = []
     for i, m in enumerate(layers):
         fi, fo = m.in_features, m.out_features
