@@ -11,7 +11,9 @@ CPU-sized proxy of ResNet-18 on CIFAR:
   data, 10 clients, Dirichlet 0.5, K = 20);
 - ``cnn-bn-synth``: the same CNN on ``synthetic-images`` (3x32x32, amplitude 0.1, IID);
 - ``resnet-synth``: ``resnet18-w8`` (ResNet-18's layout at 1/8 of its width, 176k
-  parameters, BatchNorm everywhere) on ``synthetic-images``.
+  parameters, BatchNorm everywhere) on ``synthetic-images``;
+- ``resnet18-synth``: ResNet-18 itself on ``synthetic-images`` with the run defaults (the
+  issue's GPU setting: a GPU, or hours a run on a CPU).
 
 Each case is the uncompressed run or a codec, with factors set by run-config keys or,
 for those that are no knob (the rule for normalisation statistics, the PowerSGD guard),
@@ -71,6 +73,9 @@ TASKS = {
                      "synthetic-amplitude": 0.1, "partition": "iid", "local-steps": 10, "local-lr": 0.02},
     "resnet-synth": {"model": "resnet18-w8", "dataset": "synthetic-images", "synthetic-samples": 6000,
                      "synthetic-amplitude": 0.1, "partition": "iid", "local-steps": 10, "local-lr": 0.02},
+    # ResNet-18 itself, as issue 36 measured it on a GPU: `fededge run --num-clients 10` with
+    # model=resnet18 dataset=synthetic-images and every other key at its default
+    "resnet18-synth": {"model": "resnet18", "dataset": "synthetic-images"},
 }
 PSGD = {"compressor": "powersgd"}
 SIGN = {"compressor": "signsgd", "error-feedback": True}

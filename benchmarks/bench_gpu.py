@@ -94,6 +94,29 @@ def _rows(quick: bool, cuda: bool, cpu_resnet: bool = True) -> list[dict]:
     return rows
 
 
+def label(row: dict) -> str:
+    """A row's name for ``--rows``: workload:device:path[*][/ser][:workers], e.g.
+    ``resnet:cuda:floor*``, ``resnet:cuda:per-client:1``, ``mlp:cpu:per-client:8``,
+    ``mlp:auto:defaults:auto`` (``*``: deterministic=false; ``/ser``: every message serialised)."""
+    name = f"{row['workload']}:{row['device']}:{row['path']}" + ("*" if row.get("deterministic", True) is False else "")
+    name += "/ser" if row.get("direct") is False else ""
+    return name + (f":{row['workers']}" if "workers" in row else "")
+
+
+def pick(rows: list[dict], wanted: str | None) -> list[dict]:
+    """The rows ``--rows`` names, in its order (all of them when it is not given); a name
+    that matches no row is an error that lists the names there are."""
+    if not wanted:
+        return rows
+    by = {label(r): r for r in rows}
+    names = [w.strip() for w in wanted.split(",") if w.strip()]
+    unknown = [w for w in names if w not in by]
+    if unknown:
+        raise SystemExit(f"bench_gpu: --rows names no row {', '.join(unknown)}; the rows here are: "
+                         + ", ".join(by))
+    return [by[w] for w in names]
+
+
 def _row_config(row: dict) -> dict:
     """The run-config keys a row sets over its workload's."""
     return {k: row[k] for k in ("num-rounds", "deterministic") if k in row}
@@ -191,6 +214,11 @@ def main() -> int:
     p.add_argument("--only", default=None, choices=("resnet", "mlp"), help="one workload's rows")
     p.add_argument("--no-cpu-resnet", action="store_true",
                    help="leave out the ResNet rows on the CPU where CUDA is (minutes each, known from earlier runs)")
+    p.add_argument("--rows", default=None, metavar="NAMES",
+                   help="comma-separated row names to run, in that order (e.g. resnet:cuda:floor,"
+                        "resnet:cuda:per-client:1,mlp:cuda:cohort:1); an unknown name lists the names")
+    p.add_argument("--profile-rows", default=None, metavar="NAMES",
+                   help="with --profile: the rows to profile (default: each workload's first per-client row)")
     p.add_argument("--row-timeout", type=float, default=240, help="seconds a row may take before it is given up")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="also run the first GPU (else CPU) per-client row of each workload under cProfile once, "
@@ -210,7 +238,11 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FEDEDGE_CACHE_DIR": cache}
-        rows = [r for r in _rows(args.quick, cuda, not args.no_cpu_resnet) if args.only in (None, r["workload"])]
+        every = _rows(args.quick, cuda, not args.no_cpu_resnet)
+        rows = [r for r in pick(every, args.rows) if args.only in (None, r["workload"])]
+        profiled = pick(every, args.profile_rows) if args.profile_rows else [
+            r for r in (next((r for r in rows if r["workload"] == w and r["path"] == "per-client"), None)
+                        for w in ("resnet", "mlp")) if r is not None]
         for row in rows:
             proc = _in_a_process(row, args, env)
             if proc is None:
@@ -230,11 +262,11 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         if args.profile:  # after the table: a profile cut short by a timeout loses no row
-            for workload in ("resnet", "mlp"):
-                first = next((r for r in rows if r["workload"] == workload and r["path"] == "per-client"), None)
-                if first is None:
+            for r in profiled:
+                if r["path"] == "floor":
                     continue
-                _in_a_process(first, args, env, ["--profile", f"{args.profile}.{workload}.txt"])
+                name = label(r).replace(":", "_").replace("*", "-nd").replace("/", "_")
+                _in_a_process(r, args, env, ["--profile", f"{args.profile}.{name}.txt"])
     return 0
 
 
