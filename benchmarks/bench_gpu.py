@@ -201,8 +201,8 @@ def one(row: dict, quick: bool, profile: str | None = None) -> dict:
         res = prof.runcall(_fededge, work, row, Path(tmp))
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text).sort_stats("cumulative")
-        stats.print_stats(60)
-        stats.sort_stats("tottime").print_stats(30)
+        stats.print_stats(90)
+        stats.sort_stats("tottime").print_stats(45)
         Path(profile).write_text(text.getvalue())
         return row | res
 

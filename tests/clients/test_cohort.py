@@ -27,6 +27,13 @@ ATOL = 1e-5
 #: (ATEN_CPU_CAPABILITY=default, scripts/test_portable.sh). Still 30x below one step's
 #: change; the float64 test holds both paths to 1e-10.
 BN_ATOL = 2e-4
+#: On CUDA a batched GEMM (cuBLAS) sums in another order than C separate ones: 3.2e-5
+#: after 12 steps of the MLP without momentum on an H100 (2026-11-27), where the float64
+#: test below held both paths to 1e-10 on the same GPU, so the difference is rounding.
+CUDA_ATOL = 1e-4
+#: ... and its mean loss over the steps differed by 1.04e-4 relative there (4.43516
+#: against 4.43469: a loss that high comes from steps that move the weights far).
+CUDA_LOSS_RTOL = 1e-3
 
 
 @pytest.fixture(autouse=True)
@@ -190,11 +197,11 @@ def test_cohort_equals_per_client(name, momentum, weight_decay, mu, device, monk
         expected.append((*_per_client(model, start, x, y, twin, **kw), twin.state_dict()))
         jobs.append(CohortJob(model=model, weights=start, x=x, y=y, sampler=sampler, momentum_buffers=None, **kw))
     cohort_sgd(jobs)
-    tol = BN_ATOL if name == "cnn-bn" else ATOL
+    tol = BN_ATOL if name == "cnn-bn" else CUDA_ATOL if device == "cuda" else ATOL
     for (w, res, pos), job in zip(expected, jobs):
         for n in w:
             torch.testing.assert_close(job.trained[n], w[n], atol=tol, rtol=tol)
-        assert job.result.mean_loss == pytest.approx(res.mean_loss, rel=tol)
+        assert job.result.mean_loss == pytest.approx(res.mean_loss, rel=CUDA_LOSS_RTOL if device == "cuda" else tol)
         assert job.result.steps == res.steps and job.result.examples_seen == res.examples_seen
         assert job.sampler.state_dict() == pos
         assert job.result.compute_s is not None and job.result.compute_s >= 0

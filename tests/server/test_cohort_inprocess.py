@@ -159,8 +159,21 @@ def test_cohort_trains_batchnorm_models_with_each_clients_statistics(tmp_path, c
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: this case runs on a GPU machine")
 @pytest.mark.parametrize("codec", [{}, {"compressor": "signsgd", "error-feedback": True}], ids=["none", "signsgd"])
 def test_cohort_clients_equal_per_client_training_on_cuda(tmp_path, checked_cohorts, monkeypatch, codec):
-    """The same check with the clients on CUDA (TF32 off: cuDNN uses it by default)."""
+    """The same check with the clients on CUDA (TF32 off: cuDNN uses it by default).
+
+    With signSGD, round 2's clients start from a model that a sign-coded average moved
+    by its full scale in every coordinate; 20 steps at momentum 0.9 from there amplify
+    cuBLAS's batched rounding to 1e-3 on an H100 (2026-11-27: round 1 within 1e-5; the
+    float64 test in tests/clients/test_cohort.py held both paths to 1e-10 on the same
+    GPU, so this is rounding, not another step). There: the first cohort to 1e-5, every
+    later one to 5e-3 (one step moves a weight by ~1e-3; a wrong step or input puts a
+    job off by far more within 20 steps).
+    """
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    if codec:
+        checked_cohorts.tol.update(weights=5e-3, loss=1e-3)
     lines = _run(tmp_path, codec | {"cohort": True, "device": "cuda", "momentum": 0.9}, "cohort-cuda")
     assert checked_cohorts.sizes and lines[-1]["failures"] == 0
+    first = checked_cohorts.diffs[: checked_cohorts.sizes[0]]
+    assert max(first) <= TOL, checked_cohorts.diffs
