@@ -217,13 +217,25 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
     total = sum(weights)
     factors = [w / total for w in weights]
     out: dict[str, Any] = {}
+    # Each array is read in place (no copy of its bytes), and each product goes to one
+    # buffer per key, reused while the arrays' dtype and shape are the first's (then the
+    # product's dtype is too): the same operations, without allocating a model per reply.
+    scratch: dict[str, tuple[Any, Any, np.ndarray]] = {}
     for record, factor in zip(records, factors, strict=True):
         for arrays in record.array_records.values():
             for key, value in arrays.items():
+                v = to_numpy(value, copy=False)
                 if key not in out:
-                    out[key] = to_numpy(value) * factor
+                    out[key] = v * factor
+                    continue
+                dtype, shape, buf = scratch.get(key, (None, None, None))
+                if buf is not None and v.dtype == dtype and v.shape == shape:
+                    out[key] += np.multiply(v, factor, out=buf)
                 else:
-                    out[key] += to_numpy(value) * factor
+                    product = v * factor
+                    if isinstance(product, np.ndarray):  # a 0-d array's product is a numpy scalar
+                        scratch[key] = (v.dtype, v.shape, product)
+                    out[key] += product
     return ArrayRecord({k: from_numpy(np.asarray(v)) for k, v in out.items()})
 
 

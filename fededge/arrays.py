@@ -22,6 +22,7 @@ ids and the bytes counted on the wire are Flower's.
 from __future__ import annotations
 
 import io
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -40,8 +41,12 @@ _parsed: dict[bytes, tuple[np.dtype, tuple[int, ...], bool]] = {}
 _written: dict[tuple[str, tuple[int, ...], bool], bytes | None] = {}
 
 
-def to_numpy(arr: Array) -> np.ndarray:
-    """``arr.numpy()``: a fresh, writable array equal to it bit for bit."""
+def to_numpy(arr: Array, *, copy: bool = True) -> np.ndarray:
+    """``arr.numpy()``: a fresh, writable array equal to it bit for bit.
+
+    ``copy=False``: a read-only view of the Array's own bytes where they can be read in
+    place (no copy: a 45 MB model is read without allocating 45 MB), else a fresh array
+    as with ``copy=True``. For reading only (an average, ``load_state_dict``)."""
     data = arr.data
     if arr.stype != _NUMPY_STYPE or len(data) < 10 or data[:6] != b"\x93NUMPY":
         return arr.numpy()
@@ -71,7 +76,8 @@ def to_numpy(arr: Array) -> np.ndarray:
     if len(data) - start != count * dtype.itemsize:
         return arr.numpy()  # truncated or padded: let np.load say what is wrong
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
-    return flat.reshape(shape, order="F" if fortran else "C").copy(order="K")
+    view = flat.reshape(shape, order="F" if fortran else "C")
+    return view.copy(order="K") if copy else view
 
 
 def from_numpy(nd: np.ndarray) -> Array:
@@ -116,22 +122,86 @@ def from_torch(tensor: Any) -> Array:
     return from_numpy(tensor.detach().cpu().numpy())
 
 
-def record_to_torch(record: ArrayRecord) -> "OrderedDict[str, Any]":
-    """``record.to_torch_state_dict()``: name -> CPU tensor, in the record's order."""
+def record_to_torch(record: ArrayRecord, *, copy: bool = True) -> "OrderedDict[str, Any]":
+    """``record.to_torch_state_dict()``: name -> CPU tensor, in the record's order.
+
+    ``copy=False``: tensors that share the record's bytes where they can (no copy), for a
+    reader that copies them itself, e.g. ``model.load_state_dict(record_to_torch(r,
+    copy=False))``. They must not be written to: the bytes are the message's (immutable
+    for Python, not for torch), shared with every copy of the message."""
     import torch
 
-    return OrderedDict((k, torch.from_numpy(to_numpy(a))) for k, a in record.items())
+    if copy:
+        return OrderedDict((k, torch.from_numpy(to_numpy(a))) for k, a in record.items())
+    with warnings.catch_warnings():  # torch warns that a read-only array's tensor is writable: it is not written
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        return OrderedDict((k, torch.from_numpy(to_numpy(a, copy=False))) for k, a in record.items())
 
 
-def record_from_torch(tensors: Mapping[str, Any]) -> ArrayRecord:
+def record_from_torch(tensors: Mapping[str, Any], *, bulk: bool | None = None) -> ArrayRecord:
     """``ArrayRecord(tensors)``: the same record, fast. Values are torch tensors (a
-    ``state_dict``), numpy arrays or Flower ``Array`` objects (kept as they are)."""
+    ``state_dict``), numpy arrays or Flower ``Array`` objects (kept as they are).
+
+    Tensors on an accelerator (a CUDA client's model) come to the host in one transfer
+    per device (:func:`_host_copies`) instead of one per tensor, each of which waits for
+    the device; ``bulk=True`` does the same for CPU tensors too (to test it anywhere),
+    ``bulk=False`` never. The record's bytes are the same either way."""
     record = ArrayRecord()
+    host = _host_copies(tensors, everywhere=bool(bulk)) if bulk is not False else {}
     for k, v in tensors.items():
         if isinstance(v, Array):
             record[k] = v
         elif isinstance(v, np.ndarray):
             record[k] = from_numpy(v)
+        elif k in host:
+            record[k] = from_numpy(host[k])
         else:
             record[k] = from_torch(v)
     return record
+
+
+#: torch dtype -> numpy dtype, for the dtypes numpy has (None: it has none, e.g. bfloat16)
+_numpy_dtypes: dict[Any, np.dtype | None] = {}
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype | None:
+    if dtype not in _numpy_dtypes:
+        import torch
+
+        try:
+            _numpy_dtypes[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+        except (TypeError, RuntimeError):
+            _numpy_dtypes[dtype] = None
+    return _numpy_dtypes[dtype]
+
+
+def _host_copies(tensors: Mapping[str, Any], *, everywhere: bool = False) -> dict[str, np.ndarray]:
+    """name -> a numpy array equal to ``tensor.detach().cpu().numpy()`` (dtype, shape,
+    C order, bytes) for each contiguous torch tensor not on the CPU (each one, with
+    ``everywhere``) whose dtype numpy has: the tensors of one device laid end to end as
+    bytes on that device and copied to the host at once, the arrays views of that copy.
+    A non-contiguous tensor keeps its own path (``.cpu()`` keeps its strides, which
+    decide the ``.npy`` layout)."""
+    import torch
+
+    groups: dict[Any, list[tuple[str, Any, np.dtype]]] = {}
+    for k, v in tensors.items():
+        if not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and not everywhere):
+            continue
+        dtype = _numpy_dtype(v.dtype)
+        if dtype is None or not v.is_contiguous() or v.is_sparse or v.is_quantized:
+            continue
+        groups.setdefault(v.device, []).append((k, v, dtype))
+    out: dict[str, np.ndarray] = {}
+    for items in groups.values():
+        if len(items) < 2:
+            continue  # nothing to save
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t, _ in items])
+            host = flat.cpu().numpy()
+        offset = 0
+        for k, t, dtype in items:
+            n = t.numel() * t.element_size()
+            out[k] = host[offset:offset + n].view(dtype).reshape(tuple(t.shape))
+            offset += n
+    return out

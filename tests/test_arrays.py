@@ -68,3 +68,57 @@ def test_a_header_numpy_would_write_differently_falls_back_to_flower(monkeypatch
     assert arrays.from_numpy(nd).data == Array.from_numpy_ndarray(nd).data
     assert arrays._written[(nd.dtype.str, (7,), False)] is None
     assert arrays.from_numpy(nd).data == Array.from_numpy_ndarray(nd).data
+
+
+@pytest.mark.parametrize("nd", CASES, ids=lambda a: f"{a.dtype}-{a.shape}")
+def test_a_view_reads_the_same_values_in_place(nd):
+    """``copy=False``: the values and layout of ``copy=True``, read from the Array's own
+    bytes, read-only."""
+    arr = arrays.from_numpy(nd)
+    view, fresh = arrays.to_numpy(arr, copy=False), arrays.to_numpy(arr)
+    assert view.dtype == fresh.dtype and view.shape == fresh.shape and view.tobytes() == fresh.tobytes()
+    in_place = np.shares_memory(view, np.frombuffer(arr.data, np.uint8))
+    assert in_place == (nd.size > 0)
+    assert not in_place or not view.flags.writeable
+
+
+def test_a_state_dict_read_in_place_loads_as_a_copy_does():
+    model = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    record = arrays.record_from_torch(build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10,
+                                                  seed=1).state_dict())
+    before = bytes(record["fc.weight"].data) if "fc.weight" in record else None
+    shared = arrays.record_to_torch(record, copy=False)
+    ref = arrays.record_to_torch(record)
+    assert list(shared) == list(ref)
+    assert all(torch.equal(shared[k], ref[k]) and shared[k].dtype == ref[k].dtype for k in ref)
+    model.load_state_dict(shared)
+    assert all(torch.equal(model.state_dict()[k], ref[k]) for k in ref)
+    with torch.no_grad():  # the model holds copies: training it leaves the record's bytes alone
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(shared[k], ref[k]) for k in ref)
+    assert before is None or record["fc.weight"].data == before
+
+
+def test_one_transfer_to_the_host_gives_the_same_bytes_as_one_per_tensor():
+    """record_from_torch's bulk path (one copy per device, used for tensors on an
+    accelerator; ``bulk=True`` forces it here): each Array equal to the per-tensor path's,
+    for the dtypes and layouts a state dict can hold; a strided tensor keeps its own path
+    (its layout decides the .npy order), and a dtype numpy lacks is left to it."""
+    sd = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0).state_dict()
+    sd.update({
+        "f64": torch.arange(5, dtype=torch.float64), "f16": torch.ones(3, 2, dtype=torch.float16),
+        "flag": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 3), "scalar": torch.tensor(7, dtype=torch.int64),
+        "strided": torch.arange(12.0).reshape(3, 4).T, "i8": torch.arange(-3, 4, dtype=torch.int8),
+        "grad": torch.nn.Parameter(torch.randn(2, 3)),
+    })
+    bulk, each = arrays.record_from_torch(sd, bulk=True), arrays.record_from_torch(sd, bulk=False)
+    assert list(bulk) == list(each) == list(sd)
+    for k in sd:
+        assert vars(bulk[k]) == vars(each[k]), k
+    assert set(arrays._host_copies(sd, everywhere=True)) == set(sd) - {"strided"}
+    assert arrays._numpy_dtype(torch.bfloat16) is None
+    assert arrays._host_copies({"a": torch.ones(2, dtype=torch.bfloat16), "b": torch.ones(2, dtype=torch.bfloat16)},
+                               everywhere=True) == {}
+    assert arrays._host_copies(sd) == {}  # CPU tensors: nothing to gather by default

@@ -212,7 +212,7 @@ def train(msg: Message, context: Context) -> Message:
     if work.partition_id in dropped_partitions(work.num_partitions, cfg.dropout, seed=cfg.seed):
         return _dropped_reply(msg, work)
     conf = msg.content[keys.CONFIG] if keys.CONFIG in msg.content else ConfigRecord()
-    work.model.load_state_dict(record_to_torch(_received_arrays(msg)))
+    work.model.load_state_dict(record_to_torch(_received_arrays(msg), copy=False))  # copies them
     sampler = _sampler(work, context, int(conf.get(keys.BATCH_SIZE, cfg.batch_size)))
     momentum = float(conf.get(keys.MOMENTUM, cfg.momentum))
     buffers = _kept_momentum(context, work) if cfg.keep_momentum and momentum != 0 else None
@@ -357,7 +357,7 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     work = client_workload(context)
     if work.partition_id in dropped_partitions(work.num_partitions, work.cfg.dropout, seed=work.cfg.seed):
         return _dropped_reply(msg, work)
-    work.model.load_state_dict(record_to_torch(_received_arrays(msg)))
+    work.model.load_state_dict(record_to_torch(_received_arrays(msg), copy=False))  # copies them
     loss, acc = evaluate(work.model, work.x, work.y)
     metrics = MetricRecord({keys.NUM_EXAMPLES: len(work.x), "eval-loss": loss, "eval-acc": acc})
     return Message(content=RecordDict({keys.METRICS: metrics}), reply_to=msg)

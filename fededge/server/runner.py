@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fededge import _flwr_internals as fi
 from fededge import keys
+from fededge.arrays import record_to_torch
 from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.train import evaluate
 from fededge.compress.plan import UpdatePlan
@@ -160,7 +161,7 @@ def run_experiment(
     strategy = strategy or build_strategy(cfg)
 
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        model.load_state_dict(record_to_torch(arrays, copy=False))  # copies them
         loss, acc = evaluate(model, x_test, y_test)
         return MetricRecord({"accuracy": acc, "loss": loss})
 

@@ -255,10 +255,11 @@ def test_fededge_s_average_is_flowers_bit_for_bit_and_a_run_uses_it_only_while_i
     records = [RecordDict({"arrays": ArrayRecord({
         "w": Array(rng.standard_normal((7, 5)).astype(np.float32)),
         "f": Array(np.asfortranarray(rng.standard_normal((3, 4)))),  # float64, Fortran order
-        "n": Array(rng.integers(0, 9, size=6))}),
+        "n": Array(rng.integers(0, 9, size=6)),
+        "s": Array(np.array(rng.standard_normal(), dtype=np.float32))}),  # 0-d: its product is a scalar
         "metrics": MetricRecord({"num-examples": int(w)})}) for w in rng.integers(1, 50, size=9)]
     ours, theirs = fi.average_arrayrecords(records, "num-examples"), aggregate_arrayrecords(records, "num-examples")
-    assert list(ours) == list(theirs) == ["w", "f", "n"]
+    assert list(ours) == list(theirs) == ["w", "f", "n", "s"]
     assert all(vars(ours[k]) == vars(theirs[k]) for k in ours) and ours.object_id == theirs.object_id
     flower = fedavg.aggregate_arrayrecords
     with fi.fast_average():
