@@ -146,6 +146,46 @@ def test_sgd_step_is_torch_sgd_bit_for_bit_without_momentum_and_with_unused_para
             assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (momentum, wd, step)
 
 
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.5, 1e-3)])
+def test_sgd_step_foreach_is_torch_sgd_foreach_bit_for_bit(momentum, wd):
+    """The multi-tensor form (torch's default on a GPU) against torch.optim.SGD(foreach=
+    True), step by step, with a parameter that has no gradient on odd steps (it joins
+    the momentum buffers late: the mixed first-step case)."""
+    from fededge.clients.train import sgd_step
+
+    g = torch.Generator().manual_seed(4)
+    ours = [torch.randn(5, 3, generator=g, requires_grad=True), torch.randn(4, generator=g, requires_grad=True),
+            torch.randn(2, 2, generator=g, requires_grad=True)]
+    theirs = [p.detach().clone().requires_grad_(True) for p in ours]
+    buffers = [None] * 3
+    opt = torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=wd, foreach=True)
+    for step in range(5):
+        for params in (ours, theirs):
+            for p in params:
+                p.grad = None
+            loss = (params[0] ** 2).sum() + (params[2] ** 3).sum() + (0 if step % 2 == 0 else (params[1] ** 3).sum())
+            loss.backward()
+        sgd_step(ours, buffers, lr=0.1, momentum=momentum, weight_decay=wd, foreach=True)
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (momentum, wd, step)
+        if momentum:
+            assert all(b is None or torch.equal(b, opt.state[t]["momentum_buffer"]) for b, t in zip(buffers, theirs))
+
+
+def test_sgd_step_takes_torchs_default_form_by_device(monkeypatch):
+    from fededge.clients import train
+
+    seen = []
+    monkeypatch.setattr(train, "_sgd_step_foreach", lambda *a, **k: seen.append("foreach"))
+    p = torch.zeros(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    train.sgd_step([p], [None], lr=0.1)  # the CPU: the loop, as torch.optim.SGD's default there
+    assert seen == [] and torch.equal(p, torch.full((3,), -0.1))
+    monkeypatch.setattr(train, "FOREACH_DEVICE_TYPES", ("cpu",))  # as if the CPU were a GPU
+    train.sgd_step([p], [None], lr=0.1)
+    assert seen == ["foreach"]
+
+
 def test_local_training_does_not_import_torch_dynamo():
     # torch.optim's constructors import torch._dynamo (seconds, paid on every message by
     # a SuperNode's fresh flwr-clientapp process); fededge's client path must not.
