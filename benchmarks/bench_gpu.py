@@ -12,11 +12,14 @@ Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new us
   32, every client every round: fededge on ``cuda``, fededge on the CPU (all cores), and
   the **pure-torch floor**: the same 200 SGD steps (``fededge.clients.train.local_sgd``,
   each client from the round's global weights, its data already on the device) with
-  nothing else, timed on the same GPU. The floor uses the kernels fededge's clients use
+  nothing else, timed on the same GPU (its update on a GPU is torch.optim.SGD's default
+  there, the multi-tensor form, since db23d65; before, one kernel per tensor operation). The floor uses the kernels fededge's clients use
   (run config ``deterministic``, true by default: cuDNN's deterministic algorithms, no
   autotuner); on CUDA both rows are also run with ``deterministic=false`` (``path`` marked
   ``*``), each compared with its own floor; and once with every message serialised
   (``/ser``: ``run_inprocess(direct=False)``, the path before direct delivery).
+  A row with 4 worker processes on the GPU measures several clients in flight at once
+  (issue 35, item 4), against the floor of one.
 - **MLP, 1,000 clients, 100 a round, signSGD + error feedback**, ``synthetic`` data:
   per-client path with 1 and with 8 worker processes, and the cohort path
   (``cohort = true``: each round's clients as one batched program), on ``cuda`` and on
@@ -82,6 +85,9 @@ def _rows(quick: bool, cuda: bool, cpu_resnet: bool = True) -> list[dict]:
                          "deterministic": False})
             # every message serialised, as before direct delivery (issue 35, item 2)
             rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 1, "direct": False})
+            # several clients in flight on the GPU, one per process (issue 35, item 4; each
+            # process its own CUDA context, messages serialised between processes)
+            rows.append({"workload": "resnet", "device": dev, "path": "per-client", "workers": 4})
     for dev in devices:
         for workers in (1, 8 if not quick else 2):
             rows.append({"workload": "mlp", "device": dev, "path": "per-client", "workers": workers})
