@@ -22,6 +22,7 @@ ids and the bytes counted on the wire are Flower's.
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -133,9 +134,28 @@ def record_to_torch(record: ArrayRecord, *, copy: bool = True) -> "OrderedDict[s
 
     if copy:
         return OrderedDict((k, torch.from_numpy(to_numpy(a))) for k, a in record.items())
-    with warnings.catch_warnings():  # torch warns that a read-only array's tensor is writable: it is not written
+    return OrderedDict((k, _tensor_of_view(to_numpy(a, copy=False))) for k, a in record.items())
+
+
+_quiet_lock = threading.Lock()
+_quieted = False  # torch has had (and been kept from showing) its one "not writable" warning
+
+
+def _tensor_of_view(nd: np.ndarray) -> Any:
+    """``torch.from_numpy`` of a read-only view. Torch warns, once per process, that the
+    tensor of a read-only array is writable; these are not written (see
+    :func:`record_to_torch`), so that one warning is kept quiet: only then are the warning
+    filters touched (``catch_warnings`` is not thread-safe), under a lock."""
+    import torch
+
+    global _quieted
+    if _quieted or nd.flags.writeable:
+        return torch.from_numpy(nd)
+    with _quiet_lock, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        return OrderedDict((k, torch.from_numpy(to_numpy(a, copy=False))) for k, a in record.items())
+        tensor = torch.from_numpy(nd)
+        _quieted = True
+    return tensor
 
 
 def record_from_torch(tensors: Mapping[str, Any], *, bulk: bool | None = None) -> ArrayRecord:
@@ -181,7 +201,8 @@ def _host_copies(tensors: Mapping[str, Any], *, everywhere: bool = False) -> dic
     ``everywhere``) whose dtype numpy has: the tensors of one device laid end to end as
     bytes on that device and copied to the host at once, the arrays views of that copy.
     A non-contiguous tensor keeps its own path (``.cpu()`` keeps its strides, which
-    decide the ``.npy`` layout)."""
+    decide the ``.npy`` layout), and so does a GPU whose free memory would not hold the
+    gathered copy twice over (a small edge GPU)."""
     import torch
 
     groups: dict[Any, list[tuple[str, Any, np.dtype]]] = {}
@@ -193,9 +214,12 @@ def _host_copies(tensors: Mapping[str, Any], *, everywhere: bool = False) -> dic
             continue
         groups.setdefault(v.device, []).append((k, v, dtype))
     out: dict[str, np.ndarray] = {}
-    for items in groups.values():
+    for device, items in groups.items():
         if len(items) < 2:
             continue  # nothing to save
+        size = sum(t.numel() * t.element_size() for _, t, _ in items)
+        if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 2 * size:
+            continue  # the gathered copy would not fit beside the model: one tensor at a time
         with torch.no_grad():
             flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t, _ in items])
             host = flat.cpu().numpy()

@@ -122,3 +122,21 @@ def test_one_transfer_to_the_host_gives_the_same_bytes_as_one_per_tensor():
     assert arrays._host_copies({"a": torch.ones(2, dtype=torch.bfloat16), "b": torch.ones(2, dtype=torch.bfloat16)},
                                everywhere=True) == {}
     assert arrays._host_copies(sd) == {}  # CPU tensors: nothing to gather by default
+
+
+def test_reading_in_place_shows_no_warning_even_as_errors():
+    """torch warns (once a process) that a read-only array's tensor is writable; fededge's
+    in-place reads are never written, so that warning is kept quiet, in a fresh process
+    where it would otherwise be the first (and warnings as errors make it fatal)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, warnings\n"
+            "from fededge import arrays\n"
+            "warnings.simplefilter('error')\n"
+            "r = arrays.record_from_torch({'w': torch.ones(3, 2), 'b': torch.zeros(2)})\n"
+            "for _ in range(2):\n"
+            "    t = arrays.record_to_torch(r, copy=False)\n"
+            "assert torch.equal(t['w'], torch.ones(3, 2))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -184,6 +184,8 @@ def sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], *, 
     """
     if foreach is None:
         foreach = bool(params) and all(p.device.type in FOREACH_DEVICE_TYPES for p in params)
+    if foreach and not _one_group(params):
+        foreach = False  # torch splits such lists by device and dtype; the loop is the same arithmetic
     if foreach:
         _sgd_step_foreach(params, buffers, lr=lr, momentum=momentum, weight_decay=weight_decay)
         return
@@ -202,6 +204,14 @@ def sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], *, 
                 buf.mul_(momentum).add_(grad, alpha=1.0)
             grad = buf
         p.add_(grad, alpha=-lr)
+
+
+def _one_group(params: list[torch.Tensor]) -> bool:
+    """Whether the parameters with a gradient share one device and dtype and no gradient is
+    sparse: what one multi-tensor call takes on its fast path (torch.optim.SGD groups by
+    device and dtype, and adds sparse gradients one by one)."""
+    live = [p for p in params if p.grad is not None]
+    return not live or (len({(p.device, p.dtype) for p in live}) == 1 and not any(p.grad.is_sparse for p in live))
 
 
 def _sgd_step_foreach(params: list[torch.Tensor], buffers: list[torch.Tensor | None], *, lr: float,

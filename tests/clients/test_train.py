@@ -184,6 +184,11 @@ def test_sgd_step_takes_torchs_default_form_by_device(monkeypatch):
     monkeypatch.setattr(train, "FOREACH_DEVICE_TYPES", ("cpu",))  # as if the CPU were a GPU
     train.sgd_step([p], [None], lr=0.1)
     assert seen == ["foreach"]
+    # parameters of two dtypes (torch would split them by dtype): the loop, the same arithmetic
+    q = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    q.grad = torch.ones(2, dtype=torch.float64)
+    train.sgd_step([p, q], [None, None], lr=0.1)
+    assert seen == ["foreach"] and torch.equal(q, torch.full((2,), -0.1, dtype=torch.float64))
 
 
 def test_local_training_does_not_import_torch_dynamo():
