@@ -220,7 +220,7 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
     # Each array is read in place (no copy of its bytes), and each product goes to one
     # buffer per key, reused while the arrays' dtype and shape are the first's (then the
     # product's dtype is too): the same operations, without allocating a model per reply.
-    scratch: dict[str, tuple[Any, Any, np.ndarray]] = {}
+    scratch: dict[str, tuple[Any, np.ndarray]] = {}  # key -> (the arrays' dtype, the product buffer)
     for record, factor in zip(records, factors, strict=True):
         for arrays in record.array_records.values():
             for key, value in arrays.items():
@@ -228,13 +228,13 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
                 if key not in out:
                     out[key] = v * factor
                     continue
-                dtype, shape, buf = scratch.get(key, (None, None, None))
-                if buf is not None and v.dtype == dtype and v.shape == shape:
+                dtype, buf = scratch.get(key, (None, None))
+                if buf is not None and v.dtype == dtype and v.shape == buf.shape:
                     out[key] += np.multiply(v, factor, out=buf)
                 else:
                     product = v * factor
                     if isinstance(product, np.ndarray):  # a 0-d array's product is a numpy scalar
-                        scratch[key] = (v.dtype, v.shape, product)
+                        scratch[key] = (v.dtype, product)
                     out[key] += product
     return ArrayRecord({k: from_numpy(np.asarray(v)) for k, v in out.items()})
 

@@ -213,7 +213,8 @@ def _update(g_list: list[torch.Tensor], p_list: list[torch.Tensor], b_list: list
     per-client path's first buffer, ``g``), then the step. With momentum, in one pass
     over the stacks where torch has its fused SGD kernel (a cohort's stacks outgrow the
     caches that one client's weights fit in, so passes over memory are what the update
-    costs); otherwise with ``torch._foreach`` lists."""
+    costs); otherwise with ``torch._foreach`` lists (:func:`~fededge.clients.train.foreach_sgd`,
+    the per-client path's form on a GPU; ``b_list`` is None exactly when momentum is 0)."""
     fused = getattr(torch, "_fused_sgd_", None)
     kind = p_list[0].device.type if p_list else "cpu"
     # The CPU kernel reads each tensor's memory in order (a strided gradient would be
@@ -227,13 +228,7 @@ def _update(g_list: list[torch.Tensor], p_list: list[torch.Tensor], b_list: list
             return
         except (NotImplementedError, RuntimeError):
             _fused_works[kind] = False
-    if weight_decay != 0:
-        g_list = torch._foreach_add(g_list, p_list, alpha=weight_decay)
-    if b_list is not None:
-        torch._foreach_mul_(b_list, momentum)
-        torch._foreach_add_(b_list, g_list, alpha=1.0)
-        g_list = b_list
-    torch._foreach_add_(p_list, g_list, alpha=-lr)
+    _train.foreach_sgd(p_list, g_list, b_list, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 class _Gather:

@@ -216,31 +216,40 @@ def _one_group(params: list[torch.Tensor]) -> bool:
 
 def _sgd_step_foreach(params: list[torch.Tensor], buffers: list[torch.Tensor | None], *, lr: float,
                       momentum: float, weight_decay: float) -> None:
-    """torch.optim.SGD's ``_multi_tensor_sgd`` for one device and dtype, without
-    dampening or Nesterov: the parameters that have a gradient, weight decay, momentum
-    (each buffer's first value a copy of its gradient), the step."""
+    """:func:`foreach_sgd` on the parameters that have a gradient, as torch skips the
+    others (their buffers left alone)."""
     live = [i for i, p in enumerate(params) if p.grad is not None]
     if not live:
         return
-    ps = [params[i] for i in live]
-    grads = [params[i].grad for i in live]
+    bufs = [buffers[i] for i in live]
+    foreach_sgd([params[i] for i in live], [params[i].grad for i in live], bufs, lr=lr, momentum=momentum,
+                weight_decay=weight_decay)
+    for i, b in zip(live, bufs):
+        buffers[i] = b
+
+
+def foreach_sgd(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor | None] | None,
+                *, lr: float, momentum: float, weight_decay: float) -> None:
+    """torch.optim.SGD's ``_multi_tensor_sgd`` for one device and dtype, without
+    dampening or Nesterov, in place: weight decay, momentum into ``buffers`` (one per
+    parameter, read only with momentum; a None entry becomes a copy of its gradient, as
+    torch starts a buffer), the step. The cohort's update uses it on its stacks too."""
     if weight_decay != 0:
-        grads = torch._foreach_add(grads, ps, alpha=weight_decay)
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
     if momentum != 0:
-        if all(buffers[i] is not None for i in live):
-            bufs = [buffers[i] for i in live]
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, grads, alpha=1.0)
+        if buffers is None:
+            raise ValueError("foreach_sgd: momentum needs a list of buffers (None entries start them)")
+        if all(b is not None for b in buffers):
+            torch._foreach_mul_(buffers, momentum)
+            torch._foreach_add_(buffers, grads, alpha=1.0)
         else:
-            bufs = []
-            for i, g in zip(live, grads):
+            for i, g in enumerate(grads):
                 if buffers[i] is None:
                     buffers[i] = torch.clone(g).detach()
                 else:
                     buffers[i].mul_(momentum).add_(g, alpha=1.0)
-                bufs.append(buffers[i])
-        grads = bufs
-    torch._foreach_add_(ps, grads, alpha=-lr)
+        grads = buffers
+    torch._foreach_add_(params, grads, alpha=-lr)
 
 
 @torch.no_grad()
