@@ -9,16 +9,26 @@ visible part of a round: ``s/round`` is the median wall time of rounds 2..R-1 (r
 warms up; the last round is evaluated), ``compute`` the clients' summed local-SGD
 seconds in those rounds, ``rest`` the difference (messages, the server's average,
 bookkeeping), ``bytes`` a round's uplink + downlink (which must be equal between the
-two modes). The two modes alternate, ``--repeats`` times each, in one process; the
-best of each is printed.
+modes). The modes alternate, ``--repeats`` times each, in one process; the best of each
+is printed. Modes (``--modes``):
+
+- ``serialised``: every message serialised and rebuilt (``direct=False``);
+- ``direct``: messages handed over as copies, the models as host bytes;
+- ``resident``: direct, and each reply's model a ``TensorArray`` that stays on its device,
+  averaged there by the server (what a CUDA client gets by default). On the CPU
+  (``--device cpu``) it is forced for CPU tensors (``replies_on_device(everywhere=True)``),
+  which shows what the path's own bookkeeping costs; its gain is on a GPU, where the
+  models no longer cross the bus.
 
     python benchmarks/bench_direct.py                      # resnet18, cnn-bn, mlp
-    python benchmarks/bench_direct.py --models resnet18 --repeats 3
+    python benchmarks/bench_direct.py --models resnet18 --repeats 3 --modes direct,resident
+    python benchmarks/bench_direct.py --models resnet18 --device cuda --modes direct,resident   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -31,20 +41,31 @@ WORKLOADS = {
 }
 
 
-def one(model: str, direct: bool, args: argparse.Namespace) -> dict:
+def one(model: str, mode: str, args: argparse.Namespace) -> dict:
+    from unittest import mock
+
+    from fededge import arrays
     from fededge.server.inprocess import run_inprocess
 
-    with tempfile.TemporaryDirectory() as tmp:
+    direct = mode != "serialised"
+    if mode == "resident":
+        keep = arrays.replies_on_device(everywhere=args.device == "cpu")
+    elif mode == "direct":  # the models as host bytes, on a GPU too
+        keep = mock.patch.object(arrays, "_resident_copies", lambda tensors, everywhere=False: {})
+    else:
+        keep = contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, keep:
         overrides = WORKLOADS[model] | {
             "num-rounds": args.rounds, "local-steps": args.steps, "batch-size": args.batch, "partition": "iid",
             "evaluate-every": args.rounds, "progress": "off", "results-dir": tmp, "save-model": False,
-            "checkpoint-every": 0, "device": "cpu", "min-partition-size": 2}
+            "checkpoint-every": 0, "device": args.device, "server-device": args.device,
+            "min-partition-size": 2}
         run_dir = run_inprocess(overrides, num_clients=args.clients, direct=direct)
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = list(zip(lines[1:], lines[2:]))[:-1]  # rounds 2..R-1: after the warm-up, before the last evaluation
     wall = statistics.median(b["wall_s"] - a["wall_s"] for a, b in rounds)
     compute = statistics.median(sum(c["compute_s"] for c in b["clients"]) for _, b in rounds)
-    return {"model": model, "direct": direct, "round_s": wall, "compute_s": compute,
+    return {"model": model, "mode": mode, "device": args.device, "round_s": wall, "compute_s": compute,
             "bytes": lines[-1]["bytes_up"] + lines[-1]["bytes_down"], "loss": lines[-1]["loss"]}
 
 
@@ -56,29 +77,36 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--modes", default="serialised,direct", help="serialised, direct, resident (comma-separated)")
+    p.add_argument("--device", default="cpu", help="the clients' and the server's device: cpu or cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     import torch
 
     print(f"# {torch.get_num_threads()} torch threads, torch {torch.__version__}; {args.clients} clients, "
           f"{args.steps} local step(s) of batch {args.batch}, best of {args.repeats}", flush=True)
-    print(f"{'model':>9} {'delivery':>10} {'s/round':>8} {'compute':>8} {'rest':>7} {'bytes/round':>12} {'loss':>10}",
+    print(f"{'model':>9} {'mode':>10} {'s/round':>8} {'compute':>8} {'rest':>7} {'bytes/round':>12} {'loss':>10}",
           flush=True)
+    modes = args.modes.split(",")
+    unknown = set(modes) - {"serialised", "direct", "resident"}
+    if unknown:
+        p.error(f"unknown mode(s) {sorted(unknown)}: the modes are serialised, direct and resident")
     results = []
     for model in args.models.split(","):
-        runs: dict[bool, list[dict]] = {False: [], True: []}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         for _ in range(args.repeats):
-            for direct in (False, True):
-                runs[direct].append(one(model, direct, args))
-        best = {d: min(rs, key=lambda r: r["round_s"]) for d, rs in runs.items()}
-        for d in (False, True):
-            r = best[d]
+            for mode in modes:
+                runs[mode].append(one(model, mode, args))
+        best = {m: min(rs, key=lambda r: r["round_s"]) for m, rs in runs.items()}
+        for m in modes:
+            r = best[m]
             results.append(r)
-            print(f"{model:>9} {'direct' if d else 'serialised':>10} {r['round_s']:>8.3f} {r['compute_s']:>8.3f} "
+            print(f"{model:>9} {m:>10} {r['round_s']:>8.3f} {r['compute_s']:>8.3f} "
                   f"{r['round_s'] - r['compute_s']:>7.3f} {r['bytes']:>12} {r['loss']:>10.6f}", flush=True)
-        rest = [best[d]["round_s"] - best[d]["compute_s"] for d in (False, True)]
-        same = best[False]["bytes"] == best[True]["bytes"] and best[False]["loss"] == best[True]["loss"]
-        print(f"{model:>9} the rest of a round: {rest[0] / max(rest[1], 1e-9):.2f}x less directly; "
+        rest = {m: best[m]["round_s"] - best[m]["compute_s"] for m in modes}
+        same = len({(best[m]["bytes"], best[m]["loss"]) for m in modes}) == 1
+        ratios = ", ".join(f"{m} {rest[modes[0]] / max(rest[m], 1e-9):.2f}x" for m in modes[1:])
+        print(f"{model:>9} the rest of a round against {modes[0]}: {ratios}; "
               f"bytes and loss {'the same' if same else 'DIFFER'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -211,7 +211,7 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
     time."""
     from flwr.app import ArrayRecord
 
-    from fededge.arrays import from_numpy, to_numpy
+    from fededge.arrays import to_numpy
 
     weights = [next(iter(r.metric_records.values()))[weighting_metric_name] for r in records]  # as Flower: raw
     total = sum(weights)
@@ -220,14 +220,22 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
     # Each array is read in place (no copy of its bytes), and each product goes to one
     # buffer per key, reused while the arrays' dtype and shape are the first's (then the
     # product's dtype is too): the same operations, without allocating a model per reply.
-    scratch: dict[str, tuple[Any, np.ndarray]] = {}  # key -> (the arrays' dtype, the product buffer)
+    # A key whose first array is a float TensorArray (a GPU reply handed over in this
+    # process) is averaged with torch on that array's device: the same float operations
+    # (a product by the factor rounded to the dtype, then a sum, in the same order),
+    # so the same bits, without bringing the models to the host.
+    scratch: dict[str, tuple[Any, Any]] = {}  # key -> (the arrays' dtype, the product buffer)
     for record, factor in zip(records, factors, strict=True):
         for arrays in record.array_records.values():
             for key, value in arrays.items():
-                v = to_numpy(value, copy=False)
                 if key not in out:
-                    out[key] = v * factor
+                    t = _float_tensor(value)
+                    out[key] = t * factor if t is not None else to_numpy(value, copy=False) * factor
                     continue
+                if not isinstance(out[key], np.ndarray) and not isinstance(out[key], np.generic):
+                    _add_product_torch(out[key], value, factor, scratch, key)
+                    continue
+                v = to_numpy(value, copy=False)
                 dtype, buf = scratch.get(key, (None, None))
                 if buf is not None and v.dtype == dtype and v.shape == buf.shape:
                     out[key] += np.multiply(v, factor, out=buf)
@@ -236,7 +244,61 @@ def average_arrayrecords(records: list[RecordDict], weighting_metric_name: str) 
                     if isinstance(product, np.ndarray):  # a 0-d array's product is a numpy scalar
                         scratch[key] = (v.dtype, product)
                     out[key] += product
-    return ArrayRecord({k: from_numpy(np.asarray(v)) for k, v in out.items()})
+    averaged = ArrayRecord()  # item by item: ArrayRecord(dict) would rebuild each Array from its bytes
+    for k, v in out.items():
+        averaged[k] = _array_of_average(v)
+    return averaged
+
+
+def _float_tensor(value: Any) -> Any:
+    """The tensor of a TensorArray of float32 or float64 with at least one dimension
+    (the dtypes whose products by a Python float numpy and torch compute alike), else
+    None."""
+    from fededge.arrays import TensorArray
+
+    if not isinstance(value, TensorArray) or value.tensor is None:
+        return None
+    t = value.tensor
+    import torch
+
+    return t if t.dtype in (torch.float32, torch.float64) and t.dim() > 0 else None
+
+
+def _add_product_torch(acc: Any, value: Any, factor: float, scratch: dict[str, tuple[Any, Any]], key: str) -> None:
+    """``acc += value * factor`` on ``acc``'s device, as numpy does it: a TensorArray of
+    ``acc``'s device, dtype and shape with torch (the same float operations), anything
+    else by numpy's own product (its promotion rules: an integer array times a Python
+    float is float64, a float16 one float16), then added as numpy adds into ``acc``."""
+    import torch
+
+    from fededge.arrays import to_numpy
+
+    t = _float_tensor(value)
+    if t is None or t.device != acc.device or t.dtype != acc.dtype or t.shape != acc.shape:
+        product = torch.from_numpy(np.asarray(to_numpy(value, copy=False) * factor)).to(acc.device)
+        if product.dtype == acc.dtype and product.shape == acc.shape:
+            acc += product
+        else:  # numpy adds in the wider dtype and casts back into the accumulator
+            acc.copy_(acc + product)
+        return
+    _, buf = scratch.get(key, (None, None))
+    if buf is None:
+        buf = torch.empty_like(acc)
+        scratch[key] = (acc.dtype, buf)
+    acc += torch.mul(t, factor, out=buf)
+
+
+def _array_of_average(v: Any) -> Any:
+    """The Array of an averaged value: a TensorArray for a tensor (it stays where it is),
+    else Flower's bytes (:func:`~fededge.arrays.from_numpy`)."""
+    from fededge.arrays import _resident_header, from_numpy, kept_on_device
+
+    if isinstance(v, np.ndarray) or isinstance(v, np.generic):
+        return from_numpy(np.asarray(v))
+    made = _resident_header(v)
+    if made is None:  # a header not yet checked against Flower's: once through the host
+        return from_numpy(v.cpu().numpy())
+    return kept_on_device(v, *made)
 
 
 _fast_lock = threading.Lock()
@@ -275,7 +337,11 @@ def detached_copy(msg: Message) -> Message:
 
     from flwr.app import Array, ArrayRecord, ConfigRecord, Error, MetricRecord
 
+    from fededge.arrays import TensorArray
+
     def array(a: Any) -> Any:
+        if isinstance(a, TensorArray):
+            return a.shared()  # the same tensor (never written) and bytes, if made
         data = a.data if isinstance(a.data, bytes) else bytes(a.data)
         return Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=data)
 
@@ -291,7 +357,10 @@ def detached_copy(msg: Message) -> Message:
 
     def record(r: Any) -> Any:
         if isinstance(r, ArrayRecord):
-            return ArrayRecord({k: array(a) for k, a in r.items()})
+            out = ArrayRecord()  # item by item: ArrayRecord(dict) would rebuild each Array from its bytes
+            for k, a in r.items():
+                out[k] = array(a)
+            return out
         if isinstance(r, (ConfigRecord, MetricRecord)):
             return type(r)({k: plain(v) for k, v in r.items()})
         return copy.deepcopy(r)  # a record type of a later Flower: copied whole
@@ -316,28 +385,52 @@ def direct_wire_size(msg: Message) -> int:
     serialisation later computes real ids)."""
     import hashlib
 
+    from fededge.arrays import TensorArray
+
     arrays = [a for r in (msg.content.array_records.values() if msg.has_content() else ()) for a in r.values()]
     _forget_all(msg, arrays)
     step = _array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    # Each chunk as (array, start, end); a TensorArray's bytes are not made but for a
+    # chunk whose length a chunk of a plain Array's shares (rare: then compared as bytes).
+    spans = []
+    for a in arrays:
+        n = a.nbytes_on_wire() if isinstance(a, TensorArray) else len(a.data)
+        spans.append([(a, start, min(start + step, n)) for start in range(0, n, step)])
+    plain_lengths = {end - start for row in spans for a, start, end in row if not _on_device(a)}
+    on_device_lengths = {end - start for row in spans for a, start, end in row if _on_device(a)}
+    compare_on_device = on_device_lengths - plain_lengths
+    classes_on_device = _device_chunk_classes(
+        [c for row in spans for c in row if _on_device(c[0]) and c[2] - c[1] in compare_on_device])
     # chunks of equal length and fingerprint, compared byte for byte: (view, stand-in id) per class
     classes: dict[tuple[int, bytes], list[tuple[memoryview, str]]] = {}
+    stand_in: dict[Any, str] = {}  # (length, class) of chunks compared on the device -> id
     distinct = 0  # stand-in ids made
     salt = hashlib.sha256(repr(id(msg)).encode()).hexdigest()
+
+    def new_id() -> str:
+        nonlocal distinct
+        distinct += 1
+        return hashlib.sha256(f"{salt}:{distinct - 1}".encode()).hexdigest()
+
     try:
         with no_object_id_recompute():
             known = _get_computed_object_ids()
-            for a in arrays:
-                view = memoryview(a.data).cast("B")
+            for a, row in zip(arrays, spans, strict=True):
                 chunks = []
-                for start in range(0, len(view), step):
-                    part = view[start:start + step]
-                    same = classes.setdefault((len(part), _fingerprint(part)), [])
-                    sid = next((cid for other, cid in same if _equal(part, other)), None)
-                    if sid is None:
-                        sid = hashlib.sha256(f"{salt}:{distinct}".encode()).hexdigest()
-                        distinct += 1
-                        same.append((part, sid))
-                    chunk = ArrayChunk(part)
+                for span in row:
+                    _, start, end = span
+                    if (end - start) in compare_on_device:
+                        key = (end - start, classes_on_device[id(span)])
+                        sid = stand_in.get(key) or stand_in.setdefault(key, new_id())
+                        chunk = ArrayChunk(_Length(end - start))
+                    else:
+                        part = memoryview(a.data).cast("B")[start:end]
+                        same = classes.setdefault((len(part), _fingerprint(part)), [])
+                        sid = next((cid for other, cid in same if _equal(part, other)), None)
+                        if sid is None:
+                            sid = new_id()
+                            same.append((part, sid))
+                        chunk = ArrayChunk(part)
                     chunk.__dict__["_object_id"] = sid
                     known.add(sid)
                     chunks.append((sid, chunk))
@@ -348,6 +441,67 @@ def direct_wire_size(msg: Message) -> int:
         return total
     finally:
         _forget_all(msg, arrays)
+
+
+class _Length:
+    """The stand-in for a chunk's bytes not made (a :class:`~fededge.arrays.TensorArray`'s):
+    only its length is read (:func:`_chunk_size`)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _on_device(a: Any) -> bool:
+    """Whether ``a`` is a TensorArray whose bytes are not made (its chunks are compared as
+    tensors)."""
+    from fededge.arrays import TensorArray
+
+    return isinstance(a, TensorArray) and a.tensor is not None and a.__dict__["_data"] is None
+
+
+def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, int]:
+    """id(span) -> its class among the spans of its length: equal classes for equal
+    bytes, exactly. A span's bytes are its TensorArray's ``.npy`` header followed by its
+    tensor's bytes, from ``start`` to ``end``. The spans of one length are compared as
+    rows of bytes on the first one's device, each row against all at once, with one
+    wait for the device per length; where they all hold the same part of a header
+    (arrays of one dtype and shape), only their tensors' bytes are compared. A span
+    alone in its length is compared with nothing."""
+    import torch
+
+    groups: dict[int, list[tuple[Any, int, int]]] = {}
+    for span in spans:
+        groups.setdefault(span[2] - span[1], []).append(span)
+    out: dict[int, int] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            out[id(members[0])] = 0
+            continue
+        device = members[0][0].tensor.device
+        heads = {a.__dict__["_header"][start:end] for a, start, end in members}
+        rows = []
+        for a, start, end in members:
+            header = a.__dict__["_header"]
+            h = len(header)
+            body = a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)].to(device)
+            if len(heads) > 1 and start < h:  # header bytes to compare too
+                body = torch.cat([torch.frombuffer(bytearray(header[start:end]), dtype=torch.uint8).to(device), body])
+            rows.append(body)
+        if rows[0].numel() == 0:  # header bytes alone (empty tensors), and all the same
+            first = [0] * len(members)
+        else:
+            stacked = torch.stack(rows)
+            # equal[i, j]: rows i and j hold the same bytes; each row's class is the first equal row
+            equal = torch.stack([(stacked == row).all(dim=1) for row in stacked])
+            first = equal.int().argmax(dim=1).tolist()
+        for span, cls in zip(members, first, strict=True):
+            out[id(span)] = cls
+    return out
 
 
 def _fingerprint(view: memoryview) -> bytes:

@@ -4,7 +4,7 @@
 # For the workplace's GPU machine (python3 with torch+CUDA, no flwr), from the project root:
 #   here:   bash scripts/gpu_wheels.sh                   # flwr's wheels into .whl (ignored)
 #   there:  bash scripts/gpu_check.sh [bench_gpu.py's arguments]   (carry .whl)
-# Results go to $OUT (or ./gpu-out): tests.txt, bench.txt, gpu.json, prof.<row>.txt.
+# Results go to $OUT (or ./gpu-out): tests.txt, direct.txt, bench.txt, gpu.json, prof.<row>.txt.
 # GPU_CODECS="LABEL;LABEL" also runs issue 36's ResNet-18 rows (bench_codecs_cnn.py
 # --task resnet18-synth --study table, GPU_CODECS_ROUNDS rounds, 30 by default, run
 # config GPU_CODECS_SET) beside the tests, one process per label, all of them on the GPU
@@ -38,9 +38,14 @@ if [ -n "${GPU_CODECS:-}" ]; then
 fi
 timeout "${GPU_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -k cuda \
   tests/clients/test_device.py tests/clients/test_cohort.py tests/server/test_cohort_inprocess.py \
-  tests/server/test_runtime_auto.py > "$out/tests.txt" 2>&1
+  tests/server/test_runtime_auto.py tests/server/test_direct.py > "$out/tests.txt" 2>&1
 tail -25 "$out/tests.txt"
 for p in "${pids[@]}"; do wait "$p"; done
 [ -n "${GPU_CODECS:-}" ] && grep -v "^WARNING" "$out/codecs.log" | tail -30
+# A reply's model on the GPU (TensorArray) against host bytes, ResNet-18: GPU_DIRECT_TIMEOUT=0 skips it
+if [ "${GPU_DIRECT_TIMEOUT:-100}" != 0 ]; then
+  timeout "${GPU_DIRECT_TIMEOUT:-100}" python3 benchmarks/bench_direct.py --models resnet18 --device cuda \
+    --modes direct,resident --repeats 1 --rounds 5 2>&1 | grep -v "INFO\|WARNING" | tee "$out/direct.txt"
+fi
 timeout "${GPU_BENCH_TIMEOUT:-420}" python3 benchmarks/bench_gpu.py --json "$out/gpu.json" --profile "$out/prof" "$@" \
   2>&1 | tee "$out/bench.txt"

@@ -1,5 +1,8 @@
 """fededge.arrays against Flower's own conversions: the same values and the same bytes."""
 
+import copy as copying
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +143,104 @@ def test_reading_in_place_shows_no_warning_even_as_errors():
             "assert torch.equal(t['w'], torch.ones(3, 2))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+# -- TensorArray: a reply's model that stays on its device (issue 35, item 2) ------------
+
+TENSORS = [
+    torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    torch.arange(6, dtype=torch.float64),
+    torch.tensor(7, dtype=torch.int64),  # 0-d, as num_batches_tracked
+    torch.zeros(0, 5),
+    torch.tensor([True, False]),
+    torch.arange(8, dtype=torch.float16).reshape(2, 4),
+    torch.arange(24, dtype=torch.float32).reshape(4, 6).t(),  # not contiguous: the host path
+    torch.arange(3, dtype=torch.bfloat16),  # numpy has no bfloat16: the host path
+]
+
+
+@pytest.mark.parametrize("t", TENSORS, ids=lambda t: f"{t.dtype}-{tuple(t.shape)}")
+def test_a_tensor_array_is_flowers_array_of_the_tensor(t):
+    state = {"t": t}
+    if t.dtype == torch.bfloat16:
+        with pytest.raises(TypeError):  # Flower's own path cannot either
+            arrays.record_from_torch(state)
+        return
+    arrays.record_from_torch(state)  # the first array of a (dtype, shape) checks its header against Flower's
+    record = arrays.record_from_torch(state, on_device=True, bulk=False)
+    assert not isinstance(record["t"], arrays.TensorArray)  # on the CPU: only ever in tests
+    with arrays.replies_on_device(everywhere=True):
+        record = arrays.record_from_torch(state, on_device=None)
+    a, flower = record["t"], Array.from_torch_tensor(t)
+    # kept on the device: the float tensors the server averages there (float32/64, >= 1 dimension)
+    assert isinstance(a, arrays.TensorArray) == (t.is_contiguous() and t.dtype in (torch.float32, torch.float64)
+                                                 and t.dim() > 0)
+    if not isinstance(a, arrays.TensorArray) and arrays._resident_header(t) is not None:
+        a = arrays.TensorArray(t.clone(), *arrays._resident_header(t))  # the class holds any dtype numpy has
+        record = ArrayRecord()
+        record["t"] = a
+    if isinstance(a, arrays.TensorArray):
+        assert a.tensor is not t and (t.numel() == 0 or a.tensor.data_ptr() != t.data_ptr())  # its own copy
+        assert a.nbytes_on_wire() == len(flower.data) and a.__dict__["_data"] is None  # sized without its bytes
+        assert "TensorArray" in repr(a) and a.__dict__["_data"] is None
+    assert (a.dtype, tuple(a.shape), a.stype, a.data) == (flower.dtype, tuple(flower.shape), flower.stype, flower.data)
+    assert a == flower and flower == a and a.object_id == flower.object_id
+    assert a.numpy().tobytes() == flower.numpy().tobytes()
+    if isinstance(a, arrays.TensorArray):
+        twin = a.shared()
+        assert twin is not a and twin == flower and twin.tensor is a.tensor
+        for other in (pickle.loads(pickle.dumps(a)), copying.deepcopy(a)):  # the plain Array of its bytes
+            assert type(other) is Array and other == flower
+    for copy in (True, False):
+        back = arrays.record_to_torch(record, copy=copy)["t"]
+        assert back.dtype == t.dtype and torch.equal(back, t)
+        if copy:
+            assert back.device.type == "cpu" and (t.numel() == 0 or back.data_ptr() != getattr(a, "tensor", t).data_ptr())
+
+
+def test_setting_a_tensor_arrays_bytes_drops_its_tensor():
+    state = {"w": torch.arange(4, dtype=torch.float32)}
+    arrays.record_from_torch(state)
+    with arrays.replies_on_device(everywhere=True):
+        a = arrays.record_from_torch(state, on_device=None)["w"]
+    other = Array.from_numpy_ndarray(np.full(4, 9, dtype=np.float32))
+    a.data = other.data
+    assert a.tensor is None and a.numpy().tolist() == [9.0] * 4 and a.shared() == other
+    assert not isinstance(a.shared(), arrays.TensorArray)
+
+
+def test_a_state_dict_comes_back_from_tensor_arrays_in_one_transfer_as_it_went():
+    model = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    state = model.state_dict()
+    arrays.record_from_torch(state)
+    with arrays.replies_on_device(everywhere=True):
+        record = arrays.record_from_torch(state, on_device=None)
+    assert {k for k, a in record.items() if isinstance(a, arrays.TensorArray)} == {
+        k for k, t in state.items() if t.is_floating_point() and t.dim() > 0}
+    back = arrays.record_to_torch(record)
+    assert list(back) == list(state)
+    for k, t in state.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t)
+        back[k].add_(1)  # writable, and its own bytes
+        assert torch.equal(arrays.record_to_torch(record, copy=False)[k], t)
+    outside = arrays.record_from_torch(state, on_device=None)  # no replies_on_device block: the host path
+    assert not any(isinstance(a, arrays.TensorArray) for a in outside.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the budget is a GPU's memory")
+def test_tensor_arrays_on_a_gpu_are_counted_against_its_budget(monkeypatch):
+    import gc
+
+    state = {"w": torch.randn(256, 256, device="cuda"), "b": torch.randn(256, device="cuda")}
+    arrays.record_from_torch(state)
+    device = state["w"].device
+    before = arrays._held.get(device, 0)
+    record = arrays.record_from_torch(state, on_device=True)
+    assert all(isinstance(a, arrays.TensorArray) and a.tensor.is_cuda for a in record.values())
+    assert arrays._held[device] - before == 4 * (256 * 256 + 256)
+    assert arrays.record_to_torch(record)["w"].device.type == "cpu"
+    del record
+    gc.collect()
+    assert arrays._held.get(device, 0) == before  # released with the tensors
+    monkeypatch.setattr(arrays, "DEVICE_SHARE", 0.0)  # no room: the host path
+    assert not any(isinstance(a, arrays.TensorArray) for a in arrays.record_from_torch(state, on_device=True).values())

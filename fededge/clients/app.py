@@ -253,7 +253,8 @@ def train(msg: Message, context: Context) -> Message:
         keys.REPLY_PARTITION_ID: work.partition_id,
         keys.REPLY_NUM_PARTITIONS: work.num_partitions,
     })
-    content = RecordDict({keys.ARRAYS: record_from_torch(work.model.state_dict()), keys.METRICS: metrics})
+    # on_device=None: a GPU model stays on the GPU where the reply crosses no wire (direct delivery)
+    content = RecordDict({keys.ARRAYS: record_from_torch(work.model.state_dict(), on_device=None), keys.METRICS: metrics})
     if cfg.compressor != "none":
         offer_norm_statistics(partial(_statistics_of, work, batch_size=sampler.batch_size,
                                       seed=_stats_seed(cfg.seed, work.partition_id, int(conf.get(keys.SERVER_ROUND, 0)))))

@@ -117,8 +117,11 @@ def run_message_direct(client_app: Any, run_id: int, run_config: Mapping[str, An
     message (:func:`fededge._flwr_internals.detached_copy`), and the reply comes back as
     a copy too, its size on the wire noted (:func:`~fededge._flwr_internals.direct_wire_size`)
     and its id derived from ``mid``. Nothing is serialised."""
+    from fededge.arrays import replies_on_device
+
     fi.set_message_id(msg, mid)
-    reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, msg, node_config, state)
+    with replies_on_device():  # fededge's ClientApp keeps a GPU reply's model on the GPU: nothing needs its bytes
+        reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, msg, node_config, state)
     back = fi.detached_copy(reply)
     size = fi.direct_wire_size(back)
     fi.set_message_id(back, hashlib.sha256(f"reply:{mid}".encode()).hexdigest())

@@ -9,6 +9,7 @@ same losses, bit for bit, as with every message serialised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -249,3 +250,161 @@ def test_a_message_sized_after_a_real_serialisation_is_sized_the_same():
     want = fi.wire_size(msg)  # caches real ids on the arrays
     assert fi.direct_wire_size(msg) == want
     assert fi.serialise(msg) == fi.serialise(fi.detached_copy(msg))
+
+
+# -- a reply's model kept on its device (TensorArray; CPU tensors stand in for a GPU's) ---
+
+def _resident(state: dict) -> ArrayRecord:
+    """``state`` as a GPU client's reply under direct delivery: its float tensors of at
+    least one dimension TensorArrays, the rest bytes."""
+    from fededge import arrays
+
+    record_from_torch(state)  # each (dtype, shape)'s header checked against Flower's once
+    with arrays.replies_on_device(everywhere=True):
+        record = record_from_torch(state, on_device=None)
+    for k, t in state.items():
+        assert isinstance(record[k], arrays.TensorArray) == (t.is_floating_point() and t.dim() > 0
+                                                           and t.dtype != __import__("torch").float16), k
+    return record
+
+
+def _tensor_array(t):  # noqa: ANN001, ANN202 - any dtype numpy has, for sizing
+    from fededge import arrays
+
+    arrays.from_numpy(t.numpy())  # its header checked against Flower's
+    return arrays.TensorArray(t.clone(), *arrays._resident_header(t))
+
+
+def test_a_model_of_tensor_arrays_is_sized_exactly_without_its_bytes():
+    from fededge import arrays
+
+    model = build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    record = _resident(model.state_dict())  # fresh BatchNorm statistics: equal arrays
+    msg = _message(RecordDict({"arrays": record}))
+    copy = fi.detached_copy(msg)
+    resident = {k for k, a in record.items() if isinstance(a, arrays.TensorArray)}
+    assert len(resident) > len(record) // 2
+    assert all(copy.content["arrays"][k].tensor is record[k].tensor and copy.content["arrays"][k] is not record[k]
+               for k in resident)
+    size = fi.direct_wire_size(copy)
+    assert all(copy.content["arrays"][k].__dict__["_data"] is None for k in resident)  # no bytes were made
+    assert size == fi.wire_size(msg)
+    assert fi.serialise(copy) == fi.serialise(msg)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 70), st.sampled_from(["float32", "int64", "float16"]),
+                          st.sampled_from(["bytes", "tensor", "tensor+bytes"]), st.integers(1, 3)),
+                min_size=1, max_size=8), st.integers(16, 300))
+def test_tensor_arrays_and_arrays_any_chunking(spec, chunk):
+    """As test_any_arrays_any_chunking, each array an Array of bytes, a TensorArray, or
+    a TensorArray whose bytes were made, in 1 to 3 dimensions (headers of different
+    lengths), so that equal chunks meet within and across the kinds, and chunks hold
+    header bytes, tensor bytes or both."""
+    import torch
+
+    from flwr.app.message import array as array_module
+
+    saved = array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = chunk
+    try:
+        record = ArrayRecord()
+        for i, (value, n, dtype, kind, dims) in enumerate(spec):
+            t = torch.full((n,) + (1,) * (dims - 1), value, dtype=getattr(torch, dtype))
+            a = Array(t.numpy()) if kind == "bytes" else _tensor_array(t)
+            if kind == "tensor+bytes":
+                assert len(a.data) > 0
+            record[f"a{i}"] = a
+        _check(_message(RecordDict({"a": record})))
+    finally:
+        array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = saved
+
+
+@pytest.mark.parametrize("mix", ["tensors", "first-bytes", "later-bytes", "later-other-dtypes"])
+def test_the_average_of_tensor_arrays_is_flowers_bit_for_bit_and_stays_on_the_device(mix):
+    import torch
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    from fededge import arrays
+
+    rng = np.random.default_rng(5)
+    records, plain = [], []
+    for i, w in enumerate(rng.integers(1, 50, size=7)):
+        state = {"w": torch.from_numpy(rng.standard_normal((7, 5)).astype(np.float32)),
+                 "d": torch.from_numpy(rng.standard_normal(4)),  # float64
+                 "n": torch.from_numpy(rng.integers(0, 9, size=3)),  # int64: numpy's float64 product
+                 "s": torch.tensor(float(rng.standard_normal()), dtype=torch.float32)}  # 0-d
+        if mix == "later-other-dtypes" and i == 3:  # a key's dtype changes: numpy's promotion rules
+            state = {"w": (state["w"] * 100).to(torch.int64), "d": state["d"].to(torch.float16),
+                     "n": state["n"], "s": state["s"]}
+        bytes_only = (mix == "first-bytes" and i == 0) or (mix == "later-bytes" and i == 3)
+        rec = record_from_torch(state) if bytes_only else _resident(state)
+        metrics = MetricRecord({"num-examples": int(w)})
+        records.append(RecordDict({"arrays": rec, "metrics": metrics}))
+        plain.append(RecordDict({"arrays": record_from_torch(state), "metrics": metrics}))
+    ours, theirs = fi.average_arrayrecords(records, "num-examples"), aggregate_arrayrecords(plain, "num-examples")
+    assert list(ours) == list(theirs) == ["w", "d", "n", "s"]
+    kinds = {k: isinstance(a, arrays.TensorArray) for k, a in ours.items()}
+    assert kinds == {"w": mix != "first-bytes", "d": mix != "first-bytes", "n": False, "s": False}
+    for k in ours:
+        assert (ours[k].dtype, tuple(ours[k].shape), ours[k].data) == (theirs[k].dtype, tuple(theirs[k].shape),
+                                                                       theirs[k].data), k
+    assert ours.object_id == theirs.object_id
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model": "cnn-bn"},
+    {"compressor": "signsgd", "error-feedback": True, "client-states": "disk"},
+    {"cohort": True, "model": "cnn-bn", "strategy": "fedadam"},
+    {"strategy": "fedbuff", "dropout": 0.2, "netem": "4g"},
+], ids=["fedavg-cnn-bn", "signsgd-disk", "cohort-fedadam", "fedbuff-dropout"])
+def test_a_run_with_replies_kept_on_the_device_is_the_serialised_run(tmp_path, monkeypatch, overrides):
+    """Direct delivery with every reply's model a TensorArray (CPU tensors standing in
+    for a GPU's, ``replies_on_device(everywhere=True)``): the same bytes and losses, bit
+    for bit, as the serialised run; and the server averaged on the tensors."""
+    from fededge import arrays
+
+    made = []
+    real = fi._array_of_average
+    monkeypatch.setattr(fi, "_array_of_average", lambda v: made.append(real(v)) or made[-1])
+    runs = []
+    for resident in (False, True):
+        for table in (cohort._alone_s, cohort._faster, cohort._seen):
+            table.clear()
+        with arrays.replies_on_device(everywhere=True) if resident else contextlib.nullcontext():
+            run_dir = run_inprocess({"num-rounds": 3, "model": "mlp", "progress": "off", "checkpoint-every": 0,
+                                     "results-dir": str(tmp_path / str(resident))} | overrides, num_clients=5,
+                                    direct=resident)
+        runs.append(_lines(run_dir))
+        if not resident:
+            assert not any(isinstance(a, arrays.TensorArray) for a in made)
+    if "compressor" not in overrides and overrides.get("strategy") != "fedbuff":
+        # (a compressed reply is payload bytes, decoded on the host; FedBuff sums its own way)
+        assert any(isinstance(a, arrays.TensorArray) for a in made)
+    for a, b in zip(*runs, strict=True):
+        for key in ("bytes_up", "bytes_down", "loss", "accuracy", "failures"):
+            assert a[key] == b[key], key
+        assert [c["bytes_up"] for c in a.get("clients", [])] == [c["bytes_up"] for c in b.get("clients", [])]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA: the replies stay on the GPU there")
+def test_a_cuda_run_keeps_replies_on_the_gpu_and_is_the_serialised_run(tmp_path, monkeypatch):
+    """On a GPU, direct delivery keeps every reply's float tensors on the GPU by default
+    and the server averages them there: the same bytes and the same losses, bit for bit,
+    as the serialised run (the average's float operations are numpy's)."""
+    from fededge import arrays
+
+    made = []
+    real = fi._array_of_average
+    monkeypatch.setattr(fi, "_array_of_average", lambda v: made.append(real(v)) or made[-1])
+    runs = []
+    for direct in (False, True):
+        run_dir = run_inprocess({"num-rounds": 3, "model": "cnn-bn", "progress": "off", "checkpoint-every": 0,
+                                 "device": "cuda", "server-device": "cuda", "results-dir": str(tmp_path / str(direct))},
+                                num_clients=4, direct=direct)
+        runs.append(_lines(run_dir))
+    resident = [a for a in made if isinstance(a, arrays.TensorArray)]
+    assert resident and all(a.tensor.device.type == "cuda" for a in resident)
+    for a, b in zip(*runs, strict=True):
+        assert (a["bytes_up"], a["bytes_down"]) == (b["bytes_up"], b["bytes_down"])
+        assert a["loss"] == b["loss"]  # deterministic kernels, and the average's operations are numpy's
