@@ -81,6 +81,8 @@ __all__ = [
     "sample_nodes",
     "note_wire_size",
     "take_noted_wire_size",
+    "remember_counted_size",
+    "counted_wire_size",
     "wire_size",
     "wire_sizes",
     "detached_copy",
@@ -543,6 +545,25 @@ def note_wire_size(msg: Message, size: int) -> None:
     made or read), so that whoever counts it next (the meter) need not serialise it
     again. The note is taken once (:func:`take_noted_wire_size`)."""
     _noted_sizes[msg] = size
+
+
+# reply -> its size on the wire as the meter counted it when it was pulled
+_counted_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember_counted_size(msg: Message, size: int) -> None:
+    """Note that the meter counted ``size`` bytes for the pulled reply ``msg``, for
+    whoever needs that number again (the simulated clock's upload): not taken, and kept
+    as long as the message lives."""
+    _counted_sizes[msg] = size
+
+
+def counted_wire_size(msg: Message) -> int:
+    """The bytes ``msg`` took on the wire: what the meter counted when it was pulled
+    (the reply as it crossed, before a strategy decoded it in place), else
+    :func:`wire_size` (serialising it)."""
+    size = _counted_sizes.get(msg)
+    return wire_size(msg) if size is None else size
 
 
 def take_noted_wire_size(msg: Message) -> int | None:

@@ -32,7 +32,7 @@ from flwr.app import Error, Message
 from flwr.serverapp import Grid
 
 from fededge import keys
-from fededge._flwr_internals import take_noted_wire_size, wire_size, wire_sizes
+from fededge._flwr_internals import remember_counted_size, take_noted_wire_size, wire_size, wire_sizes
 from fededge.errors import ConfigError
 from fededge.protocol import config_error_detail
 from fededge.strategies._replies import dropout_reason
@@ -195,6 +195,7 @@ class MeteredGrid(Grid):
         config_errors: list[str] = []
         now = time.monotonic() if received_at is None else received_at
         for r, n in zip(replies, _sizes(replies)):
+            remember_counted_size(r, n)  # the simulated clock's upload needs it again
             with self._lock:
                 pushed = self._pushed_at.pop(r.metadata.reply_to_message_id, sent_at)
                 t = self._group(r)

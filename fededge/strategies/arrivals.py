@@ -18,7 +18,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fededge import keys
-from fededge._flwr_internals import is_deployment, wire_size
+from fededge._flwr_internals import counted_wire_size, is_deployment
 from fededge.algorithms.asyncfl import LoopConfig
 from fededge.netem.clock import SimClock
 from fededge.netem.runclock import RunClock
@@ -139,7 +139,7 @@ class ReplyTiming:
             return sent_at + compute
         down = self.clock.send_down(pid, bytes_down, sent_at)
         done = self.clock.compute(pid, compute, down)
-        return self.clock.send_up(pid, wire_size(reply), done)
+        return self.clock.send_up(pid, counted_wire_size(reply), done)  # as the meter counted it: not again
 
 
 def resolve_order(requested: str, grid: Grid) -> str:

@@ -1,6 +1,7 @@
 """FedAsync, FedBuff, SSP and backup workers through Flower (strategy + ClientApp),
 in-process; dropouts and silent nodes for every strategy and for FedAvg."""
 
+import contextlib
 import json
 import time
 
@@ -274,3 +275,29 @@ def test_measured_compute_must_be_asked_for_is_said_in_the_log_and_follows_the_w
     assert not _same_runs(a, b)  # the control: the slow client's arrivals come later
     with pytest.raises(ConfigError, match="async-step-s"):
         RunConfig.from_mapping({"async-step-s": -1})
+
+
+@pytest.mark.parametrize("strategy", ["fedbuff", "backup"])
+def test_the_clock_uploads_each_reply_as_the_meter_counted_it_without_serialising_it_again(tmp_path, monkeypatch,
+                                                                                          strategy):
+    """The simulated clock's upload of a reply takes the bytes the meter counted when it
+    was pulled: no reply is serialised a second time to size it (45 MB each for a
+    ResNet-18), and the simulated times are those of sizing it again."""
+    from unittest import mock
+
+    calls = []
+    real = fi.wire_size
+    monkeypatch.setattr(fi, "wire_size", lambda m, cache=None: calls.append(m) or real(m, cache))
+    runs = []
+    for counted in (True, False):
+        calls.clear()
+        forget = mock.patch("fededge.server.metering.remember_counted_size", lambda m, n: None)
+        with (contextlib.nullcontext() if counted else forget):
+            run_dir = run_inprocess({"num-rounds": 3, "model": "mlp", "progress": "off", "checkpoint-every": 0,
+                                     "strategy": strategy, "netem": "4g", "results-dir": str(tmp_path / str(counted))},
+                                    num_clients=5)
+        runs.append((_lines(run_dir), len(calls)))
+    (with_counts, sized_again), (without, sized_before) = runs
+    assert sized_again == 0 and sized_before > 0
+    for a, b in zip(with_counts, without, strict=True):
+        assert (a["sim_s"], a["round_sim_s"], a["bytes_up"]) == (b["sim_s"], b["round_sim_s"], b["bytes_up"])
