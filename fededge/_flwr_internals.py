@@ -466,44 +466,90 @@ def _on_device(a: Any) -> bool:
     return isinstance(a, TensorArray) and a.tensor is not None and a.__dict__["_data"] is None
 
 
-def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, int]:
+def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
     """id(span) -> its class among the spans of its length: equal classes for equal
     bytes, exactly. A span's bytes are its TensorArray's ``.npy`` header followed by its
-    tensor's bytes, from ``start`` to ``end``. The spans of one length are compared as
-    rows of bytes on the first one's device, each row against all at once, with one
-    wait for the device per length; where they all hold the same part of a header
-    (arrays of one dtype and shape), only their tensors' bytes are compared. A span
-    alone in its length is compared with nothing."""
+    tensor's bytes, from ``start`` to ``end``.
+
+    As for chunks of bytes (:func:`_fingerprint`), spans of one length are first told
+    apart by 32 bytes from four places: the places' tensor bytes are gathered on each
+    tensor's device and brought to the host together, in one wait for the devices per
+    message. Only spans that agree there (nearly always equal ones, such as fresh
+    normalisation statistics) are compared whole, on the device. A span alone in its
+    length is compared with nothing."""
     import torch
 
     groups: dict[int, list[tuple[Any, int, int]]] = {}
     for span in spans:
         groups.setdefault(span[2] - span[1], []).append(span)
-    out: dict[int, int] = {}
-    for members in groups.values():
-        if len(members) == 1:
-            out[id(members[0])] = 0
-            continue
-        device = members[0][0].tensor.device
-        heads = {a.__dict__["_header"][start:end] for a, start, end in members}
-        rows = []
+    several = [m for m in groups.values() if len(m) > 1]
+    out: dict[int, Any] = {id(m[0]): 0 for m in groups.values() if len(m) == 1}
+    if not several:
+        return out
+    # the four places of each span: (its position in the span's bytes, 8 bytes or fewer)
+    places: list[list[tuple[int, int]]] = []
+    gathers: dict[Any, list[Any]] = {}  # device -> index tensors' results, in order
+    wanted: list[tuple[Any, int, int]] = []  # per body place: (device, its index in gathers[device], length)
+    for members in several:
         for a, start, end in members:
+            n = end - start
+            spots = sorted({0, n // 3, 2 * n // 3, max(n - 8, 0)})
+            places.append([(p, min(8, n - p)) for p in spots])
+            header = a.__dict__["_header"]
+            body = a.tensor.detach().reshape(-1).view(torch.uint8)
+            h = len(header)
+            for p, k in places[-1]:
+                lo, hi = max(start + p - h, 0), max(start + p + k - h, 0)  # the tensor's part of the place
+                if hi > lo:
+                    gathers.setdefault(body.device, []).append(body[lo:hi])
+                    wanted.append((body.device, len(gathers[body.device]) - 1, hi - lo))
+    host = {d: torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for d, parts in gathers.items()}
+    offsets = {d: 0 for d in host}
+    pieces = []
+    for device, _, length in wanted:  # gathers[device] are in the order of wanted's entries for it
+        pieces.append(host[device][offsets[device]:offsets[device] + length])
+        offsets[device] += length
+    pieces_iter = iter(pieces)
+    place_iter = iter(places)
+    for number, members in enumerate(several):
+        classes: dict[bytes, list[tuple[Any, int, int]]] = {}
+        for span in members:
+            a, start, end = span
             header = a.__dict__["_header"]
             h = len(header)
-            body = a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)].to(device)
-            if len(heads) > 1 and start < h:  # header bytes to compare too
-                body = torch.cat([torch.frombuffer(bytearray(header[start:end]), dtype=torch.uint8).to(device), body])
-            rows.append(body)
-        if rows[0].numel() == 0:  # header bytes alone (empty tensors), and all the same
-            first = [0] * len(members)
-        else:
-            stacked = torch.stack(rows)
-            # equal[i, j]: rows i and j hold the same bytes; each row's class is the first equal row
-            equal = torch.stack([(stacked == row).all(dim=1) for row in stacked])
-            first = equal.int().argmax(dim=1).tolist()
-        for span, cls in zip(members, first, strict=True):
-            out[id(span)] = cls
+            fingerprint = []
+            for p, k in next(place_iter):
+                head = header[start + p:min(start + p + k, h)] if start + p < h else b""
+                tail = next(pieces_iter) if max(start + p + k - h, 0) > max(start + p - h, 0) else b""
+                fingerprint.append(head + tail)
+            classes.setdefault(b"".join(fingerprint), []).append(span)
+        for fp_number, alike in enumerate(classes.values()):
+            for span, cls in zip(alike, _equal_spans(alike), strict=True):
+                out[id(span)] = (number, fp_number, cls)
     return out
+
+
+def _equal_spans(spans: list[tuple[Any, int, int]]) -> list[int]:
+    """Each span's class among ``spans`` (of one length): the index of the first span
+    with the same bytes, compared whole on the first span's device (only spans whose
+    fingerprints agree get here)."""
+    import torch
+
+    if len(spans) == 1:
+        return [0]
+    device = spans[0][0].tensor.device
+    rows = []
+    for a, start, end in spans:
+        header = a.__dict__["_header"]
+        h = len(header)
+        body = a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)].to(device)
+        if start < h:
+            body = torch.cat([torch.frombuffer(bytearray(header[start:end]), dtype=torch.uint8).to(device), body])
+        rows.append(body)
+    firsts: list[int] = []
+    for i, row in enumerate(rows):
+        firsts.append(next((firsts[j] for j in range(i) if firsts[j] == j and torch.equal(rows[j], row)), i))
+    return firsts
 
 
 def _fingerprint(view: memoryview) -> bytes:
