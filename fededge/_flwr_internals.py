@@ -256,13 +256,13 @@ def _float_tensor(value: Any) -> Any:
     """The tensor of a TensorArray of float32 or float64 with at least one dimension
     (the dtypes whose products by a Python float numpy and torch compute alike), else
     None."""
+    import torch
+
     from fededge.arrays import TensorArray
 
     if not isinstance(value, TensorArray) or value.tensor is None:
         return None
     t = value.tensor
-    import torch
-
     return t if t.dtype in (torch.float32, torch.float64) and t.dim() > 0 else None
 
 
@@ -398,11 +398,11 @@ def direct_wire_size(msg: Message) -> int:
     for a in arrays:
         n = a.nbytes_on_wire() if isinstance(a, TensorArray) else len(a.data)
         spans.append([(a, start, min(start + step, n)) for start in range(0, n, step)])
-    plain_lengths = {end - start for row in spans for a, start, end in row if not _on_device(a)}
-    on_device_lengths = {end - start for row in spans for a, start, end in row if _on_device(a)}
+    plain_lengths = {end - start for row in spans for a, start, end in row if not _bytes_unmade(a)}
+    on_device_lengths = {end - start for row in spans for a, start, end in row if _bytes_unmade(a)}
     compare_on_device = on_device_lengths - plain_lengths
     classes_on_device = _device_chunk_classes(
-        [c for row in spans for c in row if _on_device(c[0]) and c[2] - c[1] in compare_on_device])
+        [c for row in spans for c in row if _bytes_unmade(c[0]) and c[2] - c[1] in compare_on_device])
     # chunks of equal length and fingerprint, compared byte for byte: (view, stand-in id) per class
     classes: dict[tuple[int, bytes], list[tuple[memoryview, str]]] = {}
     stand_in: dict[Any, str] = {}  # (length, class) of chunks compared on the device -> id
@@ -423,7 +423,9 @@ def direct_wire_size(msg: Message) -> int:
                     _, start, end = span
                     if (end - start) in compare_on_device:
                         key = (end - start, classes_on_device[id(span)])
-                        sid = stand_in.get(key) or stand_in.setdefault(key, new_id())
+                        sid = stand_in.get(key)
+                        if sid is None:
+                            sid = stand_in[key] = new_id()
                         chunk = ArrayChunk(_Length(end - start))
                     else:
                         part = memoryview(a.data).cast("B")[start:end]
@@ -458,7 +460,7 @@ class _Length:
         return self.n
 
 
-def _on_device(a: Any) -> bool:
+def _bytes_unmade(a: Any) -> bool:
     """Whether ``a`` is a TensorArray whose bytes are not made (its chunks are compared as
     tensors)."""
     from fededge.arrays import TensorArray
@@ -489,7 +491,7 @@ def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
     # the four places of each span: (its position in the span's bytes, 8 bytes or fewer)
     places: list[list[tuple[int, int]]] = []
     gathers: dict[Any, list[Any]] = {}  # device -> index tensors' results, in order
-    wanted: list[tuple[Any, int, int]] = []  # per body place: (device, its index in gathers[device], length)
+    wanted: list[tuple[Any, int]] = []  # per place with tensor bytes: (device, how many)
     for members in several:
         for a, start, end in members:
             n = end - start
@@ -502,11 +504,11 @@ def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
                 lo, hi = max(start + p - h, 0), max(start + p + k - h, 0)  # the tensor's part of the place
                 if hi > lo:
                     gathers.setdefault(body.device, []).append(body[lo:hi])
-                    wanted.append((body.device, len(gathers[body.device]) - 1, hi - lo))
+                    wanted.append((body.device, hi - lo))
     host = {d: torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for d, parts in gathers.items()}
     offsets = {d: 0 for d in host}
     pieces = []
-    for device, _, length in wanted:  # gathers[device] are in the order of wanted's entries for it
+    for device, length in wanted:  # gathers[device] are in the order of wanted's entries for it
         pieces.append(host[device][offsets[device]:offsets[device] + length])
         offsets[device] += length
     pieces_iter = iter(pieces)
