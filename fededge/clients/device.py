@@ -79,7 +79,26 @@ def set_cuda_determinism(device: torch.device, deterministic: bool = True) -> No
     if deterministic:
         # Read by cuBLAS when its handle is created: set before the first matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    _deterministic_kernels(deterministic, warn_only=True)
+
+
+def _deterministic_kernels(mode: bool, *, warn_only: bool = False) -> None:
+    """``torch.use_deterministic_algorithms(mode, warn_only=warn_only)`` without its
+    import of ``torch._inductor`` (and ``torch._dynamo``: 2.3 s on this 2-core CPU, about
+    8 s in a GPU machine's profile), which it makes only to set inductor's own
+    ``deterministic`` flag, read by ``torch.compile``'d code alone. That flag is still
+    set where inductor is already imported; a program that imports it later and
+    compiles sets its own. Torch's public call where the private one is gone."""
+    import sys
+
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        return
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = mode
+    setter(mode, warn_only=warn_only)
 
 
 def time_sgd_step(model_fn: Callable[[], nn.Module], input_shape: tuple[int, ...], num_classes: int, batch: int,

@@ -87,3 +87,34 @@ def test_deterministic_key_reaches_the_config():
 
     assert RunConfig.from_mapping({}).deterministic is True
     assert RunConfig.from_mapping({"deterministic": False}).deterministic is False
+
+
+@pytest.mark.parametrize("inductor_first", [False, True])
+def test_deterministic_kernels_without_importing_inductor(inductor_first):
+    """torch.use_deterministic_algorithms imports torch._inductor (and torch._dynamo:
+    seconds of a CUDA client's start-up, in every flwr-clientapp process); fededge sets
+    the same flags without it, and inductor's own flag where inductor is already there."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+if {inductor_first}:
+    import torch._inductor.config as cfg
+from fededge.clients.device import set_cuda_determinism
+set_cuda_determinism(torch.device("cuda"), True)  # the flags need no GPU
+assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+if {inductor_first}:
+    assert cfg.deterministic is True
+else:
+    assert "torch._inductor" not in sys.modules and "torch._dynamo" not in sys.modules, "imported"
+set_cuda_determinism(torch.device("cuda"), False)
+assert not torch.are_deterministic_algorithms_enabled()
+if {inductor_first}:
+    assert cfg.deterministic is False
+else:
+    assert "torch._inductor" not in sys.modules and "torch._dynamo" not in sys.modules, "imported"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
