@@ -477,7 +477,7 @@ def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
     apart by 32 bytes from four places: the places' tensor bytes are gathered on each
     tensor's device and brought to the host together, in one wait for the devices per
     message. Only spans that agree there (nearly always equal ones, such as fresh
-    normalisation statistics) are compared whole, on the device. A span alone in its
+    normalisation statistics) are compared whole (:func:`_equal_spans`: one wait each). A span alone in its
     length is compared with nothing."""
     import torch
 
@@ -533,24 +533,24 @@ def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
 
 def _equal_spans(spans: list[tuple[Any, int, int]]) -> list[int]:
     """Each span's class among ``spans`` (of one length): the index of the first span
-    with the same bytes, compared whole on the first span's device (only spans whose
-    fingerprints agree get here)."""
+    with the same bytes. Only spans whose fingerprints agree get here. The header bytes
+    a span holds are compared on the host, its tensor bytes with ``torch.equal`` on the
+    first one's device (each view moved there only if it is elsewhere)."""
     import torch
 
     if len(spans) == 1:
         return [0]
-    device = spans[0][0].tensor.device
-    rows = []
+    parts = []
     for a, start, end in spans:
         header = a.__dict__["_header"]
         h = len(header)
-        body = a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)].to(device)
-        if start < h:
-            body = torch.cat([torch.frombuffer(bytearray(header[start:end]), dtype=torch.uint8).to(device), body])
-        rows.append(body)
+        parts.append((header[start:end] if start < h else b"",
+                      a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)]))
+    device = parts[0][1].device
     firsts: list[int] = []
-    for i, row in enumerate(rows):
-        firsts.append(next((firsts[j] for j in range(i) if firsts[j] == j and torch.equal(rows[j], row)), i))
+    for i, (head, body) in enumerate(parts):
+        firsts.append(next((j for j in range(i) if firsts[j] == j and parts[j][0] == head
+                            and torch.equal(parts[j][1].to(device), body.to(device))), i))
     return firsts
 
 

@@ -87,8 +87,9 @@ def _deterministic_kernels(mode: bool, *, warn_only: bool = False) -> None:
     import of ``torch._inductor`` (and ``torch._dynamo``: 2.3 s on this 2-core CPU, about
     8 s in a GPU machine's profile), which it makes only to set inductor's own
     ``deterministic`` flag, read by ``torch.compile``'d code alone. That flag is still
-    set where inductor is already imported; a program that imports it later and
-    compiles sets its own. Torch's public call where the private one is gone."""
+    set: on inductor's config where it is already imported, else through the
+    environment variable inductor reads when it is (``TORCHINDUCTOR_DETERMINISTIC``).
+    Torch's public call where the private one is gone."""
     import sys
 
     setter = getattr(torch._C, "_set_deterministic_algorithms", None)
@@ -98,6 +99,8 @@ def _deterministic_kernels(mode: bool, *, warn_only: bool = False) -> None:
     inductor = sys.modules.get("torch._inductor.config")
     if inductor is not None:
         inductor.deterministic = mode
+    else:  # what inductor's config reads when it is imported: the flag torch would have set
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if mode else "0"
     setter(mode, warn_only=warn_only)
 
 

@@ -43,7 +43,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fededge import keys
-from fededge._flwr_internals import average_arrayrecords, runs_messages_in_order, wire_size, wire_sizes
+from fededge._flwr_internals import average_arrayrecords, counted_wire_size, runs_messages_in_order, wire_sizes
 from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived, norm_statistics
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
@@ -237,7 +237,7 @@ class DGA(OwnLoop):
                 float(metrics[keys.COMPUTE_S]) if keys.COMPUTE_S in metrics else None,
                 int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None)
             down = self._bytes_down.get(t, {}).get(r.metadata.src_node_id, 0)
-            work.append((pid, num, ClientRound(pid, down, compute, wire_size(r)), r.metadata.src_node_id))
+            work.append((pid, num, ClientRound(pid, down, compute, counted_wire_size(r)), r.metadata.src_node_id))
         self._bytes_down.pop(t, None)
 
     # ----------------------------------------------------------------- checkpoints

@@ -108,6 +108,8 @@ if {inductor_first}:
     assert cfg.deterministic is True
 else:
     assert "torch._inductor" not in sys.modules and "torch._dynamo" not in sys.modules, "imported"
+    import os
+    assert os.environ["TORCHINDUCTOR_DETERMINISTIC"] == "1"  # what inductor will read if imported
 set_cuda_determinism(torch.device("cuda"), False)
 assert not torch.are_deterministic_algorithms_enabled()
 if {inductor_first}:

@@ -277,12 +277,13 @@ def test_measured_compute_must_be_asked_for_is_said_in_the_log_and_follows_the_w
         RunConfig.from_mapping({"async-step-s": -1})
 
 
-@pytest.mark.parametrize("strategy", ["fedbuff", "backup"])
+@pytest.mark.parametrize("strategy", ["fedbuff", "backup", "dga"])
 def test_the_clock_uploads_each_reply_as_the_meter_counted_it_without_serialising_it_again(tmp_path, monkeypatch,
                                                                                           strategy):
     """The simulated clock's upload of a reply takes the bytes the meter counted when it
     was pulled: no reply is serialised a second time to size it (45 MB each for a
-    ResNet-18), and the simulated times are those of sizing it again."""
+    ResNet-18), and the simulated times are those of sizing it again (where the clock
+    charges modelled compute; DGA's charges the measured seconds)."""
     from unittest import mock
 
     calls = []
@@ -300,4 +301,6 @@ def test_the_clock_uploads_each_reply_as_the_meter_counted_it_without_serialisin
     (with_counts, sized_again), (without, sized_before) = runs
     assert sized_again == 0 and sized_before > 0
     for a, b in zip(with_counts, without, strict=True):
-        assert (a["sim_s"], a["round_sim_s"], a["bytes_up"]) == (b["sim_s"], b["round_sim_s"], b["bytes_up"])
+        assert a["bytes_up"] == b["bytes_up"]
+        if strategy != "dga":  # DGA's clock charges the measured compute seconds: two runs differ there
+            assert (a["sim_s"], a["round_sim_s"]) == (b["sim_s"], b["round_sim_s"])
