@@ -54,8 +54,10 @@ except ImportError:  # pragma: no cover - a platform without a greenlet wheel
 
 from fededge.clients import train as _train
 from fededge.clients.train import BatchSampler, LocalResult
+from fededge.compress.batch import batchable, encode_batch
+from fededge.compress.update import UpdateEncoder
 
-__all__ = ["CohortJob", "cohort_refusal", "cohort_sgd", "local_sgd", "run_together"]
+__all__ = ["CohortJob", "EncodeJob", "cohort_refusal", "cohort_sgd", "encode_update", "local_sgd", "run_together"]
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +287,8 @@ def _warm_up() -> None:
 
 class _Slot:
     """One call of :func:`run_together` as a coroutine: :meth:`start` runs it until it
-    pauses (in :func:`local_sgd`, with its job) or ends, :meth:`resume` runs the rest.
+    pauses (in :func:`local_sgd` or :func:`encode_update`, with its job) or ends, and
+    each :meth:`resume` runs it on to its next pause or its end.
 
     On a greenlet where ``greenlet`` is installed (fededge's x86-64 and aarch64 installs
     have it): the calls then run on this thread, and torch's OpenMP team stays this
@@ -295,7 +298,8 @@ class _Slot:
     issue 35), so threads are the fallback only."""
 
     def __init__(self, body: Callable[[_Slot], None], index: int) -> None:
-        self.job: CohortJob | None = None
+        self.job: CohortJob | EncodeJob | None = None  # what the call paused with
+        self.trained = False  # its message has had its local SGD (a cohort's or refused one)
         self.done = False
         self._body = body
         if greenlet is not None:
@@ -329,17 +333,25 @@ class _Slot:
             self._resume.clear()
 
     def resume(self) -> None:
-        """Run the rest of the call, then drop what it held (the greenlet, its body and
-        job refer back to this slot: left to the cyclic collector, a round's jobs, with
-        their weights, stayed in memory for many rounds)."""
+        """Run the call on to its next pause or its end; at its end, drop what it held
+        (the greenlet, its body and job refer back to this slot: left to the cyclic
+        collector, a round's jobs, with their weights, stayed in memory for many rounds)."""
+        self.job = None
         if greenlet is not None:
             if not self._green.dead:
                 self._green.switch()
-            self._green = None
         else:
             if not self.done:
                 self._resume.set()
                 self._paused.wait()
+                self._paused.clear()
+        if self.done:
+            self.close()
+
+    def close(self) -> None:
+        if greenlet is not None:
+            self._green = None
+        elif self._thread is not None and self.done:  # (a paused thread is left, daemonic)
             self._thread.join()
             self._thread = None
         self._body = None
@@ -365,8 +377,9 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int,
     kwargs = dict(steps=steps, lr=lr, momentum=momentum, weight_decay=weight_decay, sampler=sampler,
                   proximal_mu=proximal_mu, momentum_buffers=momentum_buffers)
     slot = _SLOT.get()
-    if slot is None or slot.job is not None:  # not in a cohort run (or a second call in one message)
+    if slot is None or slot.trained:  # not in a cohort run (or a second call in one message)
         return _train.local_sgd(model, x, y, **kwargs)
+    slot.trained = True
     refusal = cohort_refusal(model)
     if refusal is not None:
         key = type(model).__name__
@@ -445,6 +458,122 @@ def _train_alone(job: CohortJob) -> float:
     return seconds
 
 
+def _train_cohorts(waiting: list[CohortJob], threads_before: int) -> None:
+    """Train the paused calls' jobs: one cohort per :meth:`CohortJob.group_key` (see
+    :func:`run_together`), a group of one (or one measured slower) per client."""
+    groups: dict[tuple, list[CohortJob]] = {}
+    for job in waiting:
+        groups.setdefault(job.group_key(), []).append(job)
+    threads_now = torch.get_num_threads()
+    try:
+        for key, jobs in groups.items():
+            if len(jobs) == 1:
+                jobs[0].per_client = True
+                continue
+            if _faster.get(key) is False:  # measured slower than per client: not again
+                for j in jobs:
+                    j.per_client = True
+                continue
+            try:
+                alone = _alone_s.get(key)
+                if alone is None:  # the group's first cohort: its first client trains alone, timed
+                    alone = _alone_s[key] = _train_alone(jobs[0])
+                    jobs = jobs[1:]
+                    if len(jobs) == 1:
+                        jobs[0].per_client = True
+                        continue
+                torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
+                seconds = cohort_sgd(jobs, charge_s=alone)
+                _judge(key, seconds / len(jobs), alone, jobs[0].model)
+            except Exception as err:  # noqa: BLE001 - each client of the cohort fails with it
+                for j in jobs:
+                    j.error = err
+    finally:
+        torch.set_num_threads(threads_now)
+
+
+# -- the clients' uplinks, encoded as one batch (fededge.compress.batch) -------------------
+
+@dataclass
+class EncodeJob:
+    """One client's :meth:`UpdateEncoder.encode <fededge.compress.update.UpdateEncoder.encode>`
+    call, as :func:`encode_update` hands it over."""
+
+    encoder: UpdateEncoder
+    delta: dict[str, torch.Tensor]
+    round: int
+    # Filled by _encode_batches:
+    payloads: dict[str, bytes] | None = None
+    charge_s: float = 0.0  # the seconds the simulated clock charges this client's encoding
+    error: BaseException | None = None
+
+    def group_key(self) -> tuple:
+        """Jobs with equal keys are encoded as one batch."""
+        return (self.encoder.config, self.round, tuple(
+            (n, tuple(t.shape), t.dtype, t.device) for n, t in self.delta.items()))
+
+
+#: group key (less the round) -> the seconds one client of that group took to encode
+#: on its own (every batched client's charge; measured once per process).
+_encode_alone_s: dict[tuple, float] = {}
+
+
+def encode_update(encoder: UpdateEncoder, delta: dict[str, torch.Tensor], *,
+                  round: int) -> tuple[dict[str, bytes], float]:
+    """``encoder.encode(delta, round=round)``, encoded in one batch with the other
+    clients' when the caller runs inside :func:`run_together` and the codec has a
+    batched form (:func:`fededge.compress.batch.batchable`); the same bytes and encoder
+    state either way (fededge/compress/batch.py).
+
+    Returns the payloads and the seconds of this call that were not this client's
+    encoding (the other clients' work while it waited, less its share as the simulated
+    clock charges it: the seconds one client took on its own, measured once per process),
+    which the caller takes off the compute seconds it charges."""
+    slot = _SLOT.get()
+    if slot is None or not batchable(encoder):
+        return encoder.encode(delta, round=round), 0.0
+    job = EncodeJob(encoder=encoder, delta=delta, round=round)
+    t0 = time.perf_counter()
+    slot.job = job
+    slot.pause()  # back to the coordinator, until the batch has been encoded
+    if job.error is not None:
+        raise job.error
+    if job.payloads is None:  # alone in its group: encoded here, on its own
+        waited = time.perf_counter() - t0
+        return encoder.encode(delta, round=round), waited
+    return job.payloads, max(time.perf_counter() - t0 - job.charge_s, 0.0)
+
+
+def _encode_batches(waiting: list[EncodeJob]) -> None:
+    groups: dict[tuple, list[EncodeJob]] = {}
+    for job in waiting:
+        groups.setdefault(job.group_key(), []).append(job)
+    for key, jobs in groups.items():
+        if len(jobs) == 1:
+            continue  # encoded per client, after it resumes
+        per_process = (key[0], key[2])
+        alone = _encode_alone_s.get(per_process)
+        if alone is None:  # the group's first batch: its first client is encoded alone, timed
+            first, jobs = jobs[0], jobs[1:]
+            t0 = time.perf_counter()
+            try:
+                first.payloads = first.encoder.encode(first.delta, round=first.round)
+            except Exception as err:  # noqa: BLE001 - raised by its own call when it resumes
+                first.error = err
+                continue  # no measure yet: the others are encoded alone too
+            alone = first.charge_s = _encode_alone_s[per_process] = time.perf_counter() - t0
+            if len(jobs) == 1:
+                continue
+        try:
+            payloads = encode_batch([j.encoder for j in jobs], [j.delta for j in jobs], round=jobs[0].round)
+        except Exception:  # noqa: BLE001 - a client's update refused: each is encoded alone (its own error)
+            for j in jobs:
+                j.payloads = None
+            continue
+        for j, p in zip(jobs, payloads):
+            j.payloads, j.charge_s = p, alone
+
+
 def _load(model: nn.Module, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -487,41 +616,20 @@ def run_together(calls: Sequence[Callable[[], T]]) -> list[T]:
             slot.done = True
 
     slots = [_Slot(partial(body, i), i) for i in range(n)]
-    for slot in slots:  # phase 1: each call up to its local SGD, in order
-        slot.start()
-    waiting = [s for s in slots if not s.done and s.job is not None]
-    groups: dict[tuple, list[CohortJob]] = {}
-    for s in waiting:
-        assert s.job is not None
-        groups.setdefault(s.job.group_key(), []).append(s.job)
-    threads_now = torch.get_num_threads()
     try:
-        for key, jobs in groups.items():
-            if len(jobs) == 1:
-                jobs[0].per_client = True
-                continue
-            if _faster.get(key) is False:  # measured slower than per client: not again
-                for j in jobs:
-                    j.per_client = True
-                continue
-            try:
-                alone = _alone_s.get(key)
-                if alone is None:  # the group's first cohort: its first client trains alone, timed
-                    alone = _alone_s[key] = _train_alone(jobs[0])
-                    jobs = jobs[1:]
-                    if len(jobs) == 1:
-                        jobs[0].per_client = True
-                        continue
-                torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
-                seconds = cohort_sgd(jobs, charge_s=alone)
-                _judge(key, seconds / len(jobs), alone, jobs[0].model)
-            except Exception as err:  # noqa: BLE001 - each client of the cohort fails with it
-                for j in jobs:
-                    j.error = err
+        for slot in slots:  # each call up to its first pause (its local SGD), in order
+            slot.start()
+        while True:
+            waiting = [s for s in slots if not s.done and s.job is not None]
+            if not waiting:
+                break
+            _train_cohorts([s.job for s in waiting if isinstance(s.job, CohortJob)], threads_before)
+            _encode_batches([s.job for s in waiting if isinstance(s.job, EncodeJob)])
+            for slot in waiting:  # the rest of each call, up to its next pause, in order
+                slot.resume()
     finally:
-        torch.set_num_threads(threads_now)
-    for slot in slots:  # phase 2: the rest of each call, in order
-        slot.resume()
+        for slot in slots:
+            slot.close()
     for err in errors:
         if err is not None:
             raise err

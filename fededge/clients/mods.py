@@ -54,6 +54,7 @@ from fededge.algorithms.gossip import (
     ChocoConfig, ChocoNode, GossipError, Weights, check_choco_codec, effective_row, mix_row,
 )
 from fededge.arrays import record_from_torch, record_to_torch, to_numpy
+from fededge.clients.cohort import encode_update
 from fededge.compress.roles import is_counter, is_statistic
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
@@ -237,7 +238,10 @@ class CompressionMod:
                 delta[name] = new.float() - base[name].float()
         state = context.state[keys.STATE_COMPRESS] if keys.STATE_COMPRESS in context.state else None
         encoder = _encoder(self.update, _stream(context), state)
-        payloads = encoder.encode(delta, round=self.update.encoder_round(rnd))
+        # In a cohort (fededge.clients.cohort) the round's clients are encoded as one batch,
+        # to the same bytes; `waited` is the time this call spent on the others' work.
+        payloads, waited = encode_update(encoder, delta, round=self.update.encoder_round(rnd))
+        t0 += waited
         if own is None and self.update.norm_stats == "decoded":
             self._decoded_statistics(payloads, base, raw, encoder, stats_fn)
         kept = encoder.state_dict()

@@ -310,24 +310,30 @@ class UpdateEncoder:
         each with the codec its role in the plan gives it (:mod:`fededge.compress.plan`)."""
         out: dict[str, bytes] = {}
         for i, (name, x) in enumerate(delta.items()):
-            x = x.detach().float().cpu()
-            role = tensor_role(name, tuple(x.shape), True, self.config)
-            if role == "statistic":
-                if server_sets_statistics(self.config):
-                    continue  # the server recalibrates them (the plan's codec "server")
-                out[name] = self.raw.encode(x)
-            elif role != "matrix":
-                out[name] = self.small.encode(x)
-            elif self.powersgd is not None:
-                out[name] = self.powersgd.encode(name, x)
-            elif self.dgc is not None:
-                out[name] = self.dgc.encode(name, x, round=round)
-            elif self.feedback is not None:
-                out[name] = self.feedback.encode(name, x, generator=self._generator(round, i))
-            else:
-                assert self.codec is not None
-                out[name] = self.codec.encode(x, generator=self._generator(round, i))
+            payload = self.encode_tensor(i, name, x.detach().float().cpu(), round=round)
+            if payload is not None:
+                out[name] = payload
         return out
+
+    def encode_tensor(self, index: int, name: str, x: torch.Tensor, *, round: int) -> bytes | None:
+        """The payload of tensor ``name``, the ``index``-th of the delta (its random
+        stream), as :meth:`encode` makes it from ``x`` (float32, CPU); None for a
+        statistic the server recalibrates (not sent)."""
+        role = tensor_role(name, tuple(x.shape), True, self.config)
+        if role == "statistic":
+            if server_sets_statistics(self.config):
+                return None  # the server recalibrates them (the plan's codec "server")
+            return self.raw.encode(x)
+        if role != "matrix":
+            return self.small.encode(x)
+        if self.powersgd is not None:
+            return self.powersgd.encode(name, x)
+        if self.dgc is not None:
+            return self.dgc.encode(name, x, round=round)
+        if self.feedback is not None:
+            return self.feedback.encode(name, x, generator=self._generator(round, index))
+        assert self.codec is not None
+        return self.codec.encode(x, generator=self._generator(round, index))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         for part, prefix in ((self.feedback, "ef/"), (self.powersgd, "psgd/"), (self.dgc, "dgc/")):

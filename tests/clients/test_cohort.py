@@ -52,10 +52,10 @@ def _no_strict_determinism():
 def _fresh_timings():
     """Each test sees its groups for the first time (run_together times a group's first
     client alone, once per process)."""
-    for table in (cohort._alone_s, cohort._faster, cohort._seen):
+    for table in (cohort._alone_s, cohort._faster, cohort._seen, cohort._encode_alone_s):
         table.clear()
     yield
-    for table in (cohort._alone_s, cohort._faster, cohort._seen):
+    for table in (cohort._alone_s, cohort._faster, cohort._seen, cohort._encode_alone_s):
         table.clear()
 
 
@@ -393,6 +393,79 @@ def test_a_dropout_model_trains_per_client_inside_run_together():
         per_client_sgd(model, x, y, steps=4, lr=0.05, sampler=BatchSampler(len(x), 16, seed=0, stream=c))
         for k, v in model.state_dict().items():
             assert torch.equal(got[k], v), k
+
+
+def _train_and_encode_call(model, start, x, y, c, encoder, log, poison=False):
+    """A ClientApp's train with a compressed uplink: local SGD, then its delta encoded
+    (fededge.clients.mods.CompressionMod does this through encode_update)."""
+    def call():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        local_sgd(model, x, y, steps=3, lr=0.05, momentum=0.9, sampler=BatchSampler(len(x), 16, seed=3, stream=c))
+        delta = {n: p.detach() - start[n] for n, p in model.named_parameters()}
+        if poison:
+            delta["net.5.weight"][0, 0] = float("nan")  # the last matrix: the others were batched first
+        log.append(("encode", c))
+        try:
+            payloads, waited = cohort.encode_update(encoder, delta, round=0)
+        except ValueError as err:
+            log.append(("refused", c))
+            return err
+        log.append(("encoded", c))
+        return payloads, waited, {n: t.clone() for n, t in delta.items()}
+    return call
+
+
+def test_run_together_encodes_the_clients_uplinks_as_one_batch():
+    """After training, the calls pause again at their encoder: signSGD + EF is encoded
+    as one batch (the group's first client alone, timed, the first time), to each
+    client's own bytes and residuals; a client whose update holds a NaN is refused with
+    its own error while the others go on."""
+    from fededge.compress.update import UpdateConfig, UpdateEncoder
+
+    cfg = UpdateConfig(compressor="signsgd", error_feedback=True, min_numel=64)
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=4)
+    data = _clients([40, 48, 56, 64, 40], seed=4)
+    start = _weights(model)
+    assert list(start)[-2] == "net.5.weight"
+    batches = []
+    real = cohort.encode_batch
+
+    def spy(encoders, deltas, **kw):
+        batches.append(len(encoders))
+        return real(encoders, deltas, **kw)
+
+    for poisoned in (None, 3):
+        encoders = [UpdateEncoder(cfg, stream=c) for c in range(len(data))]
+        log: list = []
+        batches.clear()
+        cohort.encode_batch = spy
+        try:
+            out = run_together([_train_and_encode_call(model, start, x, y, c, encoders[c], log, poison=c == poisoned)
+                                for c, (x, y) in enumerate(data)])
+        finally:
+            cohort.encode_batch = real
+        # Every call reached its encoder before any was encoded (one batch, in order).
+        assert [e for e in log if e[0] == "encode"] == [("encode", c) for c in range(5)]
+        assert log.index(("encode", 4)) < min(i for i, e in enumerate(log) if e[0] != "encode")
+        if poisoned is None:
+            assert batches == [4]  # client 0 alone (its seconds: every batched client's charge)
+        else:
+            assert batches == [5]  # measured already: all five; the batch refused, each client encoded alone
+            assert isinstance(out[poisoned], ValueError) and "NaN" in str(out[poisoned])
+            assert ("refused", poisoned) in log
+        for c, got in enumerate(out):
+            if c == poisoned:
+                continue
+            payloads, waited, delta = got
+            assert waited >= 0
+            alone = UpdateEncoder(cfg, stream=c)
+            assert payloads == alone.encode(delta, round=0)
+            own = alone.state_dict()
+            assert sorted(own) == sorted(encoders[c].state_dict())
+            assert all(torch.equal(v, encoders[c].state_dict()[k]) for k, v in own.items())
+        assert len(cohort._encode_alone_s) == 1
 
 
 def test_local_sgd_outside_run_together_is_the_per_client_one():

@@ -38,7 +38,7 @@ CASES = [(i, s, c) for i, (s, c) in enumerate((s, c) for s in STRATEGIES for c i
 def _fresh_timings():
     """Each run meets its groups for the first time: the per-process timings (a group's
     client alone, the verdict on its second cohort) would otherwise carry over."""
-    tables = (cohort._alone_s, cohort._faster, cohort._seen)
+    tables = (cohort._alone_s, cohort._faster, cohort._seen, cohort._encode_alone_s)
     for table in tables:
         table.clear()
     yield
@@ -99,18 +99,46 @@ def checked_cohorts(monkeypatch):
     yield Checked(sizes, tol, diffs)
 
 
+@pytest.fixture
+def checked_batches(monkeypatch):
+    """Every batch of uplinks encoded in the run (fededge.compress.batch), checked bit for
+    bit against each client's encoder on its own (a copy, from the same state): the same
+    payload bytes, the same residuals after. Yields the batches' sizes."""
+    sizes: list[int] = []
+    real = cohort.encode_batch
+
+    def spy(encoders, deltas, *, round):
+        alone = [copy.deepcopy(e) for e in encoders]
+        expected = [e.encode({n: t.clone() for n, t in d.items()}, round=round) for e, d in zip(alone, deltas)]
+        got = real(encoders, deltas, round=round)
+        assert got == expected
+        for a, b in zip(alone, encoders):
+            sa, sb = a.state_dict(), b.state_dict()
+            assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+        sizes.append(len(encoders))
+        return got
+
+    monkeypatch.setattr(cohort, "encode_batch", spy)
+    yield sizes
+
+
 @pytest.mark.parametrize("i,strategy,codec", CASES,
                          ids=[f"{s['strategy']}-{c.get('compressor', 'none')}" for _, s, c in CASES])
-def test_cohort_clients_equal_per_client_training(tmp_path, checked_cohorts, i, strategy, codec):
+def test_cohort_clients_equal_per_client_training(tmp_path, checked_cohorts, checked_batches, i, strategy, codec):
     """FedAvg, FedAdam and DGA (D=1), each uncompressed and with signSGD, top-k and
     PowerSGD with error feedback; momentum on and off, IID and Dirichlet splits (and
-    keep-momentum), alternating over the cases."""
+    keep-momentum), alternating over the cases. signSGD's uplinks are encoded as batches
+    (checked bit for bit against each client's own encoding); the others' one by one."""
     overrides = strategy | codec | {"momentum": 0.9 if i % 2 else 0.0, "partition": "iid" if i % 3 else "dirichlet",
                                     "keep-momentum": i % 4 == 1, "cohort": True}
     lines = _run(tmp_path, overrides, "cohort")
     assert checked_cohorts.sizes, "no cohort trained"
     assert sum(checked_cohorts.sizes) >= 2 * 4  # most of each round's six clients trained together
     assert lines[-1]["failures"] == 0 and lines[-1]["accuracy"] > 0.2
+    if codec.get("compressor") == "signsgd":
+        assert sum(checked_batches) >= 2 * 4, checked_batches  # the first client of the run is timed alone
+    else:
+        assert checked_batches == []
 
 
 @pytest.mark.parametrize("overrides", [{}, {"compressor": "signsgd", "error-feedback": True, "client-states": "disk"},

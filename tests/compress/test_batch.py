@@ -1,0 +1,118 @@
+"""encode_batch (several clients' updates as one batched program) against each client's
+own UpdateEncoder.encode: the same payload bytes and the same states, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fededge.compress.batch import batchable, encode_batch
+from fededge.compress.update import UpdateConfig, UpdateEncoder
+
+
+def _delta(gen: torch.Generator, *, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {
+        "conv.weight": torch.randn(8, 3, 3, 3, generator=gen) * scale,
+        "fc.weight": torch.randn(10, 61, generator=gen) * scale,  # 610 signs: a part byte at the end
+        "fc.bias": torch.randn(10, generator=gen) * scale,  # 1-D: the small codec
+        "bn.running_mean": torch.randn(8, generator=gen),  # a statistic
+        "tiny.weight": torch.randn(3, 4, generator=gen),  # under min-numel
+        "big.bias": torch.randn(300, generator=gen),
+    }
+
+
+def _states(encoders: list[UpdateEncoder]) -> list[dict[str, torch.Tensor]]:
+    return [e.state_dict() for e in encoders]
+
+
+def _same_states(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert [sorted(s) for s in a] == [sorted(s) for s in b]
+    for sa, sb in zip(a, b):
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape
+            assert torch.equal(sa[k].view(torch.int32), sb[k].view(torch.int32)), k  # bits, -0.0 included
+
+
+CONFIGS = [
+    UpdateConfig(compressor="signsgd", error_feedback=True),
+    UpdateConfig(compressor="signsgd", error_feedback=False),
+    UpdateConfig(compressor="signsgd", error_feedback=True, lossless=True, compress_1d=True),
+    UpdateConfig(compressor="signsgd", error_feedback=True, norm_stats="global", min_numel=8),
+    # No batched form: client by client, still through encode_batch.
+    UpdateConfig(compressor="topk", error_feedback=True, topk_ratio=0.05),
+    UpdateConfig(compressor="qsgd", qsgd_levels=7),
+    UpdateConfig(compressor="powersgd", powersgd_rank=2, error_feedback=True),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.compressor}-ef{int(c.error_feedback)}-{c.norm_stats}"
+                         f"-z{int(c.lossless)}-1d{int(c.compress_1d)}")
+def test_batch_gives_each_clients_own_bytes_and_states(cfg: UpdateConfig) -> None:
+    gen = torch.Generator().manual_seed(3)
+    clients = 5
+    alone = [UpdateEncoder(cfg, stream=s) for s in range(clients)]
+    together = [UpdateEncoder(cfg, stream=s) for s in range(clients)]
+    for rnd in range(4):
+        deltas = [_delta(gen, scale=10.0 ** (c - 2)) for c in range(clients)]
+        if rnd == 2:  # an exact zero and a negative zero: sign counts both as +
+            deltas[1]["fc.weight"][0, :3] = torch.tensor([0.0, -0.0, 0.0])
+        expected = [e.encode(copy.deepcopy(d), round=rnd) for e, d in zip(alone, deltas)]
+        got = encode_batch(together, deltas, round=rnd)
+        assert got == expected
+        _same_states(_states(together), _states(alone))
+
+
+def test_a_client_without_a_residual_beside_clients_with_one() -> None:
+    cfg = UpdateConfig(compressor="signsgd", error_feedback=True)
+    gen = torch.Generator().manual_seed(0)
+    alone = [UpdateEncoder(cfg, stream=s) for s in range(3)]
+    together = [UpdateEncoder(cfg, stream=s) for s in range(3)]
+    first = [_delta(gen) for _ in range(3)]
+    for e in alone[:2]:
+        e.encode(copy.deepcopy(first[0]), round=0)
+    encode_batch(together[:2], [first[0], first[0]], round=0)
+    deltas = [_delta(gen) for _ in range(3)]  # client 2 starts now, with no residual
+    assert encode_batch(together, deltas, round=1) == [e.encode(d, round=1) for e, d in zip(alone, deltas)]
+    _same_states(_states(together), _states(alone))
+
+
+@pytest.mark.parametrize("name", ["fc.weight", "fc.bias", "bn.running_mean"])
+def test_a_non_finite_update_is_refused_as_the_client_alone_refuses_it(name: str) -> None:
+    cfg = UpdateConfig(compressor="signsgd", error_feedback=True)
+    gen = torch.Generator().manual_seed(1)
+    deltas = [_delta(gen) for _ in range(3)]
+    deltas[1][name][2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf") as alone:
+        UpdateEncoder(cfg, stream=1).encode(deltas[1], round=0)
+    with pytest.raises(ValueError, match="NaN or Inf") as together:
+        encode_batch([UpdateEncoder(cfg, stream=s) for s in range(3)], deltas, round=0)
+    assert str(together.value) == str(alone.value)
+
+
+def test_a_residual_of_another_shape_is_named() -> None:
+    cfg = UpdateConfig(compressor="signsgd", error_feedback=True)
+    gen = torch.Generator().manual_seed(2)
+    encoders = [UpdateEncoder(cfg, stream=s) for s in range(2)]
+    encoders[0].load_state_dict({"ef/fc.weight": torch.zeros(5, 5)})
+    with pytest.raises(ValueError, match="changed shape"):
+        encode_batch(encoders, [_delta(gen), _delta(gen)], round=0)
+
+
+def test_deltas_of_different_models_are_encoded_each_on_its_own() -> None:
+    cfg = UpdateConfig(compressor="signsgd", error_feedback=True)
+    gen = torch.Generator().manual_seed(4)
+    a, b = _delta(gen), _delta(gen)
+    b["fc.weight"] = torch.randn(10, 62, generator=gen)
+    alone = [UpdateEncoder(cfg, stream=s) for s in range(2)]
+    together = [UpdateEncoder(cfg, stream=s) for s in range(2)]
+    assert encode_batch(together, [a, b], round=0) == [e.encode(d, round=0) for e, d in zip(alone, [a, b])]
+    _same_states(_states(together), _states(alone))
+
+
+def test_which_encoders_have_a_batched_form() -> None:
+    assert batchable(UpdateEncoder(UpdateConfig(compressor="signsgd", error_feedback=True)))
+    assert batchable(UpdateEncoder(UpdateConfig(compressor="signsgd")))
+    assert not batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True)))
+    assert not batchable(UpdateEncoder(UpdateConfig(compressor="powersgd")))
