@@ -10,8 +10,8 @@ the per-client result (a non-finite value, a residual of another shape), is enco
 client by client with the encoder's own :meth:`~fededge.compress.update.UpdateEncoder.encode_tensor`,
 which raises the per-client path's errors.
 
-Batched forms: signSGD (``compressor = signsgd``), with or without error feedback, for
-the matrices; raw float32 for the tensors the plan sends raw (1-D tensors, small ones,
+Batched forms: signSGD (``compressor = signsgd``) and top-k (``compressor = topk``,
+float32 values), each with or without error feedback, for the matrices; raw float32 for the tensors the plan sends raw (1-D tensors, small ones,
 normalisation statistics). signSGD's arithmetic is per client elementwise except the
 scale (``||x||_1 / d``), which is summed per client on a fresh copy of that client's row,
 as the codec sums it.
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fededge.compress._bits import codec_header
-from fededge.compress.codecs import Raw, SignSGD
+from fededge.compress.codecs import Raw, SignSGD, TopK, topk_payload
 from fededge.compress.roles import server_sets_statistics, tensor_role
 from fededge.compress.update import UpdateEncoder
 from fededge.compress.wire import pack
@@ -37,7 +37,10 @@ __all__ = ["batchable", "encode_batch"]
 
 def batchable(encoder: UpdateEncoder) -> bool:
     """Whether :func:`encode_batch` has a batched form for ``encoder``'s matrices."""
-    return (encoder.powersgd is None and encoder.dgc is None and type(encoder.codec) is SignSGD)
+    if encoder.powersgd is not None or encoder.dgc is not None:
+        return False
+    codec = encoder.codec
+    return type(codec) is SignSGD or (type(codec) is TopK and codec.config.values == "fp32")
 
 
 def encode_batch(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, torch.Tensor]], *,
@@ -78,7 +81,7 @@ def _encode_all(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, to
         role = tensor_role(name, shape, True, first.config)
         xs = [d[name] for d in deltas]
         if role == "matrix":
-            payloads = _sign_batch(encoders, name, xs)
+            payloads = _matrix_batch(encoders, name, xs)
         elif role == "statistic" and not server_sets_statistics(first.config):
             payloads = _raw_batch(first.raw, xs)
         elif role in ("small", "vector") and type(first.small) is Raw:
@@ -103,6 +106,23 @@ def _spec(delta: dict[str, torch.Tensor]) -> tuple:
 CHUNK_VALUES = 1 << 18
 
 
+def _topk_rows(codec: TopK, like: torch.Tensor, flat: torch.Tensor,
+               residuals: list[torch.Tensor] | None) -> list[bytes]:
+    """Top-k of each row of ``flat`` (TopK.encode's payloads); appends the rows' residuals
+    (the row less its kept values) to ``residuals`` when given."""
+    k = codec.config.k(flat.shape[1])
+    # torch.topk of each row: the per-client call's algorithm, slice by slice (ties too).
+    idx = torch.topk(flat.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    kept = flat.gather(1, idx)
+    out = [topk_payload(like, flat[j], idx[j], kept[j], codec.config.ratio, codec.config.lossless)
+           for j in range(flat.shape[0])]
+    if residuals is not None:
+        # decode(payload) is the kept values at their indices and zero elsewhere.
+        decoded = torch.zeros_like(flat).scatter_(1, idx, kept)
+        residuals.extend((flat - decoded).reshape((flat.shape[0], *like.shape)))
+    return out
+
+
 def _chunks(xs: Sequence[torch.Tensor]):  # noqa: ANN202 - yields (lo, hi, stacked float32 CPU tensor)
     step = max(1, CHUNK_VALUES // max(xs[0].numel(), 1))
     for lo in range(0, len(xs), step):
@@ -122,11 +142,12 @@ def _raw_batch(codec: Raw, xs: Sequence[torch.Tensor]) -> list[bytes] | None:
     return payloads
 
 
-def _sign_batch(encoders: Sequence[UpdateEncoder], name: str, xs: Sequence[torch.Tensor]) -> list[bytes] | None:
-    """Scaled sign (:class:`~fededge.compress.codecs.SignSGD`) of every client's tensor
-    ``xs[c]``, with each client's error feedback when it has one; None where the batch
-    would not be the per-client result bit for bit (the caller then encodes client by
-    client). No state changes before every client's tensor has been checked."""
+def _matrix_batch(encoders: Sequence[UpdateEncoder], name: str, xs: Sequence[torch.Tensor]) -> list[bytes] | None:
+    """The codec (:class:`~fededge.compress.codecs.SignSGD` or :class:`TopK`) of every
+    client's tensor ``xs[c]``, with each client's error feedback when it has one; None
+    where the batch would not be the per-client result bit for bit (the caller then
+    encodes client by client). No state changes before every client's tensor has been
+    checked."""
     feedback = encoders[0].feedback
     kept: list[torch.Tensor | None] = [None] * len(xs)
     if feedback is not None:
@@ -135,7 +156,8 @@ def _sign_batch(encoders: Sequence[UpdateEncoder], name: str, xs: Sequence[torch
             return None  # a residual of another shape: the per-client path names it
     codec = encoders[0].codec
     assert codec is not None
-    header = codec_header(SignSGD.name, xs[0].float(), b"", codec.config)
+    like = xs[0].float()
+    header = codec_header(SignSGD.name, like, b"", codec.config)
     d = max(xs[0].numel(), 1)
     payloads: list[bytes] = []
     residuals: list[torch.Tensor] = []
@@ -149,6 +171,9 @@ def _sign_batch(encoders: Sequence[UpdateEncoder], name: str, xs: Sequence[torch
         values = flat.numpy()  # (numpy's comparisons and arithmetic on a CPU core are the faster here)
         if not np.isfinite(values).all():
             return None  # the per-client path refuses the client's tensor by name
+        if isinstance(codec, TopK):
+            payloads.extend(_topk_rows(codec, like, flat, residuals if feedback is not None else None))
+            continue
         # The scale as SignSGD.encode sums it: torch's float64 sum of a fresh copy of the row.
         scale = torch.stack([(row.double().abs_().sum() / d).float() for row in flat]).numpy()[:, None]
         negative = values < 0

@@ -40,8 +40,10 @@ CONFIGS = [
     UpdateConfig(compressor="signsgd", error_feedback=False),
     UpdateConfig(compressor="signsgd", error_feedback=True, lossless=True, compress_1d=True),
     UpdateConfig(compressor="signsgd", error_feedback=True, norm_stats="global", min_numel=8),
-    # No batched form: client by client, still through encode_batch.
     UpdateConfig(compressor="topk", error_feedback=True, topk_ratio=0.05),
+    UpdateConfig(compressor="topk", topk_ratio=0.01, lossless=True),
+    # No batched form: client by client, still through encode_batch.
+    UpdateConfig(compressor="topk", error_feedback=True, topk_ratio=0.05, topk_values="fp16"),
     UpdateConfig(compressor="qsgd", qsgd_levels=7),
     UpdateConfig(compressor="powersgd", powersgd_rank=2, error_feedback=True),
 ]
@@ -58,6 +60,9 @@ def test_batch_gives_each_clients_own_bytes_and_states(cfg: UpdateConfig) -> Non
         deltas = [_delta(gen, scale=10.0 ** (c - 2)) for c in range(clients)]
         if rnd == 2:  # an exact zero and a negative zero: sign counts both as +
             deltas[1]["fc.weight"][0, :3] = torch.tensor([0.0, -0.0, 0.0])
+        if rnd == 3:  # ties at the k-th largest magnitude: top-k breaks them as torch.topk does
+            deltas[2]["fc.weight"][:, :40] = 0.5
+            deltas[2]["fc.weight"][:, 40:] = -0.5
         expected = [e.encode(copy.deepcopy(d), round=rnd) for e, d in zip(alone, deltas)]
         got = encode_batch(together, deltas, round=rnd)
         assert got == expected
@@ -114,5 +119,7 @@ def test_deltas_of_different_models_are_encoded_each_on_its_own() -> None:
 def test_which_encoders_have_a_batched_form() -> None:
     assert batchable(UpdateEncoder(UpdateConfig(compressor="signsgd", error_feedback=True)))
     assert batchable(UpdateEncoder(UpdateConfig(compressor="signsgd")))
-    assert not batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True)))
+    assert batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True)))
+    assert not batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True, topk_values="bf16")))
+    assert not batchable(UpdateEncoder(UpdateConfig(compressor="qsgd")))
     assert not batchable(UpdateEncoder(UpdateConfig(compressor="powersgd")))
