@@ -11,10 +11,16 @@ client by client with the encoder's own :meth:`~fededge.compress.update.UpdateEn
 which raises the per-client path's errors.
 
 Batched forms: signSGD (``compressor = signsgd``) and top-k (``compressor = topk``,
-float32 values), each with or without error feedback, for the matrices; raw float32 for the tensors the plan sends raw (1-D tensors, small ones,
-normalisation statistics). signSGD's arithmetic is per client elementwise except the
-scale (``||x||_1 / d``), which is summed per client on a fresh copy of that client's row,
-as the codec sums it.
+float32 values), each with or without error feedback, for the matrices; raw float32 for
+the tensors the plan sends raw (1-D tensors, small ones, normalisation statistics).
+signSGD's arithmetic is per client elementwise except the scale (``||x||_1 / d``), which
+is summed per client on a fresh copy of that client's row, as the codec sums it; top-k
+selects with ``torch.topk`` row by row, as on one client, ties included.
+
+PowerSGD (:func:`fededge.compress.powersgd.encode_many`) is the exception to "bit for
+bit": its power step runs as batched matmuls and one batched QR, which round differently
+from one matmul per client, so its factors and residuals agree with the per-client path
+to float32 rounding (its payloads have the same sizes).
 
 Pure torch and numpy: no Flower.
 """
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fededge.compress import powersgd
 from fededge.compress._bits import codec_header
 from fededge.compress.codecs import Raw, SignSGD, TopK, topk_payload
 from fededge.compress.roles import server_sets_statistics, tensor_role
@@ -37,7 +44,9 @@ __all__ = ["batchable", "encode_batch"]
 
 def batchable(encoder: UpdateEncoder) -> bool:
     """Whether :func:`encode_batch` has a batched form for ``encoder``'s matrices."""
-    if encoder.powersgd is not None or encoder.dgc is not None:
+    if encoder.powersgd is not None:
+        return True
+    if encoder.dgc is not None:
         return False
     codec = encoder.codec
     return type(codec) is SignSGD or (type(codec) is TopK and codec.config.values == "fp32")
@@ -46,7 +55,8 @@ def batchable(encoder: UpdateEncoder) -> bool:
 def encode_batch(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, torch.Tensor]], *,
                  round: int) -> list[dict[str, bytes]]:
     """``[e.encode(d, round=round) for e, d in zip(encoders, deltas)]``, the same bytes and
-    states, batched per tensor where :func:`batchable` (else client by client).
+    states (PowerSGD's to float32 rounding), batched per tensor where :func:`batchable`
+    (else client by client).
 
     The encoders must share their config, and the deltas their tensors' names, shapes
     and order; otherwise (or for a single client) each is encoded on its own.
@@ -62,14 +72,23 @@ def encode_batch(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, t
     if (len(encoders) == 1 or not batchable(first)
             or any(e.config != first.config or _spec(d) != spec for e, d in zip(encoders, deltas))):
         return [e.encode(d, round=round) for e, d in zip(encoders, deltas)]
-    kept = [dict(e.feedback.residual) if e.feedback is not None else None for e in encoders]
+    # The states' tensors are replaced, never changed in place (the one encoder that adds
+    # in place, PowerSGD's, is handed a copy on the client-by-client path below).
+    kept = [_state_dicts(e) for e in encoders]
     try:
         return _encode_all(encoders, deltas, spec, round)
     except BaseException:
-        for e, residual in zip(encoders, kept):  # (residuals are replaced, never changed in place)
-            if e.feedback is not None and residual is not None:
-                e.feedback.residual = residual
+        for e, state in zip(encoders, kept):
+            for part, attr, saved in state:
+                setattr(part, attr, saved)
         raise
+
+
+def _state_dicts(e: UpdateEncoder) -> list[tuple[object, str, dict]]:
+    parts = [(e.feedback, "residual")] if e.feedback is not None else []
+    if e.powersgd is not None:
+        parts += [(e.powersgd, "q"), (e.powersgd, "residual")]
+    return [(part, attr, dict(getattr(part, attr))) for part, attr in parts]
 
 
 def _encode_all(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, torch.Tensor]], spec: tuple,
@@ -80,13 +99,20 @@ def _encode_all(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, to
         payloads = None
         role = tensor_role(name, shape, True, first.config)
         xs = [d[name] for d in deltas]
-        if role == "matrix":
+        if role == "matrix" and first.powersgd is not None:
+            payloads = powersgd.encode_many([e.powersgd for e in encoders], name, xs)  # type: ignore[misc]
+        elif role == "matrix":
             payloads = _matrix_batch(encoders, name, xs)
         elif role == "statistic" and not server_sets_statistics(first.config):
             payloads = _raw_batch(first.raw, xs)
         elif role in ("small", "vector") and type(first.small) is Raw:
             payloads = _raw_batch(first.small, xs)
         if payloads is None:  # no batched form: each client's own, as encode() makes it
+            if role == "matrix" and first.powersgd is not None:
+                for e in encoders:  # (PowerSGD adds x to its residual in place: to a copy here)
+                    res = e.powersgd.residual.get(name)  # type: ignore[union-attr]
+                    if res is not None:
+                        e.powersgd.residual[name] = res.clone()  # type: ignore[union-attr]
             payloads = [e.encode_tensor(i, name, d[name].detach().float().cpu(), round=round)
                         for e, d in zip(encoders, deltas)]
         for c, p in enumerate(payloads):

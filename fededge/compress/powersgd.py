@@ -37,7 +37,7 @@ from fededge.compress.codec import Codec, CodecConfig, ConfiguredCodec, all_fini
 from fededge.compress.codecs import BF16, FP16, Raw
 from fededge.compress.wire import Header, MalformedPayloadError, pack
 
-__all__ = ["PowerSGDConfig", "PowerSGD", "PowerSGDEncoder", "reconstruct"]
+__all__ = ["PowerSGDConfig", "PowerSGD", "PowerSGDEncoder", "encode_many", "reconstruct"]
 
 _FALLBACKS: dict[str, type[Codec]] = {"raw": Raw, "fp16": FP16, "bf16": BF16}
 
@@ -353,3 +353,81 @@ class PowerSGDEncoder:
             else:
                 raise ValueError(f"unknown PowerSGD state key {key!r}; expected 'q:NAME' or 'residual:NAME'")
         self.q, self.residual = q, res
+
+
+def encode_many(encoders: list[PowerSGDEncoder], name: str, xs: list[torch.Tensor]) -> list[bytes] | None:
+    """``[e.encode(name, x) for e, x in zip(encoders, xs)]`` for clients of one config and
+    tensor shape, as one batched program (a cohort's uplinks, fededge/compress/batch.py):
+    the power step's products as batched matmuls (``torch.bmm``), the orthogonalisation as
+    one batched QR, the rest element-wise over the stack.
+
+    The same rule as :meth:`PowerSGDEncoder.encode` step for step (warm start, unit
+    columns, the power-of-two scaling before the QR, :func:`_contractive`'s fallback to
+    the largest rows, the residual M - P Q^T), to float32 rounding: a batched matmul sums
+    in another order than one matmul per client, so P, Q and the residual agree with the
+    per-client path to rounding, not bit for bit (the payloads' sizes are the same).
+
+    None, with no state changed, where the batch does not apply: a tensor of fewer than
+    two dimensions, a residual of another shape, or a NaN or Inf anywhere (the caller then
+    encodes client by client, which raises the per-client path's errors)."""
+    shape = tuple(xs[0].shape)
+    if len(shape) < 2 or xs[0].numel() == 0:
+        return None
+    n, m = _matrix(shape)
+    r = min(encoders[0].config.rank, n, m)
+    iters = encoders[0].config.iters
+    kept = [e.residual.get(name) for e in encoders]
+    if any(k is not None and tuple(k.shape) != (n, m) for k in kept):
+        return None
+    mat = torch.stack([x.detach() for x in xs]).float().cpu().reshape(len(xs), n, m)
+    if all(k is not None for k in kept):
+        mat = torch.stack(kept).add_(mat)  # type: ignore[arg-type]  # residual + x, as the encoder adds
+    elif any(k is not None for k in kept):
+        mat = torch.stack([mat[j] if k is None else k + mat[j] for j, k in enumerate(kept)])
+    warm = [e.q.get(name) for e in encoders]
+    fresh = [q is None or tuple(q.shape) != (m, r) for q in warm]
+    q = torch.stack([torch.randn(m, r, generator=torch.Generator().manual_seed(_derived_seed(e.config.seed, name)))
+                     if f else w for e, w, f in zip(encoders, warm, fresh)])
+    is_fresh = torch.tensor(fresh)[:, None, None]
+    for i in range(iters):
+        scaled = _unit_columns_many(q)
+        q = scaled if i else torch.where(is_fresh, q, scaled)
+        p = _orthogonalize_many(torch.bmm(mat, q.transpose(1, 2).contiguous().transpose(1, 2)))
+        q = torch.bmm(p.transpose(1, 2), mat).transpose(1, 2)
+    if not (all_finite(p) and all_finite(q)):
+        return None
+    if r < n:  # _contractive, client by client where the power step captured too little
+        rows = torch.linalg.vector_norm(mat, dim=2, dtype=torch.float64)
+        total = rows.square().sum(dim=1)
+        captured = torch.linalg.vector_norm(q, dim=(1, 2), dtype=torch.float64).square()
+        short = (captured < total * r / n).nonzero().flatten().tolist()
+        if short:
+            p, q = p.clone(), q.clone()
+            for j in short:
+                p[j], q[j] = _contractive(mat[j], p[j], q[j], r)
+    residual = torch.baddbmm(mat, p, q.transpose(1, 2).contiguous(), alpha=-1.0)
+    out = []
+    like = torch.empty(shape, dtype=torch.float32, device="meta")  # the header's dtype and shape
+    for j, e in enumerate(encoders):
+        e.q[name] = q[j]
+        e.residual[name] = residual[j]
+        out.append(_payload(like, p[j], q[j], e.config.lossless))
+    return out
+
+
+def _unit_columns_many(q: torch.Tensor) -> torch.Tensor:
+    """:func:`_unit_columns` of each client's Q (clients x m x r)."""
+    amax = q.abs().amax(dim=1, keepdim=True)
+    return q / torch.where(amax > 0, amax, torch.ones_like(amax))
+
+
+def _orthogonalize_many(p: torch.Tensor) -> torch.Tensor:
+    """:func:`_orthogonalize` of each client's P (clients x n x r): the same power-of-two
+    scaling per client, then one batched Householder QR."""
+    amax = p.abs().amax(dim=(1, 2))
+    shift = torch.frexp(amax.double()).exponent
+    scale = torch.where((amax > 0) & torch.isfinite(amax), torch.ldexp(torch.ones_like(amax, dtype=torch.float64),
+                                                                      -shift), 1.0)
+    if bool((scale != 1.0).any()):
+        p = (p.double() * scale[:, None, None]).float()
+    return torch.linalg.qr(p, mode="reduced").Q

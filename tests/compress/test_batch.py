@@ -45,7 +45,6 @@ CONFIGS = [
     # No batched form: client by client, still through encode_batch.
     UpdateConfig(compressor="topk", error_feedback=True, topk_ratio=0.05, topk_values="fp16"),
     UpdateConfig(compressor="qsgd", qsgd_levels=7),
-    UpdateConfig(compressor="powersgd", powersgd_rank=2, error_feedback=True),
 ]
 
 
@@ -122,4 +121,71 @@ def test_which_encoders_have_a_batched_form() -> None:
     assert batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True)))
     assert not batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True, topk_values="bf16")))
     assert not batchable(UpdateEncoder(UpdateConfig(compressor="qsgd")))
-    assert not batchable(UpdateEncoder(UpdateConfig(compressor="powersgd")))
+    assert batchable(UpdateEncoder(UpdateConfig(compressor="powersgd")))
+    assert not batchable(UpdateEncoder(UpdateConfig(compressor="dgc")))
+
+
+#: PowerSGD's batch rounds differently (batched matmuls, one batched QR): its decoded
+#: tensors and states agree with each client's own to float32 rounding. The factors of a
+#: 10 x 610 matrix differ by ~1e-7 relative; a wrong step (a missed unit-columns scaling,
+#: another client's Q, a residual not subtracted) differs by order one.
+PSGD_TOL = 1e-4
+
+
+def _close_payloads(got: dict[str, bytes], expected: dict[str, bytes]) -> None:
+    from fededge.compress.codec import decode_any
+
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert len(got[name]) == len(expected[name]), name
+        a, b = decode_any(got[name]), decode_any(expected[name])
+        torch.testing.assert_close(a, b, rtol=PSGD_TOL, atol=PSGD_TOL * float(b.abs().max() + 1e-30))
+
+
+@pytest.mark.parametrize("iters,rank", [(1, 2), (2, 4), (1, 16)], ids=["r2", "r4-iters2", "r16-full"])
+def test_powersgd_batch_is_each_clients_own_to_rounding(iters: int, rank: int) -> None:
+    """Warm starts over rounds, a client that joins late (fresh Q beside warm ones), a
+    zero update (the contractive fallback to the largest rows), a tiny and a huge scale
+    (the power-of-two scaling before the QR), a rank that covers the matrix (exact)."""
+    cfg = UpdateConfig(compressor="powersgd", powersgd_rank=rank, powersgd_iters=iters, error_feedback=True)
+    gen = torch.Generator().manual_seed(7)
+    clients = 4
+    alone = [UpdateEncoder(cfg, stream=s) for s in range(clients)]
+    together = [UpdateEncoder(cfg, stream=s) for s in range(clients)]
+    for rnd in range(4):
+        live = clients if rnd else clients - 1  # client 3 joins in round 1
+        deltas = [_delta(gen, scale=0.1) for _ in range(live)]
+        if rnd == 0:  # no residual yet: M is the update itself
+            deltas[1]["conv.weight"].mul_(1e-25)
+            deltas[2]["conv.weight"].mul_(1e20)
+        if rnd == 2:
+            deltas[0]["fc.weight"].zero_()
+        expected = [e.encode(copy.deepcopy(d), round=rnd) for e, d in zip(alone[:live], deltas)]
+        got = encode_batch(together[:live], deltas, round=rnd)
+        for g, e in zip(got, expected):
+            _close_payloads(g, e)
+        for c, (a, b) in enumerate(zip(together[:live], alone)):
+            sa, sb = a.state_dict(), b.state_dict()
+            assert sorted(sa) == sorted(sb)
+            for k in sa:
+                # A residual is rounding noise where the rank covers the matrix: measured
+                # against the update it was left from.
+                scale = max(float(sb[k].abs().max()), float(deltas[c][k.rpartition(":")[2]].abs().max()))
+                torch.testing.assert_close(sa[k], sb[k], rtol=PSGD_TOL, atol=PSGD_TOL * scale + 1e-30, msg=k)
+
+
+def test_powersgd_batch_refusing_a_client_changes_no_state() -> None:
+    """A NaN in one client's matrix: the batch raises that client's error and leaves every
+    encoder's Q and residual as they were (PowerSGD adds to its residual in place: the
+    client-by-client fallback works on copies), so that each client can then be encoded
+    on its own to its own result."""
+    cfg = UpdateConfig(compressor="powersgd", powersgd_rank=2, error_feedback=True)
+    gen = torch.Generator().manual_seed(8)
+    encoders = [UpdateEncoder(cfg, stream=s) for s in range(3)]
+    encode_batch(encoders, [_delta(gen) for _ in range(3)], round=0)
+    before = _states(encoders)
+    deltas = [_delta(gen) for _ in range(3)]
+    deltas[1]["fc.weight"][1, 1] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        encode_batch(encoders, deltas, round=1)
+    _same_states(_states(encoders), before)

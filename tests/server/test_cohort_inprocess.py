@@ -21,6 +21,7 @@ import torch
 
 from fededge.clients import cohort
 from fededge.clients.train import local_sgd
+from fededge.compress.codec import decode_any
 from fededge.server.inprocess import run_inprocess
 
 TOL = 1e-5
@@ -111,10 +112,22 @@ def checked_batches(monkeypatch):
         alone = [copy.deepcopy(e) for e in encoders]
         expected = [e.encode({n: t.clone() for n, t in d.items()}, round=round) for e, d in zip(alone, deltas)]
         got = real(encoders, deltas, round=round)
-        assert got == expected
+        if encoders[0].powersgd is None:
+            assert got == expected
+        else:  # batched matmuls: to float32 rounding (tests/compress/test_batch.py)
+            for g, e in zip(got, expected):
+                assert sorted(g) == sorted(e)
+                for n in e:
+                    a, b = decode_any(g[n]), decode_any(e[n])
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
         for a, b in zip(alone, encoders):
             sa, sb = a.state_dict(), b.state_dict()
-            assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+            assert sorted(sa) == sorted(sb)
+            for k in sa:
+                if encoders[0].powersgd is None:
+                    assert torch.equal(sa[k], sb[k]), k
+                else:
+                    torch.testing.assert_close(sb[k], sa[k], rtol=1e-4, atol=1e-4 * float(sa[k].abs().max()))
         sizes.append(len(encoders))
         return got
 
@@ -127,16 +140,16 @@ def checked_batches(monkeypatch):
 def test_cohort_clients_equal_per_client_training(tmp_path, checked_cohorts, checked_batches, i, strategy, codec):
     """FedAvg, FedAdam and DGA (D=1), each uncompressed and with signSGD, top-k and
     PowerSGD with error feedback; momentum on and off, IID and Dirichlet splits (and
-    keep-momentum), alternating over the cases. signSGD's and top-k's uplinks are encoded
-    as batches (checked bit for bit against each client's own encoding); PowerSGD's one
-    by one."""
+    keep-momentum), alternating over the cases. The uplinks are encoded as batches,
+    checked against each client's own encoding: bit for bit for signSGD and top-k, to
+    float32 rounding for PowerSGD."""
     overrides = strategy | codec | {"momentum": 0.9 if i % 2 else 0.0, "partition": "iid" if i % 3 else "dirichlet",
                                     "keep-momentum": i % 4 == 1, "cohort": True}
     lines = _run(tmp_path, overrides, "cohort")
     assert checked_cohorts.sizes, "no cohort trained"
     assert sum(checked_cohorts.sizes) >= 2 * 4  # most of each round's six clients trained together
     assert lines[-1]["failures"] == 0 and lines[-1]["accuracy"] > 0.2
-    if codec.get("compressor") in ("signsgd", "topk"):
+    if codec:
         assert sum(checked_batches) >= 2 * 4, checked_batches  # the first client of the run is timed alone
     else:
         assert checked_batches == []
