@@ -11,11 +11,14 @@ client by client with the encoder's own :meth:`~fededge.compress.update.UpdateEn
 which raises the per-client path's errors.
 
 Batched forms: signSGD (``compressor = signsgd``) and top-k (``compressor = topk``,
-float32 values), each with or without error feedback, for the matrices; raw float32 for
-the tensors the plan sends raw (1-D tensors, small ones, normalisation statistics).
-signSGD's arithmetic is per client elementwise except the scale (``||x||_1 / d``), which
-is summed per client on a fresh copy of that client's row, as the codec sums it; top-k
-selects with ``torch.topk`` row by row, as on one client, ties included.
+float32 values), each with or without error feedback, and QSGD, for the matrices; raw
+float32 for the tensors the plan sends raw (1-D tensors, small ones, normalisation
+statistics). signSGD's arithmetic is per client elementwise except the scale
+(``||x||_1 / d``), which is summed per client on a fresh copy of that client's row, as
+the codec sums it; top-k selects with ``torch.topk`` row by row, as on one client, ties
+included; QSGD sums each client's bucket norms as the codec does and draws each client's
+rounding from that client's own generator. DGC (momentum and warm-up per client) has no
+batched form.
 
 PowerSGD (:func:`fededge.compress.powersgd.encode_many`) is the exception to "bit for
 bit": its power step runs as batched matmuls and one batched QR, which round differently
@@ -27,6 +30,7 @@ Pure torch and numpy: no Flower.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,7 +38,7 @@ import torch
 
 from fededge.compress import powersgd
 from fededge.compress._bits import codec_header
-from fededge.compress.codecs import Raw, SignSGD, TopK, topk_payload
+from fededge.compress.codecs import QSGD, Raw, SignSGD, TopK, topk_payload
 from fededge.compress.roles import server_sets_statistics, tensor_role
 from fededge.compress.update import UpdateEncoder
 from fededge.compress.wire import pack
@@ -49,7 +53,7 @@ def batchable(encoder: UpdateEncoder) -> bool:
     if encoder.dgc is not None:
         return False
     codec = encoder.codec
-    return type(codec) is SignSGD or (type(codec) is TopK and codec.config.values == "fp32")
+    return (type(codec) in (SignSGD, QSGD)) or (type(codec) is TopK and codec.config.values == "fp32")
 
 
 def encode_batch(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, torch.Tensor]], *,
@@ -101,6 +105,8 @@ def _encode_all(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, to
         xs = [d[name] for d in deltas]
         if role == "matrix" and first.powersgd is not None:
             payloads = powersgd.encode_many([e.powersgd for e in encoders], name, xs)  # type: ignore[misc]
+        elif role == "matrix" and type(first.codec) is QSGD:
+            payloads = _qsgd_batch(encoders, i, name, xs, round)
         elif role == "matrix":
             payloads = _matrix_batch(encoders, name, xs)
         elif role == "statistic" and not server_sets_statistics(first.config):
@@ -147,6 +153,50 @@ def _topk_rows(codec: TopK, like: torch.Tensor, flat: torch.Tensor,
         decoded = torch.zeros_like(flat).scatter_(1, idx, kept)
         residuals.extend((flat - decoded).reshape((flat.shape[0], *like.shape)))
     return out
+
+
+def _qsgd_batch(encoders: Sequence[UpdateEncoder], index: int, name: str, xs: Sequence[torch.Tensor],
+                round: int) -> list[bytes] | None:
+    """:class:`~fededge.compress.codecs.QSGD` of every client's tensor: each client's
+    bucket norms summed as the codec sums them (a fresh float64 copy each) and its
+    rounding draws from its own generator (:meth:`UpdateEncoder._generator`, the stream
+    the per-client path draws from); the levels, signs and bit-packing over the stack."""
+    codec = encoders[0].codec
+    assert isinstance(codec, QSGD)
+    like = xs[0].float()
+    s, bucket = codec.config.levels, codec.config.bucket
+    d = like.numel()
+    nb = QSGD.num_buckets(d, bucket)
+    width = max(1, d if bucket == 0 or bucket > d else bucket)
+    bits = QSGD.level_bits(s)
+    header = codec_header(QSGD.name, like, struct.pack("<HI", s, bucket), codec.config)
+    payloads: list[bytes] = []
+    for lo, hi, x in _chunks(xs):
+        flat = x.reshape(hi - lo, -1)
+        values = flat.numpy()
+        if not np.isfinite(values).all():
+            return None  # the per-client path refuses the client's tensor by name
+        norms_rows = []
+        for row in flat:
+            padded = torch.zeros(nb * width, dtype=torch.float64)
+            padded[:d] = row
+            norms_rows.append(torch.linalg.vector_norm(padded.view(nb, width), dim=1).float())
+        norms = torch.stack(norms_rows)
+        if not bool(torch.isfinite(norms).all()):
+            return None  # a bucket's norm overflows: the per-client path says so
+        per = norms.repeat_interleave(width, dim=1)[:, :d]
+        live = per > 0
+        r = flat.abs() / torch.where(live, per, torch.ones_like(per)) * s
+        u = torch.stack([torch.rand(d, generator=encoders[c]._generator(round, index)) for c in range(lo, hi)])
+        lv = torch.floor(r + u).clamp_(0, s)
+        lv = torch.where(live, lv, torch.zeros_like(lv)).to(torch.int64).numpy().astype(np.uint32)
+        fields = ((lv[:, :, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.bool_)
+        level_bytes = np.packbits(fields.reshape(hi - lo, -1), axis=1, bitorder="little")
+        sign_bytes = np.packbits(values < 0, axis=1, bitorder="little")
+        norm_bytes = norms.numpy().astype("<f4")
+        payloads.extend(pack(header, norm_bytes[j].tobytes() + sign_bytes[j].tobytes() + level_bytes[j].tobytes())
+                        for j in range(hi - lo))
+    return payloads
 
 
 def _chunks(xs: Sequence[torch.Tensor]):  # noqa: ANN202 - yields (lo, hi, stacked float32 CPU tensor)

@@ -45,6 +45,8 @@ CONFIGS = [
     # No batched form: client by client, still through encode_batch.
     UpdateConfig(compressor="topk", error_feedback=True, topk_ratio=0.05, topk_values="fp16"),
     UpdateConfig(compressor="qsgd", qsgd_levels=7),
+    UpdateConfig(compressor="qsgd", qsgd_levels=2, qsgd_bucket=0, lossless=True),
+    UpdateConfig(compressor="qsgd", qsgd_levels=255, qsgd_bucket=100, compress_1d=True),
 ]
 
 
@@ -59,6 +61,8 @@ def test_batch_gives_each_clients_own_bytes_and_states(cfg: UpdateConfig) -> Non
         deltas = [_delta(gen, scale=10.0 ** (c - 2)) for c in range(clients)]
         if rnd == 2:  # an exact zero and a negative zero: sign counts both as +
             deltas[1]["fc.weight"][0, :3] = torch.tensor([0.0, -0.0, 0.0])
+        if rnd == 1:  # an all-zero update: signSGD's scale 0, QSGD's buckets of norm 0
+            deltas[3]["conv.weight"].zero_()
         if rnd == 3:  # ties at the k-th largest magnitude: top-k breaks them as torch.topk does
             deltas[2]["fc.weight"][:, :40] = 0.5
             deltas[2]["fc.weight"][:, 40:] = -0.5
@@ -120,7 +124,7 @@ def test_which_encoders_have_a_batched_form() -> None:
     assert batchable(UpdateEncoder(UpdateConfig(compressor="signsgd")))
     assert batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True)))
     assert not batchable(UpdateEncoder(UpdateConfig(compressor="topk", error_feedback=True, topk_values="bf16")))
-    assert not batchable(UpdateEncoder(UpdateConfig(compressor="qsgd")))
+    assert batchable(UpdateEncoder(UpdateConfig(compressor="qsgd")))
     assert batchable(UpdateEncoder(UpdateConfig(compressor="powersgd")))
     assert not batchable(UpdateEncoder(UpdateConfig(compressor="dgc")))
 

@@ -31,7 +31,7 @@ STATS_TOL = 1e-4
 
 STRATEGIES = [{"strategy": "fedavg"}, {"strategy": "fedadam"}, {"strategy": "dga", "dga-delay": 1}]
 CODECS = [{}, {"compressor": "signsgd", "error-feedback": True}, {"compressor": "topk", "error-feedback": True},
-          {"compressor": "powersgd", "error-feedback": True}]
+          {"compressor": "powersgd", "error-feedback": True}, {"compressor": "qsgd", "qsgd-levels": 7}]
 CASES = [(i, s, c) for i, (s, c) in enumerate((s, c) for s in STRATEGIES for c in CODECS)]
 
 
@@ -138,11 +138,11 @@ def checked_batches(monkeypatch):
 @pytest.mark.parametrize("i,strategy,codec", CASES,
                          ids=[f"{s['strategy']}-{c.get('compressor', 'none')}" for _, s, c in CASES])
 def test_cohort_clients_equal_per_client_training(tmp_path, checked_cohorts, checked_batches, i, strategy, codec):
-    """FedAvg, FedAdam and DGA (D=1), each uncompressed and with signSGD, top-k and
-    PowerSGD with error feedback; momentum on and off, IID and Dirichlet splits (and
+    """FedAvg, FedAdam and DGA (D=1), each uncompressed, with signSGD, top-k and PowerSGD
+    with error feedback, and with QSGD; momentum on and off, IID and Dirichlet splits (and
     keep-momentum), alternating over the cases. The uplinks are encoded as batches,
-    checked against each client's own encoding: bit for bit for signSGD and top-k, to
-    float32 rounding for PowerSGD."""
+    checked against each client's own encoding: bit for bit for signSGD, top-k and QSGD,
+    to float32 rounding for PowerSGD."""
     overrides = strategy | codec | {"momentum": 0.9 if i % 2 else 0.0, "partition": "iid" if i % 3 else "dirichlet",
                                     "keep-momentum": i % 4 == 1, "cohort": True}
     lines = _run(tmp_path, overrides, "cohort")
