@@ -4,7 +4,7 @@
 # For the workplace's GPU machine (python3 with torch+CUDA, no flwr), from the project root:
 #   here:   bash scripts/gpu_wheels.sh                   # flwr's wheels into .whl (ignored)
 #   there:  bash scripts/gpu_check.sh [bench_gpu.py's arguments]   (carry .whl)
-# Results go to $OUT (or ./gpu-out): tests.txt, direct.txt, bench.txt, gpu.json, prof.<row>.txt.
+# Results go to $OUT (or ./gpu-out): tests.txt, direct.txt, encode.txt, bench.txt, gpu.json, prof.<row>.txt.
 # GPU_CODECS="LABEL;LABEL" also runs issue 36's ResNet-18 rows (bench_codecs_cnn.py
 # --task resnet18-synth --study table, GPU_CODECS_ROUNDS rounds, 30 by default, run
 # config GPU_CODECS_SET) beside the tests, one process per label, all of them on the GPU
@@ -46,6 +46,12 @@ for p in "${pids[@]}"; do wait "$p"; done
 if [ "${GPU_DIRECT_TIMEOUT:-100}" != 0 ]; then
   timeout "${GPU_DIRECT_TIMEOUT:-100}" python3 benchmarks/bench_direct.py --models resnet18 --device cuda \
     --modes direct,resident --repeats 1 --rounds 5 2>&1 | grep -v "INFO\|WARNING" | tee "$out/direct.txt"
+fi
+# A cohort's uplinks as one batch against client by client, the deltas on the GPU (GPU_ENCODE_TIMEOUT=0 skips it)
+if [ "${GPU_ENCODE_TIMEOUT:-60}" != 0 ]; then
+  timeout "${GPU_ENCODE_TIMEOUT:-60}" bash -c 'python3 benchmarks/bench_encode_batch.py --device cuda --models mlp \
+    --codecs "signsgd+EF,psgd r4+EF" --clients 100 --rounds 3; python3 benchmarks/bench_encode_batch.py \
+    --device cuda --models resnet18 --codecs "signsgd+EF,psgd r4+EF" --clients 10 --rounds 3' 2>&1 | tee "$out/encode.txt"
 fi
 timeout "${GPU_BENCH_TIMEOUT:-420}" python3 benchmarks/bench_gpu.py --json "$out/gpu.json" --profile "$out/prof" "$@" \
   2>&1 | tee "$out/bench.txt"
