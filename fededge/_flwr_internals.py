@@ -488,23 +488,19 @@ def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
     out: dict[int, Any] = {id(m[0]): 0 for m in groups.values() if len(m) == 1}
     if not several:
         return out
-    # the four places of each span: (its position in the span's bytes, 8 bytes or fewer)
-    places: list[list[tuple[int, int]]] = []
+    # the four places of each span (8 bytes or fewer each), as (header bytes, tensor bytes)
+    places: list[list[tuple[bytes, Any]]] = []
     gathers: dict[Any, list[Any]] = {}  # device -> index tensors' results, in order
     wanted: list[tuple[Any, int]] = []  # per place with tensor bytes: (device, how many)
     for members in several:
         for a, start, end in members:
             n = end - start
             spots = sorted({0, n // 3, 2 * n // 3, max(n - 8, 0)})
-            places.append([(p, min(8, n - p)) for p in spots])
-            header = a.__dict__["_header"]
-            body = a.tensor.detach().reshape(-1).view(torch.uint8)
-            h = len(header)
-            for p, k in places[-1]:
-                lo, hi = max(start + p - h, 0), max(start + p + k - h, 0)  # the tensor's part of the place
-                if hi > lo:
-                    gathers.setdefault(body.device, []).append(body[lo:hi])
-                    wanted.append((body.device, hi - lo))
+            places.append([_span_parts(a, start + p, start + p + min(8, n - p)) for p in spots])
+            for _, body in places[-1]:
+                if body.numel():
+                    gathers.setdefault(body.device, []).append(body)
+                    wanted.append((body.device, body.numel()))
     host = {d: torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for d, parts in gathers.items()}
     offsets = {d: 0 for d in host}
     pieces = []
@@ -516,14 +512,7 @@ def _device_chunk_classes(spans: list[tuple[Any, int, int]]) -> dict[int, Any]:
     for number, members in enumerate(several):
         classes: dict[bytes, list[tuple[Any, int, int]]] = {}
         for span in members:
-            a, start, end = span
-            header = a.__dict__["_header"]
-            h = len(header)
-            fingerprint = []
-            for p, k in next(place_iter):
-                head = header[start + p:min(start + p + k, h)] if start + p < h else b""
-                tail = next(pieces_iter) if max(start + p + k - h, 0) > max(start + p - h, 0) else b""
-                fingerprint.append(head + tail)
+            fingerprint = [head + (next(pieces_iter) if body.numel() else b"") for head, body in next(place_iter)]
             classes.setdefault(b"".join(fingerprint), []).append(span)
         for fp_number, alike in enumerate(classes.values()):
             for span, cls in zip(alike, _equal_spans(alike), strict=True):
@@ -540,18 +529,24 @@ def _equal_spans(spans: list[tuple[Any, int, int]]) -> list[int]:
 
     if len(spans) == 1:
         return [0]
-    parts = []
-    for a, start, end in spans:
-        header = a.__dict__["_header"]
-        h = len(header)
-        parts.append((header[start:end] if start < h else b"",
-                      a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)]))
+    parts = [_span_parts(a, start, end) for a, start, end in spans]
     device = parts[0][1].device
     firsts: list[int] = []
     for i, (head, body) in enumerate(parts):
         firsts.append(next((j for j in range(i) if firsts[j] == j and parts[j][0] == head
                             and torch.equal(parts[j][1].to(device), body.to(device))), i))
     return firsts
+
+
+def _span_parts(a: Any, start: int, end: int) -> tuple[bytes, Any]:
+    """The bytes ``start:end`` of TensorArray ``a``'s ``.npy`` form, not made: the part
+    in its header (bytes) and the part in its tensor (a uint8 view, on its device)."""
+    import torch
+
+    header = a.__dict__["_header"]
+    h = len(header)
+    return (header[start:min(end, h)] if start < h else b"",
+            a.tensor.detach().reshape(-1).view(torch.uint8)[max(start - h, 0):max(end - h, 0)])
 
 
 def _fingerprint(view: memoryview) -> bytes:

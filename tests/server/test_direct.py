@@ -320,6 +320,32 @@ def test_tensor_arrays_and_arrays_any_chunking(spec, chunk):
         array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = saved
 
 
+@pytest.mark.parametrize("chunk", [40, 64, 97, 1000])
+def test_tensor_arrays_differing_in_one_byte_are_told_apart(chunk):
+    """Equal-length TensorArrays that differ in a single byte, at the tensor's first and
+    last byte, next to a fingerprint's place and away from all of them: each chunk that
+    differs counts as a chunk of its own, as serialising counts it (an off-by-one in the
+    spans' slicing would class two of them equal)."""
+    import torch
+
+    from flwr.app.message import array as array_module
+
+    saved = array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = chunk
+    try:
+        base = torch.arange(60, dtype=torch.float32)
+        record = ArrayRecord()
+        record["same"] = _tensor_array(base)
+        for i, at in enumerate([0, 1, 17, 31, 59]):  # element positions; the byte changed is the element's last
+            t = base.clone()
+            t.view(torch.uint8)[4 * at + 3] ^= 1
+            record[f"d{i}"] = _tensor_array(t)
+        record["twin"] = _tensor_array(base)
+        _check(_message(RecordDict({"a": record})))
+    finally:
+        array_module.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = saved
+
+
 @pytest.mark.parametrize("mix", ["tensors", "first-bytes", "later-bytes", "later-other-dtypes"])
 def test_the_average_of_tensor_arrays_is_flowers_bit_for_bit_and_stays_on_the_device(mix):
     import torch
