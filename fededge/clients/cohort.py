@@ -17,9 +17,13 @@ greenlet is not installed), **one at a time and in order**. A call that reaches 
 :func:`run_together` runs it leaves its job and pauses; when every call has paused or
 finished, the jobs are trained as cohorts (one per group of equal settings) and the
 paused calls resume, in order, each finding its model, sampler and buffers as the
-per-client path would have left them. Everything before and after local SGD (the mods:
-decoding, error feedback, encoding, state) runs per client exactly as it does
-otherwise. Outside :func:`run_together`, :func:`local_sgd` is the per-client one.
+per-client path would have left them. A call whose mods then encode its reply through
+:func:`encode_update` pauses a second time: the paused calls' uplinks are encoded as
+batches (:func:`fededge.compress.batch.encode_batch`, each client's own bytes and
+encoder state) and the calls resume again. Everything else before and after local SGD
+(decoding, DGA's correction, state) runs per client exactly as it does otherwise.
+Outside :func:`run_together`, :func:`local_sgd` and :func:`encode_update` are the
+per-client ones.
 
 Normalisation statistics (BatchNorm's running mean, variance and counter) are stacked
 per client like the weights, and each client's are updated by its own batches. Models
@@ -35,6 +39,7 @@ states the tolerance), not bit for bit.
 from __future__ import annotations
 
 import contextvars
+import copy
 import logging
 import threading
 import time
@@ -513,6 +518,8 @@ class EncodeJob:
             (n, tuple(t.shape), t.dtype, t.device) for n, t in self.delta.items()))
 
 
+_batch_failed_logged: list[bool] = []
+
 #: group key (less the round) -> the seconds one client of that group took to encode
 #: on its own (every batched client's charge; measured once per process).
 _encode_alone_s: dict[tuple, float] = {}
@@ -541,7 +548,9 @@ def encode_update(encoder: UpdateEncoder, delta: dict[str, torch.Tensor], *,
     if job.payloads is None:  # alone in its group: encoded here, on its own
         waited = time.perf_counter() - t0
         return encoder.encode(delta, round=round), waited
-    return job.payloads, max(time.perf_counter() - t0 - job.charge_s, 0.0)
+    # (Less than zero where the batch was quicker than the charge: the client is charged
+    # one client's seconds whatever it waited.)
+    return job.payloads, time.perf_counter() - t0 - job.charge_s
 
 
 def _encode_batches(waiting: list[EncodeJob]) -> None:
@@ -555,8 +564,11 @@ def _encode_batches(waiting: list[EncodeJob]) -> None:
         alone = _encode_alone_s.get(per_process)
         if alone is None:  # the group's first batch: its first client is encoded alone, timed
             first, jobs = jobs[0], jobs[1:]
-            t0 = time.perf_counter()
             try:
+                # Once untimed on a copy (the process's first encoding pays for cold caches
+                # and library start-up, which no later client would), then timed.
+                copy.deepcopy(first.encoder).encode(first.delta, round=first.round)
+                t0 = time.perf_counter()
                 first.payloads = first.encoder.encode(first.delta, round=first.round)
             except Exception as err:  # noqa: BLE001 - raised by its own call when it resumes
                 first.error = err
@@ -566,7 +578,14 @@ def _encode_batches(waiting: list[EncodeJob]) -> None:
                 continue
         try:
             payloads = encode_batch([j.encoder for j in jobs], [j.delta for j in jobs], round=jobs[0].round)
-        except Exception:  # noqa: BLE001 - a client's update refused: each is encoded alone (its own error)
+        except Exception as err:  # noqa: BLE001 - each client is then encoded alone (its own error, if any)
+            if isinstance(err, ValueError):  # a client's update refused (a NaN, say): that client fails alone
+                log.debug("batched encoding refused a client's update (%s): encoding the %d one by one",
+                          err, len(jobs))
+            elif not _batch_failed_logged:
+                _batch_failed_logged.append(True)
+                log.warning("batched encoding failed (%s: %s): the uplinks are encoded one client at a time "
+                            "(logged once)", type(err).__name__, err)
             for j in jobs:
                 j.payloads = None
             continue
@@ -591,8 +610,10 @@ def run_together(calls: Sequence[Callable[[], T]]) -> list[T]:
     Each call runs as a coroutine (:class:`_Slot`), never two at once: call i runs until it
     pauses in :func:`local_sgd` or returns, then call i+1 starts. When all have, the jobs
     train (one cohort per :meth:`CohortJob.group_key`, on this thread, with this
-    thread's torch threads), and the paused calls resume one at a time, in order. An
-    exception a call raises is raised here (after every call has ended).
+    thread's torch threads), and the paused calls resume one at a time, in order, each up
+    to its next pause (:func:`encode_update`: the uplinks are then encoded as batches,
+    one per :meth:`EncodeJob.group_key`) or its end; and so on until every call has
+    ended. An exception a call raises is raised here (after every call has ended).
 
     The first time a group's settings are seen in this process, its first client trains
     on its own (the per-client path, timed with the client's own threads) and the rest as

@@ -22,8 +22,15 @@ batched form.
 
 PowerSGD (:func:`fededge.compress.powersgd.encode_many`) is the exception to "bit for
 bit": its power step runs as batched matmuls and one batched QR, which round differently
-from one matmul per client, so its factors and residuals agree with the per-client path
-to float32 rounding (its payloads have the same sizes).
+from one matmul per client, so what it sends (P Q^T) and its residuals agree with the
+per-client path to float32 rounding, and its payloads have the same sizes. The factors
+P and Q themselves can differ by more where they are not determined by M (a rank-deficient
+M: QR's extra columns come from rounding) or where the contraction check of
+:func:`~fededge.compress.powersgd._contractive` sits at its threshold (the two paths may
+take different branches; either keeps the residual bounded).
+
+The residuals and Qs a batch leaves are views of one buffer per chunk of clients
+(fededge's client mods keep states as copies, so a chunk lives for one message).
 
 Pure torch and numpy: no Flower.
 """
@@ -73,13 +80,16 @@ def encode_batch(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, t
     if not encoders:
         return []
     first, spec = encoders[0], _spec(deltas[0])
-    if (len(encoders) == 1 or not batchable(first)
-            or any(e.config != first.config or _spec(d) != spec for e, d in zip(encoders, deltas))):
-        return [e.encode(d, round=round) for e, d in zip(encoders, deltas)]
     # The states' tensors are replaced, never changed in place (the one encoder that adds
-    # in place, PowerSGD's, is handed a copy on the client-by-client path below).
+    # in place, PowerSGD's, is handed copies on the client-by-client paths).
     kept = [_state_dicts(e) for e in encoders]
     try:
+        if (len(encoders) == 1 or not batchable(first)
+                or any(e.config != first.config or _spec(d) != spec for e, d in zip(encoders, deltas))):
+            for e in encoders:
+                if e.powersgd is not None:
+                    e.powersgd.residual = {k: v.clone() for k, v in e.powersgd.residual.items()}
+            return [e.encode(d, round=round) for e, d in zip(encoders, deltas)]
         return _encode_all(encoders, deltas, spec, round)
     except BaseException:
         for e, state in zip(encoders, kept):
@@ -88,10 +98,16 @@ def encode_batch(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, t
         raise
 
 
+#: DGC's state dicts (fededge/compress/dgc.py: velocity and accumulation, replaced each call)
+_DGC_STATE = ("u", "v")
+
+
 def _state_dicts(e: UpdateEncoder) -> list[tuple[object, str, dict]]:
-    parts = [(e.feedback, "residual")] if e.feedback is not None else []
+    parts: list[tuple[object, str]] = [(e.feedback, "residual")] if e.feedback is not None else []
     if e.powersgd is not None:
         parts += [(e.powersgd, "q"), (e.powersgd, "residual")]
+    if e.dgc is not None:  # (DGC has no batched form: its states are the early path's)
+        parts += [(e.dgc, attr) for attr in _DGC_STATE]
     return [(part, attr, dict(getattr(part, attr))) for part, attr in parts]
 
 

@@ -219,3 +219,22 @@ def test_small_chunks_give_the_same_result(cfg: UpdateConfig, monkeypatch) -> No
         else:
             assert got == expected
             _same_states(_states(together), _states(alone))
+
+
+@pytest.mark.parametrize("cfg", [UpdateConfig(compressor="powersgd", powersgd_rank=2, error_feedback=True),
+                                 UpdateConfig(compressor="dgc"),
+                                 UpdateConfig(compressor="signsgd", error_feedback=True)],
+                         ids=lambda c: c.compressor)
+def test_the_client_by_client_path_is_all_or_nothing_too(cfg: UpdateConfig) -> None:
+    """Encoders of different configs (no batch: each encoded as encode() would): a NaN in
+    the last client's last matrix raises with every state as it was."""
+    gen = torch.Generator().manual_seed(10)
+    other = UpdateConfig(compressor=cfg.compressor, error_feedback=cfg.error_feedback, min_numel=8)
+    encoders = [UpdateEncoder(cfg, stream=0), UpdateEncoder(other, stream=1)]
+    encode_batch(encoders, [_delta(gen), _delta(gen)], round=0)
+    before = _states(encoders)
+    deltas = [_delta(gen), _delta(gen)]
+    deltas[1]["fc.weight"][3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        encode_batch(encoders, deltas, round=1)
+    _same_states(_states(encoders), before)
