@@ -574,6 +574,9 @@ def _encode_batches(waiting: list[EncodeJob]) -> None:
                 first.error = err
                 continue  # no measure yet: the others are encoded alone too
             alone = first.charge_s = _encode_alone_s[per_process] = time.perf_counter() - t0
+            log.info("cohort encoding: the %s uplinks of a cohort are encoded as one batch (%d clients; "
+                     "charged %.1f ms each, one client's alone)", first.encoder.config.compressor,
+                     len(jobs) + 1, 1e3 * alone)
             if len(jobs) == 1:
                 continue
         try:
