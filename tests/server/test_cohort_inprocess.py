@@ -157,12 +157,14 @@ def test_cohort_clients_equal_per_client_training(tmp_path, checked_cohorts, che
 
 @pytest.mark.parametrize("overrides", [{}, {"compressor": "signsgd", "error-feedback": True, "client-states": "disk"},
                                        {"strategy": "dga", "dga-delay": 1, "compressor": "topk",
-                                        "error-feedback": True, "momentum": 0.9}],
-                         ids=["fedavg", "signsgd-disk-states", "dga-topk"])
+                                        "error-feedback": True, "momentum": 0.9},
+                                       {"strategy": "fedadam", "compressor": "powersgd", "error-feedback": True}],
+                         ids=["fedavg", "signsgd-disk-states", "dga-topk", "fedadam-powersgd"])
 def test_cohort_run_meters_the_same_bytes_and_learns_the_same(tmp_path, overrides):
-    """Uncompressed and signSGD bytes depend on no value: equal exactly. Top-k's index
-    gaps do (varints): where float rounding swaps a near-tie at the k-th largest entry,
-    a client's reply may differ by a few bytes, so within 0.5 % there."""
+    """Uncompressed, signSGD and PowerSGD bytes depend on no value: equal exactly (a
+    cohort's PowerSGD factors, batched, agree to rounding; their sizes are the same).
+    Top-k's index gaps do (varints): where float rounding swaps a near-tie at the k-th
+    largest entry, a client's reply may differ by a few bytes, so within 0.5 % there."""
     per_client = _run(tmp_path, overrides | {"cohort": False}, "per-client")
     together = _run(tmp_path, overrides | {"cohort": True}, "cohort")
     exact = overrides.get("compressor") != "topk"
@@ -174,7 +176,10 @@ def test_cohort_run_meters_the_same_bytes_and_learns_the_same(tmp_path, override
         else:
             assert b["bytes_up"] == pytest.approx(a["bytes_up"], rel=5e-3)
             assert b["bytes_down"] == pytest.approx(a["bytes_down"], rel=5e-3)
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        # PowerSGD with FedAdam carries the cohort's training rounding further: 2.1e-4
+        # relative after two rounds, the same whether the cohort's uplinks are batched or not.
+        loss_rel = 1e-3 if overrides.get("compressor") == "powersgd" else 1e-4
+        assert b["loss"] == pytest.approx(a["loss"], rel=loss_rel)
         assert b["accuracy"] == pytest.approx(a["accuracy"], abs=0.01)
 
 
