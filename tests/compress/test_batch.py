@@ -162,7 +162,7 @@ def test_powersgd_batch_is_each_clients_own_to_rounding(iters: int, rank: int) -
         if rnd == 0:  # no residual yet: M is the update itself
             deltas[1]["conv.weight"].mul_(1e-25)
             deltas[2]["conv.weight"].mul_(1e20)
-        if rnd == 2:
+        if rnd == 2 and rank < 8:  # (at full rank M would be the last residual: rounding noise, no factors to check)
             deltas[0]["fc.weight"].zero_()
         expected = [e.encode(copy.deepcopy(d), round=rnd) for e, d in zip(alone[:live], deltas)]
         got = encode_batch(together[:live], deltas, round=rnd)
