@@ -120,8 +120,10 @@ def _unit_columns(q: torch.Tensor) -> torch.Tensor:
     """Q with each column's largest entry 1. A warm Q is M^T P, of M's scale: M Q would be
     of M's scale squared, and underflow to zero (P then an arbitrary basis) for deltas of
     1e-20 or less, or overflow for 1e19 and more. Only Q's directions matter for P. (Not
-    unit norm: a float32 norm squares, and under- or overflows at those same scales.)"""
-    amax = q.abs().amax(dim=0)
+    unit norm: a float32 norm squares, and under- or overflows at those same scales.)
+
+    Q may have leading dimensions (clients x m x r: :func:`encode_many`), each Q its own."""
+    amax = q.abs().amax(dim=-2, keepdim=True)
     return q / torch.where(amax > 0, amax, torch.ones_like(amax))
 
 
@@ -390,7 +392,7 @@ def encode_many(encoders: list[PowerSGDEncoder], name: str, xs: list[torch.Tenso
                      if f else w for e, w, f in zip(encoders, warm, fresh)])
     is_fresh = torch.tensor(fresh)[:, None, None]
     for i in range(iters):
-        scaled = _unit_columns_many(q)
+        scaled = _unit_columns(q)
         q = scaled if i else torch.where(is_fresh, q, scaled)
         p = _orthogonalize_many(torch.bmm(mat, q.transpose(1, 2).contiguous().transpose(1, 2)))
         q = torch.bmm(p.transpose(1, 2), mat).transpose(1, 2)
@@ -413,12 +415,6 @@ def encode_many(encoders: list[PowerSGDEncoder], name: str, xs: list[torch.Tenso
         e.residual[name] = residual[j]
         out.append(_payload(like, p[j], q[j], e.config.lossless))
     return out
-
-
-def _unit_columns_many(q: torch.Tensor) -> torch.Tensor:
-    """:func:`_unit_columns` of each client's Q (clients x m x r)."""
-    amax = q.abs().amax(dim=1, keepdim=True)
-    return q / torch.where(amax > 0, amax, torch.ones_like(amax))
 
 
 def _orthogonalize_many(p: torch.Tensor) -> torch.Tensor:
