@@ -42,8 +42,10 @@ Internals used (checked against flwr 1.41):
   metadata, content and error), ``flwr.app.message.arraychunk.ArrayChunk``,
   ``flwr.app.message.array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE`` (how an Array's bytes are
   cut into chunks), an Array's cached chunks (``__dict__["_chunks"]``), the object-id
-  cache of ``no_object_id_recompute`` (``_get_computed_object_ids``) and the object
-  header's format (``add_header_to_object_body``).
+  cache of ``no_object_id_recompute`` (``_get_computed_object_ids``), the object
+  header's format (``add_header_to_object_body``), and ``get_object_id`` (an object's id
+  is the hash of its ``deflate()`` bytes: each object is deflated once, for its id and
+  its size together).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ __all__ = [
     "wire_sizes",
     "detached_copy",
     "direct_wire_size",
+    "direct_wire_split",
+    "message_own_bytes",
 ]
 
 
@@ -119,7 +123,8 @@ try:
     from flwr.app.message.arraychunk import ArrayChunk
     from flwr.app.message.message import make_message
     from flwr.supercore.inflatable.inflatable_object import (_get_computed_object_ids, add_header_to_object_body,
-                                                             get_all_nested_objects, no_object_id_recompute)
+                                                             get_all_nested_objects, get_object_id,
+                                                             no_object_id_recompute)
     from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
     from flwr.supercore.run import Run
     from flwr.supercore.task_identity import TaskIdentity
@@ -439,12 +444,66 @@ def direct_wire_size(msg: Message) -> int:
                     known.add(sid)
                     chunks.append((sid, chunk))
                 a.__dict__["_chunks"] = chunks
-            total = 0
-            for o in get_all_nested_objects(msg).values():
-                total += _chunk_size(o) if isinstance(o, ArrayChunk) else len(o.deflate())
-        return total
+            return _sizes_once(msg, known)
     finally:
         _forget_all(msg, arrays)
+
+
+def direct_wire_split(msg: Message) -> tuple[int, int]:
+    """:func:`direct_wire_size` in two parts: the message object's own bytes (its
+    metadata, :func:`message_own_bytes`) and its content's (every record, array and
+    chunk). Messages whose contents are the same record objects have the same second
+    part: a grid pushing one model to many nodes sizes it once."""
+    own = message_own_bytes(msg)
+    return own, direct_wire_size(msg) - own
+
+
+def message_own_bytes(msg: Message) -> int:
+    """The bytes of ``msg``'s own object on the wire (its metadata and error; its
+    content is a child object, referred to by no id in these bytes)."""
+    return len(msg.deflate())
+
+
+def _sizes_once(msg: Message, known: set[str]) -> int:
+    """The bytes of ``msg``'s distinct objects (``get_all_nested_objects``' sum), each
+    object deflated once: children before parents, each one's id (the hash of its bytes,
+    what its ``object_id`` computes) set and added to ``known`` before its parent's
+    ``deflate()`` asks for it. Its chunks already hold their stand-in ids."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+    seen: set[str] = set()
+    total = 0
+
+    def visit(o: Any) -> None:
+        nonlocal total
+        if isinstance(o, ArrayChunk):
+            sid = o.__dict__["_object_id"]
+            if sid not in seen:
+                seen.add(sid)
+                total += _chunk_size(o)
+            return
+        if isinstance(o, Message):
+            kids = [o.content] if o.has_content() else []
+        elif isinstance(o, (RecordDict, ArrayRecord)):
+            kids = list(o.values())
+        elif isinstance(o, Array):
+            kids = [c for _, c in o.__dict__["_chunks"]]
+        elif isinstance(o, (ConfigRecord, MetricRecord)):
+            kids = []
+        else:  # an object type of a later Flower: its children as Flower lists them
+            kids = list((o.children or {}).values())
+        for kid in kids:
+            visit(kid)
+        body = o.deflate()
+        oid = get_object_id(body)
+        o.__dict__["_object_id"] = oid
+        known.add(oid)
+        if oid not in seen:
+            seen.add(oid)
+            total += len(body)
+
+    visit(msg)
+    return total
 
 
 class _Length:

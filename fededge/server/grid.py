@@ -363,9 +363,20 @@ class InProcessGrid(Grid):
         if len(pushed) < len(messages) or any(id(m) in pushed for m in self._origins.values()):
             raise ValueError("a message was pushed twice")
         queued = []
+        # A model pushed to many nodes: messages whose contents are the same record
+        # objects (alive and unchanged while this runs) have contents of the same size,
+        # computed once; only each message's own object (its metadata) is sized apart.
+        content_bytes: dict[tuple, int] = {}
         for msg in messages:
             copy = fi.detached_copy(msg)
-            size = fi.direct_wire_size(copy)
+            same = tuple((name, id(r)) for name, r in msg.content.items()) if msg.has_content() else None
+            if same is not None and same in content_bytes:
+                size = fi.message_own_bytes(copy) + content_bytes[same]
+            else:
+                own, content = fi.direct_wire_split(copy)
+                size = own + content
+                if same is not None:
+                    content_bytes[same] = content
             self._pushed += 1
             mid = hashlib.sha256(f"fededge-direct:{self._salt}:{self._pushed}".encode()).hexdigest()
             queued.append((msg, mid, copy, size))

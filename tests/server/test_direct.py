@@ -224,6 +224,31 @@ def test_the_grid_gives_the_same_replies_sizes_and_ids_either_way(fail):
     assert seen[1][0] == fail
 
 
+def test_a_model_pushed_to_many_nodes_is_sized_exactly_for_each():
+    """The grid sizes a content of shared records once for all its messages. Each
+    message's own object still counts as itself (its metadata differs in length), and
+    contents that share only some records, or the same records under another name, are
+    sized on their own."""
+    grid = InProcessGrid(_echo_app, num_nodes=9, run_config={}, direct=True)
+    nodes = list(grid.get_node_ids())
+    model = ArrayRecord({"x": Array(np.arange(3, dtype=np.float32)), "w": Array(np.ones((40, 7), np.float32))})
+    config = ConfigRecord({"l": [1], "fail": False})
+    other = ConfigRecord({"l": [1, 2, 3], "fail": False})  # a longer config: another size
+    with fi.task_identity(run_id=grid.run.run_id, node_id=1, task_id=grid.run.run_id):
+        msgs = [Message(RecordDict({"a": model, "c": config}), n, "train") for n in nodes[:5]]
+        msgs.append(Message(RecordDict({"a": model, "c": other}), nodes[5], "train"))  # one record shared
+        msgs.append(Message(RecordDict({"model": model, "c": config}), nodes[6], "train"))  # another name
+        msgs.append(Message(RecordDict({"a": model, "c": config, "d": MetricRecord({"m": 1.0})}), nodes[7], "train"))
+        msgs.append(Message(RecordDict({"a": model, "c": config}), nodes[8], "train"))
+    for i, m in enumerate(msgs):
+        m.metadata.group_id = "g" * (3 * i)  # each message's own bytes differ
+    want = [fi.wire_size(m) for m in msgs]
+    grid.push_messages(msgs)
+    got = [fi.take_noted_wire_size(m) for m in msgs]
+    assert got == want
+    assert len(set(got)) == len(got)
+
+
 def test_a_direct_push_is_all_or_nothing_and_refuses_a_message_twice():
     grid = InProcessGrid(_echo_app, num_nodes=2, run_config={}, direct=True)
     a, b = grid.get_node_ids()
