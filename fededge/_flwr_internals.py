@@ -459,9 +459,25 @@ def direct_wire_split(msg: Message) -> tuple[int, int]:
 
 
 def message_own_bytes(msg: Message) -> int:
-    """The bytes of ``msg``'s own object on the wire (its metadata and error; its
-    content is a child object, referred to by no id in these bytes)."""
-    return len(msg.deflate())
+    """The bytes of ``msg``'s own object on the wire: its metadata and error, and its
+    header, which names its content by id. An id is 64 hex digits whatever its value,
+    so the content stands under a stand-in id here: its real one would hash the whole
+    model (and make a GPU model's bytes)."""
+    if not msg.has_content():
+        return len(msg.deflate())
+    content = msg.content
+    before = content.__dict__.get("_object_id")
+    stand_in = "0" * 64  # no object's real id: a SHA-256 of all zeros
+    with no_object_id_recompute():
+        _get_computed_object_ids().add(stand_in)
+        content.__dict__["_object_id"] = stand_in
+        try:
+            return len(msg.deflate())
+        finally:
+            if before is None:
+                content.__dict__.pop("_object_id", None)
+            else:
+                content.__dict__["_object_id"] = before
 
 
 def _sizes_once(msg: Message, known: set[str]) -> int:
