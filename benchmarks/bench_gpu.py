@@ -43,6 +43,7 @@ over this row's). Record the output in BENCHMARKS.md with the machine and the co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -169,7 +170,36 @@ def _floor(work: dict, row: dict) -> dict:
     return {"round_s": sum(later) / len(later), "compute_s": sum(later) / len(later), "accuracy": None}
 
 
-def _fededge(work: dict, row: dict, out: Path) -> dict:
+def _phase_targets() -> dict[str, tuple[object, str]]:
+    """Where a round's seconds go (``--phases``): the calls timed, by what they do. The
+    batched encoding includes any client-by-client fallback it makes (then counted in
+    both encoding rows); no other row holds another."""
+    from flwr.serverapp.strategy.fedavg import FedAvg
+
+    from fededge import _flwr_internals as fi
+    from fededge.clients import cohort, train
+    from fededge.compress.update import UpdateEncoder
+    from fededge.server.experiment import Experiment
+    from fededge.strategies import compressed
+
+    return {"local SGD, client by client": (train, "local_sgd"), "cohort SGD": (cohort, "cohort_sgd"),
+            "encoding, client by client": (UpdateEncoder, "encode"), "encoding, batched": (cohort, "_encode_batches"),
+            "message copies (direct)": (fi, "detached_copy"), "message sizes (direct)": (fi, "direct_wire_size"),
+            "message sizes, own objects": (fi, "message_own_bytes"),
+            "server: decoding replies": (compressed, "decode_compressed"),
+            "server: FedAvg's average": (FedAvg, "aggregate_train"), "server: evaluation": (Experiment, "evaluate")}
+
+
+def _per_round(calls: dict[str, list[float]], starts: dict[str, list[float]], rounds: int) -> dict[str, float]:
+    """Seconds a round of each phase, over the rounds ``round_s`` counts (2..R): the calls
+    that began after the second server evaluation ended (round 0's, then round 1's)."""
+    evals = list(zip(starts["server: evaluation"], calls["server: evaluation"]))
+    cut = evals[1][0] + evals[1][1] if len(evals) >= 2 else float("-inf")
+    return {name: sum(d for t, d in zip(starts[name], ds) if t >= cut) / max(rounds, 1)
+            for name, ds in calls.items() if any(t >= cut for t in starts[name])}
+
+
+def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     from fededge.server.inprocess import run_inprocess
 
     overrides = {k: v for k, v in work.items() if k != "clients"} | {
@@ -181,24 +211,34 @@ def _fededge(work: dict, row: dict, out: Path) -> dict:
     if row["path"] == "defaults":  # fededge run's own choices: client-threads as it comes
         overrides.pop("client-threads")
     overrides |= _row_config(row)
-    run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1),
-                            direct=row.get("direct"))
+    calls: dict[str, list[float]] = {}
+    starts: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        if phases:  # in this process only: a worker process's calls are not seen
+            from bench_scale import timed_calls
+
+            calls = stack.enter_context(timed_calls(_phase_targets(), starts))
+        run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1),
+                                direct=row.get("direct"))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = lines[2:]
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
     compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
     meta = json.loads((run_dir / "config.json").read_text())
-    return {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
-            "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
+    out = {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
+           "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
+    if phases:
+        out["phases"] = _per_round(calls, starts, len(later))
+    return out
 
 
-def one(row: dict, quick: bool, profile: str | None = None) -> dict:
+def one(row: dict, quick: bool, profile: str | None = None, phases: bool = False) -> dict:
     work = _workloads(quick)[row["workload"]]
     with tempfile.TemporaryDirectory() as tmp:
         if row["path"] == "floor":
             return row | _floor(work, row)
         if not profile:
-            return row | _fededge(work, row, Path(tmp))
+            return row | _fededge(work, row, Path(tmp), phases)
         import cProfile
         import io
         import pstats
@@ -229,10 +269,14 @@ def main() -> int:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="also run the first GPU (else CPU) per-client row of each workload under cProfile once, "
                         "and write the top functions to FILE.<workload>.txt (its timing is not in the table)")
+    p.add_argument("--phases", action="store_true",
+                   help="also time where each fededge row's rounds go (local SGD, encoding, message copies and "
+                        "sizes, the server's decoding, average and evaluation: seconds a round, rounds 2..R, "
+                        "in the run's own process) and print it after the table")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(json.loads(args.one), args.quick, args.profile)))
+        print(json.dumps(one(json.loads(args.one), args.quick, args.profile, args.phases)))
         return 0
     import torch
 
@@ -265,6 +309,14 @@ def main() -> int:
         for r in results:
             if r.get("chose"):
                 print(f"{r['workload']} defaults chose: {r['chose']}")
+        if any("phases" in r for r in results):
+            print("\nwhere a round goes (seconds a round, rounds 2..R, the run's own process; worker processes' "
+                  "calls are not seen):")
+            for r in results:
+                if "phases" in r:
+                    parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]))
+                    rest = r["round_s"] - sum(r["phases"].values())
+                    print(f"{label(r)}: s/round {r['round_s']:.3f}: {parts}; the rest {rest:.3f}")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         if args.profile:  # after the table: a profile cut short by a timeout loses no row
@@ -279,7 +331,8 @@ def main() -> int:
 def _in_a_process(row: dict, args: argparse.Namespace, env: dict, extra: list[str] | None = None
                   ) -> subprocess.CompletedProcess | None:
     """``row`` run by this script in a fresh process, or None (said) past ``--row-timeout``."""
-    cmd = [sys.executable, __file__, "--one", json.dumps(row)] + (extra or []) + (["--quick"] if args.quick else [])
+    cmd = ([sys.executable, __file__, "--one", json.dumps(row)] + (extra or []) + (["--quick"] if args.quick else [])
+           + (["--phases"] if args.phases and not extra else []))
     try:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=args.row_timeout)
     except subprocess.TimeoutExpired:

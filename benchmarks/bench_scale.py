@@ -166,12 +166,16 @@ def _ray_run(overrides: dict, clients: int, out: Path) -> tuple[Path, int]:
 
 
 @contextmanager
-def timed_calls(targets: dict[str, tuple[object, str]]) -> Iterator[dict[str, list[float]]]:
+def timed_calls(targets: dict[str, tuple[object, str]], starts: dict[str, list[float]] | None = None
+                ) -> Iterator[dict[str, list[float]]]:
     """Within the block, each ``targets`` entry ``name: (owner, attribute)`` is wrapped in
-    a timer: the dict yielded collects the seconds of every call under ``name``. The
-    originals are put back on the way out (bench_message_costs.py uses it too)."""
+    a timer: the dict yielded collects the seconds of every call under ``name`` (and
+    ``starts``, if given, the ``perf_counter`` at which each began). The originals are put
+    back on the way out (bench_message_costs.py and bench_gpu.py use it too)."""
     originals = {name: getattr(owner, attr) for name, (owner, attr) in targets.items()}
     calls: dict[str, list[float]] = {name: [] for name in targets}
+    if starts is not None:
+        starts.update({name: [] for name in targets})
 
     def timed(name: str):  # noqa: ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -180,6 +184,8 @@ def timed_calls(targets: dict[str, tuple[object, str]]) -> Iterator[dict[str, li
                 return originals[name](*args, **kwargs)
             finally:
                 calls[name].append(time.perf_counter() - t0)
+                if starts is not None:
+                    starts[name].append(t0)
         return call
 
     for name, (owner, attr) in targets.items():

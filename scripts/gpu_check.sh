@@ -53,5 +53,5 @@ if [ "${GPU_ENCODE_TIMEOUT:-60}" != 0 ]; then
     --codecs "signsgd+EF,psgd r4+EF" --clients 100 --rounds 3; python3 benchmarks/bench_encode_batch.py \
     --device cuda --models resnet18 --codecs "signsgd+EF,psgd r4+EF" --clients 10 --rounds 3' 2>&1 | tee "$out/encode.txt"
 fi
-timeout "${GPU_BENCH_TIMEOUT:-420}" python3 benchmarks/bench_gpu.py --json "$out/gpu.json" --profile "$out/prof" "$@" \
+timeout "${GPU_BENCH_TIMEOUT:-420}" python3 benchmarks/bench_gpu.py --json "$out/gpu.json" --profile "$out/prof" --phases "$@" \
   2>&1 | tee "$out/bench.txt"
