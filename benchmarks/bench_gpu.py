@@ -171,9 +171,9 @@ def _floor(work: dict, row: dict) -> dict:
 
 
 def _phase_targets() -> dict[str, tuple[object, str]]:
-    """Where a round's seconds go (``--phases``): the calls timed, by what they do. The
-    batched encoding includes any client-by-client fallback it makes (then counted in
-    both encoding rows); no other row holds another."""
+    """Where a round's seconds go (``--phases``): the calls timed, by what they do. No
+    call holds another, but for a batched encoding's client-by-client fallback, which
+    :func:`_per_round` counts in the batch only."""
     from flwr.serverapp.strategy.fedavg import FedAvg
 
     from fededge import _flwr_internals as fi
@@ -190,13 +190,40 @@ def _phase_targets() -> dict[str, tuple[object, str]]:
             "server: FedAvg's average": (FedAvg, "aggregate_train"), "server: evaluation": (Experiment, "evaluate")}
 
 
-def _per_round(calls: dict[str, list[float]], starts: dict[str, list[float]], rounds: int) -> dict[str, float]:
-    """Seconds a round of each phase, over the rounds ``round_s`` counts (2..R): the calls
-    that began after the second server evaluation ended (round 0's, then round 1's)."""
-    evals = list(zip(starts["server: evaluation"], calls["server: evaluation"]))
-    cut = evals[1][0] + evals[1][1] if len(evals) >= 2 else float("-inf")
-    return {name: sum(d for t, d in zip(starts[name], ds) if t >= cut) / max(rounds, 1)
-            for name, ds in calls.items() if any(t >= cut for t in starts[name])}
+def _per_round(calls: dict[str, list[float]], starts: dict[str, list[float]], cut: float,
+               rounds: int) -> dict[str, float]:
+    """Seconds a round of each phase over the rounds ``round_s`` counts (2..R): the calls
+    that began after ``cut``, when round 1 was closed (its line written). A client's own
+    encoding made inside a batched encoding (a fallback) is counted in the batch only."""
+    batches = list(zip(starts.get("encoding, batched", []), calls.get("encoding, batched", [])))
+
+    def counted(name: str, t: float) -> bool:
+        return t >= cut and not (name == "encoding, client by client"
+                                 and any(b <= t <= b + d for b, d in batches))
+
+    return {name: sum(d for t, d in zip(starts[name], ds) if counted(name, t)) / max(rounds, 1)
+            for name, ds in calls.items() if any(counted(name, t) for t in starts[name])}
+
+
+def _closed_round_one(stack: contextlib.ExitStack) -> list[float]:
+    """A list that gets the ``perf_counter`` at which round 1 was closed (the server's
+    ``_RoundCloser.close``, which evaluates it when due and writes its line), for the
+    length of ``stack``."""
+    from fededge.server.experiment import _RoundCloser
+
+    closed: list[float] = []
+    real = _RoundCloser.close
+
+    def close(self, rnd, arrays):  # noqa: ANN001, ANN202
+        try:
+            return real(self, rnd, arrays)
+        finally:
+            if rnd == 1:
+                closed.append(time.perf_counter())
+
+    _RoundCloser.close = close
+    stack.callback(setattr, _RoundCloser, "close", real)
+    return closed
 
 
 def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
@@ -213,11 +240,13 @@ def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     overrides |= _row_config(row)
     calls: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
+    closed: list[float] = []
     with contextlib.ExitStack() as stack:
         if phases:  # in this process only: a worker process's calls are not seen
             from bench_scale import timed_calls
 
             calls = stack.enter_context(timed_calls(_phase_targets(), starts))
+            closed = _closed_round_one(stack)
         run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1),
                                 direct=row.get("direct"))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -225,11 +254,13 @@ def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     round_s = (lines[-1]["wall_s"] - lines[1]["wall_s"]) / len(later)
     compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
     meta = json.loads((run_dir / "config.json").read_text())
-    out = {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
-           "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
+    result = {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
+              "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
     if phases:
-        out["phases"] = _per_round(calls, starts, len(later))
-    return out
+        if not closed:
+            raise RuntimeError("--phases: round 1 was never closed (no round 1?)")
+        result["phases"] = _per_round(calls, starts, closed[0], len(later))
+    return result
 
 
 def one(row: dict, quick: bool, profile: str | None = None, phases: bool = False) -> dict:
@@ -311,7 +342,7 @@ def main() -> int:
                 print(f"{r['workload']} defaults chose: {r['chose']}")
         if any("phases" in r for r in results):
             print("\nwhere a round goes (seconds a round, rounds 2..R, the run's own process; worker processes' "
-                  "calls are not seen):")
+                  "calls are not seen, nor serialisation on /ser rows: that is in the rest):")
             for r in results:
                 if "phases" in r:
                     parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]))

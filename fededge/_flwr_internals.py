@@ -377,9 +377,10 @@ def detached_copy(msg: Message) -> Message:
     return make_message(metadata=copy.copy(msg.metadata), content=content, error=error)
 
 
-def direct_wire_size(msg: Message) -> int:
-    """The bytes ``msg`` takes on Flower's wire (:func:`wire_size`), without hashing or
-    copying its arrays' data: the same number, from the format.
+def _direct_sizes(msg: Message) -> tuple[int, int]:
+    """``(the message object's own bytes, all its bytes)`` on Flower's wire
+    (:func:`direct_wire_size`, :func:`direct_wire_split`), without hashing or copying its
+    arrays' data: the same numbers, from the format.
 
     An object's size does not depend on its id's value (a fixed 64 hex digits), only on
     which objects are equal (a message carries each distinct object once). So each
@@ -449,13 +450,19 @@ def direct_wire_size(msg: Message) -> int:
         _forget_all(msg, arrays)
 
 
+def direct_wire_size(msg: Message) -> int:
+    """The bytes ``msg`` takes on Flower's wire (:func:`wire_size`), without hashing or
+    copying its arrays' data: the same number, from the format (:func:`_direct_sizes`)."""
+    return _direct_sizes(msg)[1]
+
+
 def direct_wire_split(msg: Message) -> tuple[int, int]:
     """:func:`direct_wire_size` in two parts: the message object's own bytes (its
     metadata, :func:`message_own_bytes`) and its content's (every record, array and
     chunk). Messages whose contents are the same record objects have the same second
     part: a grid pushing one model to many nodes sizes it once."""
-    own = message_own_bytes(msg)
-    return own, direct_wire_size(msg) - own
+    own, total = _direct_sizes(msg)
+    return own, total - own
 
 
 def message_own_bytes(msg: Message) -> int:
@@ -467,7 +474,7 @@ def message_own_bytes(msg: Message) -> int:
         return len(msg.deflate())
     content = msg.content
     before = content.__dict__.get("_object_id")
-    stand_in = "0" * 64  # no object's real id: a SHA-256 of all zeros
+    stand_in = "0" * 64  # any 64 hex digits: only the id's length is in the message's bytes
     with no_object_id_recompute():
         _get_computed_object_ids().add(stand_in)
         content.__dict__["_object_id"] = stand_in
@@ -480,24 +487,26 @@ def message_own_bytes(msg: Message) -> int:
                 content.__dict__["_object_id"] = before
 
 
-def _sizes_once(msg: Message, known: set[str]) -> int:
-    """The bytes of ``msg``'s distinct objects (``get_all_nested_objects``' sum), each
-    object deflated once: children before parents, each one's id (the hash of its bytes,
-    what its ``object_id`` computes) set and added to ``known`` before its parent's
-    ``deflate()`` asks for it. Its chunks already hold their stand-in ids."""
+def _sizes_once(msg: Message, known: set[str]) -> tuple[int, int]:
+    """``(msg``'s own object's bytes, the bytes of all its distinct objects)``
+    (``get_all_nested_objects``' sum), each object deflated once: children before
+    parents, each one's id (the hash of its bytes, what its ``object_id`` computes) set
+    and added to ``known`` before its parent's ``deflate()`` asks for it. Its chunks
+    already hold their stand-in ids. Config and metric records have no children (Flower
+    1.41: their values are in their own bytes)."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
     seen: set[str] = set()
     total = 0
 
-    def visit(o: Any) -> None:
+    def visit(o: Any) -> int:
         nonlocal total
         if isinstance(o, ArrayChunk):
             sid = o.__dict__["_object_id"]
             if sid not in seen:
                 seen.add(sid)
                 total += _chunk_size(o)
-            return
+            return 0
         if isinstance(o, Message):
             kids = [o.content] if o.has_content() else []
         elif isinstance(o, (RecordDict, ArrayRecord)):
@@ -517,9 +526,10 @@ def _sizes_once(msg: Message, known: set[str]) -> int:
         if oid not in seen:
             seen.add(oid)
             total += len(body)
+        return len(body)
 
-    visit(msg)
-    return total
+    own = visit(msg)
+    return own, total
 
 
 class _Length:

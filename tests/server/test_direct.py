@@ -39,7 +39,8 @@ def _check(msg: Message) -> int:
     sized, serialises to the original's objects (no stand-in id is left behind)."""
     copy = fi.detached_copy(msg)
     size = fi.direct_wire_size(copy)
-    assert size == fi.wire_size(msg)
+    assert size == fi.wire_size(msg) == sum(fi.direct_wire_split(copy))
+    assert fi.message_own_bytes(copy) == fi.direct_wire_split(copy)[0]
     assert fi.serialise(copy) == fi.serialise(msg)
     return size
 
@@ -224,7 +225,7 @@ def test_the_grid_gives_the_same_replies_sizes_and_ids_either_way(fail):
     assert seen[1][0] == fail
 
 
-def test_a_model_pushed_to_many_nodes_is_sized_exactly_for_each():
+def test_a_model_pushed_to_many_nodes_is_sized_exactly_for_each(monkeypatch):
     """The grid sizes a content of shared records once for all its messages. Each
     message's own object still counts as itself (its metadata differs in length), and
     contents that share only some records, or the same records under another name, are
@@ -243,10 +244,14 @@ def test_a_model_pushed_to_many_nodes_is_sized_exactly_for_each():
     for i, m in enumerate(msgs):
         m.metadata.group_id = "g" * (3 * i)  # each message's own bytes differ
     want = [fi.wire_size(m) for m in msgs]
+    contents_sized = []
+    real = fi.direct_wire_split
+    monkeypatch.setattr(fi, "direct_wire_split", lambda m: contents_sized.append(m) or real(m))
     grid.push_messages(msgs)
     got = [fi.take_noted_wire_size(m) for m in msgs]
     assert got == want
     assert len(set(got)) == len(got)
+    assert len(contents_sized) == 4  # the shared content once, and each of the three others
 
 
 def test_a_direct_push_is_all_or_nothing_and_refuses_a_message_twice():
