@@ -185,6 +185,7 @@ def _phase_targets() -> dict[str, tuple[object, str]]:
     return {"local SGD, client by client": (train, "local_sgd"), "cohort SGD": (cohort, "cohort_sgd"),
             "encoding, client by client": (UpdateEncoder, "encode"), "encoding, batched": (cohort, "_encode_batches"),
             "message copies (direct)": (fi, "detached_copy"), "message sizes (direct)": (fi, "direct_wire_size"),
+            "message sizes, a shared content": (fi, "direct_wire_split"),
             "message sizes, own objects": (fi, "message_own_bytes"),
             "server: decoding replies": (compressed, "decode_compressed"),
             "server: FedAvg's average": (FedAvg, "aggregate_train"), "server: evaluation": (Experiment, "evaluate")}
