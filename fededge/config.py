@@ -70,7 +70,8 @@ OWNED: dict[str, tuple[type, str]] = {
         ("topk-values", "topk_values"), ("powersgd-rank", "powersgd_rank"),
         ("powersgd-iters", "powersgd_iters"), ("int8-block", "int8_block"),
         ("threshold-tau", "threshold_tau"), ("dgc-sparsity", "dgc_sparsity"),
-        ("dgc-warmup-rounds", "dgc_warmup_rounds"), ("dgc-momentum", "dgc_momentum"),
+        ("dgc-warmup-rounds", "dgc_warmup_rounds"), ("dgc-warmup-epochs", "dgc_warmup_epochs"),
+        ("dgc-momentum", "dgc_momentum"),
         ("dgc-clip-norm", "dgc_clip_norm"), ("compress-min-numel", "min_numel"),
         ("compress-1d", "compress_1d"), ("compress-small-codec", "small_codec"), ("norm-stats", "norm_stats"),
         ("compress-warmup-rounds", "warmup_rounds"))},
@@ -355,6 +356,7 @@ class RunConfig:
     threshold_tau: float = UpdateConfig.threshold_tau
     dgc_sparsity: float = UpdateConfig.dgc_sparsity
     dgc_warmup_rounds: int = UpdateConfig.dgc_warmup_rounds
+    dgc_warmup_epochs: float = UpdateConfig.dgc_warmup_epochs
     dgc_momentum: float = UpdateConfig.dgc_momentum
     dgc_clip_norm: float = UpdateConfig.dgc_clip_norm
     compress_min_numel: int = UpdateConfig.min_numel

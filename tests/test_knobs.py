@@ -101,7 +101,8 @@ _FLOATS = [-0.5, 0.0, 1e-6, 0.01, 0.05, 0.5, 0.999, 1.0, 1.5, 2.0, float("inf")]
 CONTEXT = {
     **{k: {"compressor": "qsgd"} for k in ("qsgd-levels", "qsgd-bucket")},
     **{k: {"compressor": "topk"} for k in ("topk-ratio", "topk-values")},
-    **{k: {"compressor": "dgc"} for k in ("dgc-sparsity", "dgc-warmup-rounds", "dgc-momentum", "dgc-clip-norm")},
+    **{k: {"compressor": "dgc"} for k in ("dgc-sparsity", "dgc-warmup-rounds", "dgc-warmup-epochs", "dgc-momentum",
+                                             "dgc-clip-norm")},
     "powersgd-rank": {"compressor": "powersgd"}, "powersgd-iters": {"compressor": "powersgd"}, "int8-block": {"compressor": "int8"},
     "threshold-tau": {"compressor": "threshold"},
 }

@@ -41,7 +41,7 @@ import math
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -66,6 +66,9 @@ from fededge.protocol import (
 __all__ = ["CompressionMod", "DGAMod", "GossipMod", "ModOrderError", "config_error_mod", "offer_norm_statistics"]
 
 log = logging.getLogger(__name__)
+
+#: whether this process has logged a client's DGC warm-up (once at INFO, then DEBUG)
+_warmup_logged: list[bool] = []
 
 class ModOrderError(RuntimeError):
     """Mods registered in an order in which they cannot work (see the module docstring)."""
@@ -237,7 +240,7 @@ class CompressionMod:
             else:
                 delta[name] = new.float() - base[name].float()
         state = context.state[keys.STATE_COMPRESS] if keys.STATE_COMPRESS in context.state else None
-        encoder = _encoder(self.update, _stream(context), state)
+        encoder = _encoder(self._for_client(conf, reply), _stream(context), state)
         # In a cohort (fededge.clients.cohort) the round's clients are encoded as one batch,
         # to the same bytes; `waited` is the time this call spent on the others' work.
         payloads, waited = encode_update(encoder, delta, round=self.update.encoder_round(rnd))
@@ -288,6 +291,30 @@ class CompressionMod:
         for n in names:
             if n in fresh:
                 payloads[n] = encoder.raw.encode(fresh[n].float().cpu() - base[n].float())
+
+    def _for_client(self, conf: ConfigRecord | None, reply: Message) -> UpdateConfig:
+        """This client's UpdateConfig: DGC's sparsity warm-up in rounds is the larger of
+        ``dgc_warmup_rounds`` and ``dgc_warmup_epochs`` of this client's data
+        (:meth:`~fededge.compress.update.UpdateConfig.dgc_warmup_for`), its examples from
+        the reply's ``num-examples`` and a round's from the train config's local steps
+        and batch size (the rounds alone where one is missing)."""
+        update = self.update
+        if update.compressor != "dgc" or update.dgc_warmup_epochs <= 0:
+            return update
+        metrics = reply.content[keys.METRICS] if keys.METRICS in reply.content else {}
+        examples = metrics.get(keys.NUM_EXAMPLES)
+        steps = conf.get(keys.LOCAL_STEPS) if conf is not None else None
+        batch = conf.get(keys.BATCH_SIZE) if conf is not None else None
+        per_round = int(steps) * int(batch) if steps and batch else None
+        rounds = update.dgc_warmup_for(int(examples) if examples else None, per_round)
+        if rounds == update.dgc_warmup_rounds:
+            return update
+        log.log(logging.DEBUG if _warmup_logged else logging.INFO,
+                "DGC sparsity warm-up per client: the larger of dgc-warmup-rounds=%d and dgc-warmup-epochs=%g "
+                "epochs of its data; here %d rounds for %d examples at %d a round%s", update.dgc_warmup_rounds,
+                update.dgc_warmup_epochs, rounds, int(examples), per_round, "" if _warmup_logged else " (logged once)")
+        _warmup_logged.append(True)
+        return replace(update, dgc_warmup_rounds=rounds)
 
     @staticmethod
     def _dga_delta(conf: ConfigRecord | None, context: Context, rnd: int) -> dict[str, torch.Tensor] | None:

@@ -88,8 +88,15 @@ class UpdateConfig:
         round, at the same bytes; 2 by default, which halved the accuracy swings of the
         BatchNorm CNN against the paper's 1, BENCHMARKS.md issue 36), int8-block,
         threshold-tau].
-    dgc_sparsity, dgc_warmup_rounds, dgc_momentum, dgc_clip_norm : DGC knobs
-        [dgc-sparsity (final), dgc-warmup-rounds, dgc-momentum, dgc-clip-norm (0: none)].
+    dgc_sparsity, dgc_warmup_rounds, dgc_warmup_epochs, dgc_momentum, dgc_clip_norm : DGC knobs
+        [dgc-sparsity (final), dgc-warmup-rounds, dgc-warmup-epochs, dgc-momentum,
+        dgc-clip-norm (0: none)]. The sparsity warm-up lasts the larger of
+        ``dgc_warmup_rounds`` rounds and ``dgc_warmup_epochs`` epochs of the client's
+        data (the paper's 4), where :class:`~fededge.clients.mods.CompressionMod` can tell
+        a round's epochs (:meth:`dgc_warmup_for`): on a task whose round is a fraction of
+        an epoch 4 rounds are too short (DGC 1.2 points under instead of 2.6 above on the
+        30,000-image reduced ResNet), and where a round is several epochs one round is
+        (the digits CNN swung 2.6x as far as uncompressed). 0 epochs: rounds only.
         dgc-momentum is 0 and dgc-sparsity 0.99 by default, not the paper's 0.9 and
         0.999: the updates are model deltas after local SGD, whose momentum is already in
         them (the correction on top is momentum across rounds), over tens of rounds, not
@@ -141,6 +148,7 @@ class UpdateConfig:
     threshold_tau: float = 1e-3
     dgc_sparsity: float = 0.99
     dgc_warmup_rounds: int = 4
+    dgc_warmup_epochs: float = 4.0
     dgc_momentum: float = 0.0
     dgc_clip_norm: float = 0.0
     min_numel: int = 256
@@ -171,6 +179,10 @@ class UpdateConfig:
             raise ValueError(f"'topk-values': must be one of {', '.join(SPARSE_VALUES)}, got {self.topk_values!r}")
         if self.dgc_clip_norm < 0:
             raise ValueError(f"dgc clip norm must be >= 0 (0 = no clipping), got {self.dgc_clip_norm}")
+        if (not isinstance(self.dgc_warmup_epochs, (int, float)) or isinstance(self.dgc_warmup_epochs, bool)
+                or not math.isfinite(self.dgc_warmup_epochs) or self.dgc_warmup_epochs < 0):
+            raise ValueError(f"'dgc-warmup-epochs': must be a finite number >= 0 (0: dgc-warmup-rounds alone), "
+                             f"got {self.dgc_warmup_epochs!r}")
         self.build_codec()  # validates the codec's own knobs now, not at the first round
 
     def compresses(self, server_round: int) -> bool:
@@ -182,6 +194,21 @@ class UpdateConfig:
         [False, False, True]
         """
         return self.compressor != "none" and server_round > self.warmup_rounds
+
+    def dgc_warmup_for(self, examples: int | None, examples_per_round: int | None) -> int:
+        """DGC's sparsity warm-up in rounds for a client with ``examples`` training
+        examples that trains on ``examples_per_round`` a round: the larger of
+        ``dgc_warmup_rounds`` and ``dgc_warmup_epochs`` epochs, rounded up; the rounds
+        alone where either count is unknown (None or 0).
+
+        >>> c = UpdateConfig(compressor="dgc")
+        >>> c.dgc_warmup_for(2400, 320), c.dgc_warmup_for(144, 640), c.dgc_warmup_for(None, 320)
+        (30, 4, 4)
+        """
+        rounds = self.dgc_warmup_rounds
+        if self.dgc_warmup_epochs > 0 and examples and examples_per_round and examples_per_round > 0:
+            rounds = max(rounds, math.ceil(self.dgc_warmup_epochs * examples / examples_per_round - 1e-9))
+        return rounds
 
     def encoder_round(self, server_round: int) -> int:
         """The encoder's 0-based round for ``server_round``: rounds counted from the first

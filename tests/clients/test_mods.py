@@ -128,6 +128,9 @@ def test_constructors_validate_their_arguments():
     with pytest.raises(ValueError, match="compressor must be one of"):
         CompressionMod(compressor="zip")
     assert CompressionMod(compressor="topk", topk_ratio=0.25, error_feedback=True).update == TOPK
+    for bad in (-1.0, float("nan"), float("inf"), "4"):
+        with pytest.raises(ValueError, match="'dgc-warmup-epochs': must be a finite number >= 0"):
+            CompressionMod(compressor="dgc", dgc_warmup_epochs=bad)
     with pytest.raises(ValueError, match="'dgc' keeps encoder state"):
         GossipMod(UpdateConfig(compressor="dgc"))
     with pytest.raises(ValueError, match="error_feedback must be false"):
@@ -277,3 +280,38 @@ def test_norm_statistics_are_the_models_own_and_leave_it_unchanged():
     assert torch.allclose(stats["features.1.running_mean"], want, atol=1e-5)
     assert torch.equal(norm_statistics(model, x, batches=3, batch_size=20, seed=4)["features.1.running_var"],
                        stats["features.1.running_var"])
+
+
+@pytest.mark.parametrize("examples,steps,epochs,warmup", [
+    (2400, 10, 4.0, 30),  # a round is 0.13 of an epoch: 4 epochs are 30 rounds
+    (2400, 10, 0.0, 4),   # epochs off: dgc-warmup-rounds alone
+    (144, 20, 4.0, 4),    # a round is 4.4 epochs: at least dgc-warmup-rounds
+    (None, 10, 4.0, 4),   # the reply does not say its examples: the rounds alone
+], ids=["short-rounds", "epochs-off", "long-rounds", "unknown"])
+def test_dgc_warms_up_over_the_larger_of_its_rounds_and_epochs_of_the_clients_data(examples, steps, epochs, warmup):
+    """CompressionMod sizes DGC's sparsity warm-up per client: the larger of
+    dgc-warmup-rounds and dgc-warmup-epochs epochs of its data (the reply's num-examples,
+    a round's examples from the train config's local steps and batch size)."""
+    from fededge.compress.codec import decode_any
+    from fededge.compress.codecs import keep_count
+    from fededge.compress.dgc import DGCConfig
+    from fededge.protocol import bundle_payloads
+
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.zeros(100, 100)}
+
+    def train(msg, context):  # noqa: ANN001, ANN202
+        received = msg.content[keys.ARRAYS].to_torch_state_dict()
+        arrays = {k: v + torch.randn(v.shape, generator=g) for k, v in received.items()}
+        metrics = MetricRecord({keys.COMPUTE_S: 0.0} | ({} if examples is None else {keys.NUM_EXAMPLES: examples}))
+        return Message(RecordDict({keys.ARRAYS: ArrayRecord(arrays), keys.METRICS: metrics}), reply_to=msg)
+
+    update = UpdateConfig(compressor="dgc", dgc_warmup_epochs=epochs)
+    rnd = 6  # the encoder's round 5: past the default 4 rounds' warm-up, inside 30
+    reply, _ = _call([CompressionMod(update)], {
+        keys.ARRAYS: ArrayRecord(start),
+        keys.CONFIG: _config({keys.SERVER_ROUND: rnd, keys.LOCAL_STEPS: steps, keys.BATCH_SIZE: 32})}, train=train)
+    sent = int((decode_any(bundle_payloads(reply.content[keys.COMPRESSED])["w"]) != 0).sum())
+    want = DGCConfig(final_sparsity=update.dgc_sparsity, warmup_rounds=warmup)
+    assert sent == keep_count(1 - want.sparsity_at(rnd - 1), 10_000)
+    assert (sent > 100) == (warmup == 30)  # 1% of 10,000 once warmed up
