@@ -110,7 +110,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     import json
 
-    from fededge.config import ConfigError
+    from fededge.config import EARLIER_EFFECT, ConfigError
     from fededge.server.checkpoint import CheckpointError, checkpoint_files
     from fededge.server.experiment import NotEnoughNodesError, RoundFailedError
     from fededge.server.inprocess import run_inprocess
@@ -128,7 +128,9 @@ def _cmd_resume(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        overrides = {**meta["config"], **parse_run_config(args.run_config)}
+        # a key the run's fededge did not have yet at the value that had its effect then
+        lacked = {k: v for k, v in EARLIER_EFFECT.items() if k not in meta["config"]}
+        overrides = {**lacked, **meta["config"], **parse_run_config(args.run_config)}
     except ValueError as err:
         print(f"fededge resume: {err}", file=sys.stderr)
         return 2

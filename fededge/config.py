@@ -547,6 +547,26 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
+#: Run-config keys added after runs were saved, whose absence had another effect than
+#: today's default: a saved run's config.json without the key ran as with this value,
+#: so resuming it fills the key in so (:func:`saved_run_config`).
+EARLIER_EFFECT: dict[str, Any] = {
+    "dgc-warmup-epochs": 0.0,  # before it, DGC's sparsity warm-up was dgc-warmup-rounds alone
+}
+
+
+def saved_run_config(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved run's config (its config.json's ``config``) as that run computed: each key
+    it lacks (one added to fededge since) at the value that had its effect then,
+    :data:`EARLIER_EFFECT`'s, else today's default.
+
+    >>> saved_run_config({"compressor": "dgc"})["dgc-warmup-epochs"]
+    0.0
+    """
+    defaults = RunConfig.from_mapping({}).to_mapping()
+    return {**{k: EARLIER_EFFECT.get(k, v) for k, v in defaults.items() if k not in saved}, **saved}
+
+
 def check_dga_keys(cfg: RunConfig) -> None:
     """What DGA asks of the keys of other domains (its own knobs: DGAConfig); the
     ``check`` of its :mod:`fededge.catalog` record."""

@@ -152,6 +152,16 @@ def offer_norm_statistics(fn: Callable[[dict[str, torch.Tensor]], dict[str, torc
     _NORM_STATS.set(fn)
 
 
+def _count(value: Any) -> int | None:
+    """``value`` as a count of at least 1 (an int, or a float that is a whole number),
+    else None: what a user's app put in its metrics or config is not trusted to be one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if value >= 1 else None
+
+
 def _encoder(update: UpdateConfig, stream: int, state: ArrayRecord | None) -> UpdateEncoder:
     encoder = UpdateEncoder(update, stream=stream)
     if state is not None:
@@ -302,17 +312,18 @@ class CompressionMod:
         if update.compressor != "dgc" or update.dgc_warmup_epochs <= 0:
             return update
         metrics = reply.content[keys.METRICS] if keys.METRICS in reply.content else {}
-        examples = metrics.get(keys.NUM_EXAMPLES)
-        steps = conf.get(keys.LOCAL_STEPS) if conf is not None else None
-        batch = conf.get(keys.BATCH_SIZE) if conf is not None else None
-        per_round = int(steps) * int(batch) if steps and batch else None
-        rounds = update.dgc_warmup_for(int(examples) if examples else None, per_round)
+        examples = _count(metrics.get(keys.NUM_EXAMPLES))
+        steps = _count(conf.get(keys.LOCAL_STEPS)) if conf is not None else None
+        batch = _count(conf.get(keys.BATCH_SIZE)) if conf is not None else None
+        per_round = steps * batch if steps and batch else None
+        rounds = update.dgc_warmup_for(examples, per_round)
         if rounds == update.dgc_warmup_rounds:
             return update
         log.log(logging.DEBUG if _warmup_logged else logging.INFO,
                 "DGC sparsity warm-up per client: the larger of dgc-warmup-rounds=%d and dgc-warmup-epochs=%g "
                 "epochs of its data; here %d rounds for %d examples at %d a round%s", update.dgc_warmup_rounds,
-                update.dgc_warmup_epochs, rounds, int(examples), per_round, "" if _warmup_logged else " (logged once)")
+                update.dgc_warmup_epochs, rounds, examples, per_round,
+                "" if _warmup_logged else " (logged once a process, where the epochs make it longer)")
         _warmup_logged.append(True)
         return replace(update, dgc_warmup_rounds=rounds)
 

@@ -29,7 +29,7 @@ from fededge.arrays import record_to_torch
 from fededge.clients.device import resolve_device, set_cuda_determinism
 from fededge.clients.train import evaluate
 from fededge.compress.plan import UpdatePlan
-from fededge.config import ConfigError, RunConfig
+from fededge.config import ConfigError, RunConfig, saved_run_config
 from fededge.models.zoo import count_parameters
 from fededge.server.grid import InProcessGrid
 from fededge.server.experiment import (
@@ -205,9 +205,9 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> None:
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"resume-from={str(run_dir)!r}: {meta_path} cannot be read ({err}); give the "
                           "directory of a run fededge wrote") from err
-    saved, now = dict(meta.get("config", {})), cfg.to_mapping()
-    # A key the run's fededge did not have yet (lr-schedule, ...) had its default's effect.
-    saved = {**{k: v for k, v in RunConfig.from_mapping({}).to_mapping().items() if k not in saved}, **saved}
+    # A key the run's fededge did not have yet (lr-schedule, ...) had its default's effect,
+    # or the effect EARLIER_EFFECT names (dgc-warmup-epochs: 0).
+    saved, now = saved_run_config(meta.get("config", {})), cfg.to_mapping()
     differ = sorted(k for k in set(saved) | set(now)
                     if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
     if cfg.lr_schedule != "constant" and "num-rounds" in saved and saved["num-rounds"] != cfg.num_rounds:

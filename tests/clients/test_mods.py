@@ -284,10 +284,16 @@ def test_norm_statistics_are_the_models_own_and_leave_it_unchanged():
 
 @pytest.mark.parametrize("examples,steps,epochs,warmup", [
     (2400, 10, 4.0, 30),  # a round is 0.13 of an epoch: 4 epochs are 30 rounds
+    (2400.0, 10, 4.0, 30),  # a whole float is a count
     (2400, 10, 0.0, 4),   # epochs off: dgc-warmup-rounds alone
     (144, 20, 4.0, 4),    # a round is 4.4 epochs: at least dgc-warmup-rounds
     (None, 10, 4.0, 4),   # the reply does not say its examples: the rounds alone
-], ids=["short-rounds", "epochs-off", "long-rounds", "unknown"])
+    (2400, None, 4.0, 4),  # nor the config its local steps
+    (float("nan"), 10, 4.0, 4),  # nor anything a count can be made of
+    (2400, "auto", 4.0, 4),
+    (2400, -10, 4.0, 4),
+], ids=["short-rounds", "float-count", "epochs-off", "long-rounds", "no-examples", "no-steps", "nan", "text",
+        "negative"])
 def test_dgc_warms_up_over_the_larger_of_its_rounds_and_epochs_of_the_clients_data(examples, steps, epochs, warmup):
     """CompressionMod sizes DGC's sparsity warm-up per client: the larger of
     dgc-warmup-rounds and dgc-warmup-epochs epochs of its data (the reply's num-examples,
@@ -310,7 +316,8 @@ def test_dgc_warms_up_over_the_larger_of_its_rounds_and_epochs_of_the_clients_da
     rnd = 6  # the encoder's round 5: past the default 4 rounds' warm-up, inside 30
     reply, _ = _call([CompressionMod(update)], {
         keys.ARRAYS: ArrayRecord(start),
-        keys.CONFIG: _config({keys.SERVER_ROUND: rnd, keys.LOCAL_STEPS: steps, keys.BATCH_SIZE: 32})}, train=train)
+        keys.CONFIG: _config({keys.SERVER_ROUND: rnd, keys.BATCH_SIZE: 32}
+                             | ({} if steps is None else {keys.LOCAL_STEPS: steps}))}, train=train)
     sent = int((decode_any(bundle_payloads(reply.content[keys.COMPRESSED])["w"]) != 0).sum())
     want = DGCConfig(final_sparsity=update.dgc_sparsity, warmup_rounds=warmup)
     assert sent == keep_count(1 - want.sparsity_at(rnd - 1), 10_000)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fededge.cli import main as cli_main
-from fededge.config import ConfigError, RunConfig
+from fededge.config import ConfigError, RunConfig, saved_run_config
 from fededge.server.checkpoint import (
     CheckpointError, checkpoint_files, latest_checkpoint, read_checkpoint, write_checkpoint,
 )
@@ -249,6 +249,14 @@ def test_resume_keeps_an_lr_schedule_on_its_rounds_and_reads_older_run_configs(t
     check_resumable(run_dir(old), RunConfig.from_mapping({}))
     with pytest.raises(ConfigError, match="lr-schedule='step' \\(the run had 'constant'\\)"):
         check_resumable(run_dir(old), RunConfig.from_mapping({"lr-schedule": "step"}))
+    # a DGC run written before dgc-warmup-epochs existed warmed up over its rounds alone:
+    # it resumes so (fededge resume fills the key in), not under today's default
+    dgc = {k: v for k, v in RunConfig.from_mapping({"compressor": "dgc"}).to_mapping().items()
+           if k != "dgc-warmup-epochs"}
+    assert saved_run_config(dgc)["dgc-warmup-epochs"] == 0.0
+    check_resumable(run_dir(dgc), RunConfig.from_mapping({"compressor": "dgc", "dgc-warmup-epochs": 0}))
+    with pytest.raises(ConfigError, match="dgc-warmup-epochs=4.0 \\(the run had 0.0\\)"):
+        check_resumable(run_dir(dgc), RunConfig.from_mapping({"compressor": "dgc"}))
 
 
 def test_a_run_evaluating_every_few_rounds_resumes_to_the_uninterrupted_run(tmp_path):
