@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 #: whether this process has logged a client's DGC warm-up (once at INFO, then DEBUG)
 _warmup_logged: list[bool] = []
 
+
 class ModOrderError(RuntimeError):
     """Mods registered in an order in which they cannot work (see the module docstring)."""
 
