@@ -206,27 +206,6 @@ def _per_round(calls: dict[str, list[float]], starts: dict[str, list[float]], cu
             for name, ds in calls.items() if any(counted(name, t) for t in starts[name])}
 
 
-def _closed_round_one(stack: contextlib.ExitStack) -> list[float]:
-    """A list that gets the ``perf_counter`` at which round 1 was closed (the server's
-    ``_RoundCloser.close``, which evaluates it when due and writes its line), for the
-    length of ``stack``."""
-    from fededge.server.experiment import _RoundCloser
-
-    closed: list[float] = []
-    real = _RoundCloser.close
-
-    def close(self, rnd, arrays):  # noqa: ANN001, ANN202
-        try:
-            return real(self, rnd, arrays)
-        finally:
-            if rnd == 1:
-                closed.append(time.perf_counter())
-
-    _RoundCloser.close = close
-    stack.callback(setattr, _RoundCloser, "close", real)
-    return closed
-
-
 def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     from fededge.server.inprocess import run_inprocess
 
@@ -241,13 +220,17 @@ def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     overrides |= _row_config(row)
     calls: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
-    closed: list[float] = []
+    closes: dict[str, list[float]] = {}
+    closed: dict[str, list[float]] = {"close": []}
     with contextlib.ExitStack() as stack:
         if phases:  # in this process only: a worker process's calls are not seen
             from bench_scale import timed_calls
 
+            from fededge.server.experiment import _RoundCloser
+
             calls = stack.enter_context(timed_calls(_phase_targets(), starts))
-            closed = _closed_round_one(stack)
+            # every round is closed (its line written; evaluated when due), round 0 first
+            closed = stack.enter_context(timed_calls({"close": (_RoundCloser, "close")}, closes))
         run_dir = run_inprocess(overrides, num_clients=work["clients"], workers=row.get("workers", 1),
                                 direct=row.get("direct"))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -258,9 +241,9 @@ def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     result = {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
               "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
     if phases:
-        if not closed:
+        if len(closed["close"]) < 2:
             raise RuntimeError("--phases: round 1 was never closed (no round 1?)")
-        result["phases"] = _per_round(calls, starts, closed[0], len(later))
+        result["phases"] = _per_round(calls, starts, closes["close"][1] + closed["close"][1], len(later))
     return result
 
 
