@@ -19,7 +19,8 @@ Rows, each in a fresh process (``fededge run``'s in-process runtime, as a new us
   ``*``), each compared with its own floor; and once with every message serialised
   (``/ser``: ``run_inprocess(direct=False)``, the path before direct delivery).
   A row with 4 worker processes on the GPU measures several clients in flight at once
-  (issue 35, item 4), against the floor of one.
+  (issue 35, item 4), against the floor of one; the table's last lines say how many of
+  them fitted in the GPU's free memory.
 - **MLP, 1,000 clients, 100 a round, signSGD + error feedback**, ``synthetic`` data:
   per-client path with 1 and with 8 worker processes, and the cohort path
   (``cohort = true``: each round's clients as one batched program), on ``cuda`` and on
@@ -239,7 +240,9 @@ def _fededge(work: dict, row: dict, out: Path, phases: bool = False) -> dict:
     compute = sum(c["compute_s"] for r in later for c in r["clients"]) / len(later)
     meta = json.loads((run_dir / "config.json").read_text())
     result = {"round_s": round_s, "compute_s": compute, "accuracy": lines[-1]["accuracy"],
-              "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" else None}
+              # what the defaults chose, and how many processes fit on the GPU (item 4)
+              "chose": meta.get("inprocess_runtime") if row["path"] == "defaults" or (
+                  row["device"] == "cuda" and row.get("workers", 1) != 1) else None}
     if phases:
         if len(closed["close"]) < 2:
             raise RuntimeError("--phases: round 1 was never closed (no round 1?)")
@@ -323,7 +326,7 @@ def main() -> int:
             print(_line(r, results))
         for r in results:
             if r.get("chose"):
-                print(f"{r['workload']} defaults chose: {r['chose']}")
+                print(f"{label(r)} chose: {r['chose']}")
         if any("phases" in r for r in results):
             print("\nwhere a round goes (seconds a round, rounds 2..R, the run's own process; worker processes' "
                   "calls are not seen, nor serialisation on /ser rows: that is in the rest):")

@@ -32,8 +32,8 @@ from fededge.data.partition import PartitionError, partition
 from fededge.models.zoo import build_model
 from fededge.nodecache import NodeCache, default_cache_dir, file_stats
 
-__all__ = ["DataKey", "check_partition", "client_cache_fields", "client_data", "data_key", "dataset_files", "dataset_for", "model_for",
-           "node_cache", "partition_indices"]
+__all__ = ["CLIENT_TENSORS_CACHED", "DataKey", "check_partition", "client_cache_fields", "client_data", "data_key",
+           "dataset_files", "dataset_for", "model_for", "node_cache", "partition_indices"]
 
 
 class DataKey(NamedTuple):
@@ -208,7 +208,12 @@ def client_cache_fields(k: DataKey, partition_id: int, num_partitions: int) -> d
             "partition_id": partition_id, "num_partitions": num_partitions}
 
 
-@lru_cache(maxsize=64)
+#: Clients whose data a process keeps on its device (any process may run any client):
+#: issue 35's sizing of the processes on a GPU counts them.
+CLIENT_TENSORS_CACHED = 64
+
+
+@lru_cache(maxsize=CLIENT_TENSORS_CACHED)
 def _client_tensors(k: DataKey, pid: int, n: int, device: str, on_disk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         ds = _dataset(k.dataset, k.data_dir, k.seed, k.synthetic_samples, k.synthetic_amplitude)

@@ -4,7 +4,8 @@
 CUDA where it is. :func:`choose_by_measurement` is ``device=auto`` in fededge's
 in-process runtime (issue 35): it times the run's own training step on the CPU and on
 CUDA and keeps the faster, so a tiny model whose steps are all launch overhead on a GPU
-stays on the CPU's cores.
+stays on the CPU's cores. :func:`measure_cuda_footprint` and :func:`processes_that_fit`
+size the worker processes that share one GPU by its free memory (issue 35, item 4).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["DeviceChoice", "choose_by_measurement", "resolve_device", "set_cuda_determinism", "time_sgd_step"]
+__all__ = ["CudaFootprint", "DeviceChoice", "choose_by_measurement", "measure_cuda_footprint", "processes_that_fit",
+           "resolve_device", "set_cuda_determinism", "time_sgd_step"]
 
 # cuBLAS picks reduction splits per call unless its workspace is fixed; torch refuses
 # deterministic matmuls on CUDA >= 10.2 without one of these two settings.
@@ -189,3 +191,103 @@ def choose_by_measurement(model_fn: Callable[[], nn.Module], input_shape: tuple[
               f"({max(1, cpu_processes)} process{'es' if cpu_processes > 1 else ''} x {cpu_threads} "
               f"thread{'s' if cpu_threads > 1 else ''})")
     return DeviceChoice(pick, reason, {"cuda": gpu, "cpu": cpu})
+
+
+#: What a CUDA context of another process is taken to cost where this process's own cannot
+#: be read apart from other processes' memory: at least this (torch with lazy module
+#: loading, cuBLAS and cuDNN's handles) ...
+CONTEXT_MIN_BYTES = 256 * 2**20
+#: ... and at most this (more used on the GPU than this process's allocator holds is other
+#: processes' memory, already missing from the free memory: not counted twice).
+CONTEXT_MAX_BYTES = 2 * 2**30
+#: The share of the GPU's memory kept free when sizing the processes: the caching
+#: allocator's fragmentation, cuDNN's workspaces, the evaluation's batches.
+GPU_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class CudaFootprint:
+    """What one process training the run's clients on a GPU holds there, in bytes, and
+    the GPU's memory when it was measured."""
+
+    #: a CUDA context (this process's, as far as it can be told from other processes')
+    context: int
+    #: one training step: the model, its gradients and momentum, the activations at the
+    #: run's batch size, as the caching allocator reserves them
+    step: int
+    #: the model's state dict (a received model and a reply are copies of it)
+    model: int
+    free: int
+    total: int
+
+
+def measure_cuda_footprint(model_fn: Callable[[], nn.Module], input_shape: tuple[int, ...], num_classes: int,
+                           batch: int, device: str = "cuda") -> CudaFootprint:
+    """Measure :class:`CudaFootprint` on ``device``: one SGD step with momentum of
+    ``model_fn()`` on ``batch`` random examples, between ``torch.cuda``'s peak-memory
+    counters (the allocator's reserved bytes, which a process keeps), then the device's
+    free memory with that step's memory given back."""
+    dev = torch.device(device)
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    model = model_fn().to(dev)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((batch, *input_shape), generator=g).to(dev)
+    y = torch.randint(0, num_classes, (batch,), generator=g).to(dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    momentum = [torch.zeros_like(p) for p in params]
+    loss = nn.functional.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, params)
+    with torch.no_grad():
+        torch._foreach_mul_(momentum, 0.9)
+        torch._foreach_add_(momentum, grads)
+        torch._foreach_add_(params, momentum, alpha=-1e-3)
+    torch.cuda.synchronize(dev)
+    step = max(0, torch.cuda.max_memory_reserved(dev) - base)
+    del model, x, y, params, momentum, loss, grads
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    own = (total - free) - torch.cuda.memory_reserved(dev)
+    context = min(CONTEXT_MAX_BYTES, max(CONTEXT_MIN_BYTES, own))
+    return CudaFootprint(context=context, step=step, model=model_bytes, free=free, total=total)
+
+
+def processes_that_fit(asked: int, fp: CudaFootprint, *, data_bytes: int = 0, server_on_gpu: bool = False,
+                       margin: float = GPU_MARGIN) -> tuple[int, str]:
+    """How many of ``asked`` processes (this one included) can train clients on one GPU
+    at once, by its free memory, and why, in a few words.
+
+    This process already has its context (the free memory is measured after it). Each
+    process holds a training step's memory (``fp.step``), the clients' data it caches
+    (``data_bytes``) and a received model and a reply (2 x ``fp.model``); each other
+    process also its own CUDA context. The server's model, its average's accumulator and
+    scratch buffer (3 x ``fp.model``) are here where ``server_on_gpu``. ``margin`` of the
+    GPU's memory stays free. At least one: this process trains its clients in any case.
+
+    Examples
+    --------
+    >>> fp = CudaFootprint(context=500, step=1000, model=100, free=10_000, total=10_000)
+    >>> processes_that_fit(8, fp, margin=0.1)  # (9000 - 1200) // (500 + 1200) = 4 more
+    (5, '5 of 8 fit in the GPU (10000 B free, 1700 B a process)')
+    >>> processes_that_fit(3, fp, margin=0.1)
+    (3, '3 fit in the GPU (10000 B free, 1700 B a process)')
+    """
+    if asked < 1:
+        raise ValueError(f"asked must be >= 1, got {asked}")
+    own = fp.step + data_bytes + 2 * fp.model
+    here = own + (3 * fp.model if server_on_gpu else 0)
+    other = fp.context + own
+    room = fp.free - margin * fp.total - here
+    n = max(1, min(asked, 1 + int(room // other) if room > 0 else 1))
+    fits = f"{n} fit" if n == asked else f"{n} of {asked} fit"
+    return n, f"{fits} in the GPU ({_size(fp.free)} free, {_size(other)} a process)"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"

@@ -22,9 +22,10 @@ from fededge.config import ConfigError, RunConfig
 from fededge.keys import SERVER_RESULT_KEY
 from fededge.server.app import app as default_server
 from fededge.server.grid import InProcessGrid, run_server
-from fededge.workload import check_partition
+from fededge.workload import CLIENT_TENSORS_CACHED, check_partition, partition_indices
 
-__all__ = ["DEFAULT_CLIENT_APP", "auto_workers", "client_device_choice", "run_inprocess", "usable_cores"]
+__all__ = ["DEFAULT_CLIENT_APP", "auto_workers", "client_device_choice", "gpu_workers", "run_inprocess",
+           "usable_cores"]
 
 #: fededge's ClientApp, as workers import it.
 DEFAULT_CLIENT_APP = "fededge.clients.app:app"
@@ -144,6 +145,34 @@ def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = 
     return DeviceChoice(choice.device, f"auto: {choice.reason}", choice.per_client_step_s)
 
 
+def gpu_workers(cfg: RunConfig, asked: int, device: str, splits: Sequence[tuple[int, str | None]]) -> tuple[int, str]:
+    """How many of ``asked`` processes can train fededge's clients on the GPU ``device``
+    at once (issue 35, item 4: several clients in flight on one GPU, sized by its free
+    memory), and why, in a few words.
+
+    The run's model takes one training step on the GPU at the run's batch size
+    (:func:`~fededge.clients.device.measure_cuda_footprint`); a process also caches the
+    data of up to :data:`~fededge.workload.CLIENT_TENSORS_CACHED` clients on the device
+    (any process may run any client), counted from the largest partitions of the nodes'
+    data ``splits`` (``(num-partitions, data-dir)`` pairs); the server's model and average
+    are on the GPU too unless ``server-device=cpu``
+    (:func:`~fededge.clients.device.processes_that_fit`)."""
+    from fededge.models.zoo import build_model
+    from fededge.workload import dataset_for
+
+    ds = dataset_for(cfg, splits[0][1] if splits else None)  # a node's own data dir where it has one
+    data = 0
+    for num_partitions, data_dir in splits:
+        split_ds = dataset_for(cfg, data_dir)
+        example = split_ds.x_train[0].numel() * split_ds.x_train.element_size() + split_ds.y_train.element_size()
+        sizes = sorted((len(i) for i in partition_indices(cfg, num_partitions, data_dir)), reverse=True)
+        data = max(data, example * sum(sizes[:CLIENT_TENSORS_CACHED]))
+    fp = _device.measure_cuda_footprint(
+        lambda: build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0),
+        tuple(ds.input_shape), ds.num_classes, cfg.batch_size, device)
+    return _device.processes_that_fit(asked, fp, data_bytes=data, server_on_gpu=cfg.server_device != "cpu")
+
+
 def run_inprocess(
     overrides: Mapping[str, Any] | None = None,
     *,
@@ -219,22 +248,37 @@ def run_inprocess(
         raise ValueError(f"workers must be an int >= 1 or 'auto', got {workers!r}")
     else:
         why = "as given"
-    if direct is None:
-        direct = workers == 1 and client_app is None
-    elif direct and client_app is not None:
+    if direct and client_app is not None:
         raise ValueError("direct delivery is for fededge's own ClientApp: a ClientApp of one's own is serialised, "
                          "so that what Flower cannot send fails here too")
     run_config = cfg.to_mapping()
     states = client_states or cfg.client_states
-    grid = InProcessGrid(
-        client_app or default_client, num_nodes=num_clients, run_config=run_config,
-        run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
-        client_states=states, states_dir=states_dir, states_budget_mb=cfg.client_states_memory_mb, workers=workers,
-        client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
-        cohort=cfg.cohort and client_app is None,  # a ClientApp of one's own keeps its own path
-        client_device=choice.device if choice is not None and cfg.device == "auto" else None,
-        direct=direct,
-    )
+
+    def make_grid(workers: int) -> InProcessGrid:
+        return InProcessGrid(
+            client_app or default_client, num_nodes=num_clients, run_config=run_config,
+            run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
+            client_states=states, states_dir=states_dir, states_budget_mb=cfg.client_states_memory_mb,
+            workers=workers, client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
+            cohort=cfg.cohort and client_app is None,  # a ClientApp of one's own keeps its own path
+            client_device=choice.device if choice is not None and cfg.device == "auto" else None,
+            direct=(workers == 1 and client_app is None) if direct is None else direct,
+        )
+
+    grid = make_grid(workers)
+    if choice is not None and choice.device.startswith("cuda") and workers > 1:
+        # Several processes on one GPU: as many as its free memory holds (issue 35, item 4).
+        try:
+            fit, note = gpu_workers(cfg, workers, choice.device, grid.data_splits())
+        except BaseException:
+            grid.close()
+            raise
+        why = f"{why}; {note}"
+        if fit < workers:
+            grid.close()
+            workers = fit
+            grid = make_grid(workers)
+    direct = grid.direct
     grid.runtime_note = (
         (f"clients on {choice.device} ({choice.reason}); " if choice is not None else "")
         + f"{workers} process{'es' if workers > 1 else ''} ({why}); client states "

@@ -330,3 +330,145 @@ def test_a_sweeps_runs_share_the_cores_and_a_resume_keeps_the_runs_device(tmp_pa
     meta = json.loads((out / "config.json").read_text())
     assert meta["inprocess_client_device"] == "cpu" and meta["inprocess_workers"] == 1
     assert meta["inprocess_runtime"].startswith("clients on cpu (auto: the run's own choice); 1 process (as given)")
+
+
+# ---------------------------------------------------------------- several processes on one GPU (item 4)
+
+def test_the_processes_on_a_gpu_are_as_many_as_its_free_memory_holds():
+    from fededge.clients.device import CudaFootprint, processes_that_fit
+
+    gib = 2**30
+    # 80 GiB free of 80; a process: 0.5 GiB context, 1.5 GiB step, 45 MB models, no data.
+    fp = CudaFootprint(context=gib // 2, step=3 * gib // 2, model=45 * MIB, free=80 * gib, total=80 * gib)
+    own = fp.step + 2 * fp.model
+    room = 72 * gib - own - 3 * fp.model  # 10 % kept free; the server's three models here
+    more = int(room // (fp.context + own))
+    assert processes_that_fit(64, fp) == (1 + more, f"{1 + more} of 64 fit in the GPU (80 GiB free, "
+                                                    f"{(fp.context + own) / gib:.3g} GiB a process)")
+    assert processes_that_fit(8, fp)[0] == 8 and processes_that_fit(8, fp)[1].startswith("8 fit in the GPU")
+    # The server on the CPU leaves its three models' room; each process's cached data takes room.
+    assert processes_that_fit(64, fp, server_on_gpu=False)[0] == 1 + int((room + 3 * fp.model) // (fp.context + own))
+    with_data = processes_that_fit(64, fp, data_bytes=2 * gib)[0]
+    assert with_data == 1 + int((room - 2 * gib) // (fp.context + own + 2 * gib)) and with_data < 1 + more
+    # Fewer processes the less is free, never fewer than this one.
+    counts = [processes_that_fit(64, CudaFootprint(fp.context, fp.step, fp.model, free * gib, 80 * gib))[0]
+              for free in (80, 40, 20, 10, 8, 4, 1, 0)]
+    assert counts == sorted(counts, reverse=True) and counts[-3:] == [1, 1, 1]
+    with pytest.raises(ValueError, match="asked must be >= 1"):
+        processes_that_fit(0, fp)
+
+
+def test_the_gpu_processes_are_sized_with_the_runs_model_batch_and_largest_partitions(monkeypatch):
+    import fededge.clients.device as device
+    from fededge.clients.device import CudaFootprint
+    from fededge.server.inprocess import gpu_workers
+    from fededge.workload import CLIENT_TENSORS_CACHED, partition_indices
+
+    seen: list = []
+
+    def measure(model_fn, input_shape, num_classes, batch, dev):
+        seen.append((type(model_fn()).__name__, input_shape, num_classes, batch, dev))
+        return CudaFootprint(context=MIB, step=MIB, model=MIB, free=56 * MIB, total=56 * MIB)
+
+    monkeypatch.setattr(device, "measure_cuda_footprint", measure)
+    cfg = RunConfig.from_mapping({"dataset": "synthetic", "synthetic-samples": 20000, "model": "mlp", "batch-size": 16,
+                                  "partition": "dirichlet", "alpha": 1.0})
+    example = 32 * 4 + 8  # synthetic: 32 float32 features, an int64 label
+    fp = measure(lambda: torch.nn.Linear(1, 1), (1,), 1, 1, "x")
+    seen.clear()
+    # A process caches up to 64 clients' data: the largest 64 of 100 partitions, all of 10;
+    # the splits' largest.
+    for splits in ([(100, None)], [(10, None), (100, None)]):
+        n, why = gpu_workers(cfg, 200, "cuda:0", splits)
+        data = max(example * sum(sorted(map(len, partition_indices(cfg, p)), reverse=True)[:CLIENT_TENSORS_CACHED])
+                   for p, _ in splits)
+        assert (n, why) == device.processes_that_fit(200, fp, data_bytes=data, server_on_gpu=True) and 1 < n < 200
+    assert seen == [("MLP", (32,), 10, 16, "cuda:0")] * 2
+    data_100 = example * sum(sorted(map(len, partition_indices(cfg, 100)), reverse=True)[:64])
+    assert example * 16000 * 0.64 < data_100 < example * 16000  # the largest 64 of 100 clients, not all
+    assert gpu_workers(cfg, 200, "cuda", [(100, None)])[0] > device.processes_that_fit(
+        200, fp, data_bytes=example * 16000, server_on_gpu=True)[0]
+    assert gpu_workers(cfg, 200, "cuda", [(100, None)])[0] < 200
+    # The server on the CPU leaves its model, accumulator and scratch buffer's room.
+    on_cpu = RunConfig.from_mapping({**cfg.to_mapping(), "server-device": "cpu"})
+    got = gpu_workers(on_cpu, 200, "cuda", [(100, None)])
+    assert got == device.processes_that_fit(200, fp, data_bytes=data_100, server_on_gpu=False)
+    assert got[0] > gpu_workers(cfg, 200, "cuda", [(100, None)])[0]
+
+
+def test_workers_on_a_gpu_are_lowered_to_what_fits_before_anything_starts(monkeypatch):
+    """The run asks for 4 processes with its clients on CUDA; 2 fit. The grid is rebuilt
+    with 2 before any worker starts, and the run's first line says why; where all fit
+    it is built once."""
+    import fededge.server.inprocess as inprocess
+    from fededge.clients.device import DeviceChoice
+
+    grids: list = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    class FakeGrid:
+        def __init__(self, app, **kw):
+            self.workers, self.direct, self.closed = kw["workers"], kw["direct"], False
+            grids.append(self)
+
+        def data_splits(self):
+            return [(4, None)]
+
+        def close(self):
+            self.closed = True
+
+        start_workers = stop
+
+    monkeypatch.setattr(inprocess, "InProcessGrid", FakeGrid)
+    monkeypatch.setattr(inprocess, "client_device_choice", lambda *a, **k: DeviceChoice("cuda", "as asked"))
+    asked: list = []
+
+    def fits(n):
+        def gpu_workers(cfg, workers, dev, splits):
+            asked.append((workers, dev, splits))
+            return min(n, workers), f"{min(n, workers)} of {workers} fit in the GPU (test)"
+        return gpu_workers
+
+    monkeypatch.setattr(inprocess, "gpu_workers", fits(2))
+    with pytest.raises(Stop):
+        run_inprocess({"num-rounds": 1, "device": "cuda", "progress": "off"}, num_clients=4, workers=4)
+    assert asked == [(4, "cuda", [(4, None)])]
+    assert [(g.workers, g.closed) for g in grids] == [(4, True), (2, True)] and not grids[1].direct
+    assert "2 processes (as given; 2 of 4 fit in the GPU (test))" in grids[1].runtime_note
+    # All fit: one grid. One process left: the grid hands messages over directly again.
+    for n, want in ((8, [(4, True)]), (1, [(4, True), (1, True)])):
+        grids.clear()
+        monkeypatch.setattr(inprocess, "gpu_workers", fits(n))
+        if n == 1:
+            monkeypatch.setattr(FakeGrid, "start_workers", lambda self: pytest.fail("no worker to start"))
+            monkeypatch.setattr(inprocess, "run_server", stop)
+        with pytest.raises(Stop):
+            run_inprocess({"num-rounds": 1, "device": "cuda", "progress": "off"}, num_clients=4, workers=4)
+        assert [(g.workers, g.closed) for g in grids] == want
+    assert grids[-1].direct
+    # One process on CUDA, or a CPU run, is not sized.
+    monkeypatch.setattr(FakeGrid, "start_workers", stop)
+    monkeypatch.setattr(inprocess, "gpu_workers", lambda *a: pytest.fail("sized"))
+    with pytest.raises(Stop):
+        run_inprocess({"num-rounds": 1, "device": "cuda", "progress": "off"}, num_clients=4, workers=1)
+    monkeypatch.setattr(inprocess, "client_device_choice", lambda *a, **k: DeviceChoice("cpu", "as asked"))
+    with pytest.raises(Stop):
+        run_inprocess({"num-rounds": 1, "progress": "off"}, num_clients=4, workers=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: measures a training step's memory on a GPU")
+def test_a_cuda_training_step_is_measured_and_sized():
+    from fededge.clients.device import CONTEXT_MAX_BYTES, CONTEXT_MIN_BYTES, measure_cuda_footprint, processes_that_fit
+    from fededge.models.zoo import build_model
+
+    fp = measure_cuda_footprint(lambda: build_model("resnet18", input_shape=(3, 32, 32), num_classes=10, seed=0),
+                                (3, 32, 32), 10, 32)
+    assert 44 * MIB < fp.model < 46 * MIB and fp.step > 3 * fp.model  # weights, gradients, momentum, activations
+    assert CONTEXT_MIN_BYTES <= fp.context <= CONTEXT_MAX_BYTES and 0 < fp.free <= fp.total
+    assert torch.cuda.memory_allocated() < fp.model  # the step's memory is given back
+    assert processes_that_fit(4, fp)[0] >= 1
