@@ -197,8 +197,9 @@ def choose_by_measurement(model_fn: Callable[[], nn.Module], input_shape: tuple[
 #: be read apart from other processes' memory: at least this (torch with lazy module
 #: loading, cuBLAS and cuDNN's handles) ...
 CONTEXT_MIN_BYTES = 256 * 2**20
-#: ... and at most this (more used on the GPU than this process's allocator holds is other
-#: processes' memory, already missing from the free memory: not counted twice).
+#: ... and at most this: more used on the GPU than this process's allocator holds is
+#: other processes' memory too (already missing from the free memory), which the bound
+#: keeps from being charged again to every process in full.
 CONTEXT_MAX_BYTES = 2 * 2**30
 #: The share of the GPU's memory kept free when sizing the processes: the caching
 #: allocator's fragmentation, cuDNN's workspaces, the evaluation's batches.
@@ -287,7 +288,7 @@ def processes_that_fit(asked: int, fp: CudaFootprint, *, data_bytes: int = 0, se
 
 
 def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)} B"
+    """Bytes in GiB (one decimal), MiB (whole) or bytes: ``_size(1000 * 2**20)`` is '1000 MiB'."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{int(n)} B"

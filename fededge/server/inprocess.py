@@ -7,15 +7,17 @@ config, checks the clients' data split and runs fededge's apps (or the given one
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
+from fededge import keys
 from fededge.clients import device as _device  # its time_sgd_step looked up at call time (tests replace it)
 from fededge.clients.device import DeviceChoice, choose_by_measurement, set_cuda_determinism
 from fededge.config import ConfigError, RunConfig
@@ -145,28 +147,38 @@ def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = 
     return DeviceChoice(choice.device, f"auto: {choice.reason}", choice.per_client_step_s)
 
 
-def gpu_workers(cfg: RunConfig, asked: int, device: str, splits: Sequence[tuple[int, str | None]]) -> tuple[int, str]:
+def gpu_workers(cfg: RunConfig, asked: int, device: str,
+                nodes: Iterable[tuple[int, int, str | None]]) -> tuple[int, str]:
     """How many of ``asked`` processes can train fededge's clients on the GPU ``device``
     at once (issue 35, item 4: several clients in flight on one GPU, sized by its free
     memory), and why, in a few words.
 
     The run's model takes one training step on the GPU at the run's batch size
-    (:func:`~fededge.clients.device.measure_cuda_footprint`); a process also caches the
+    (:func:`~fededge.clients.device.measure_cuda_footprint`, after the run's cuBLAS
+    determinism setting: it is read at the first CUDA matmul); a process also caches the
     data of up to :data:`~fededge.workload.CLIENT_TENSORS_CACHED` clients on the device
-    (any process may run any client), counted from the largest partitions of the nodes'
-    data ``splits`` (``(num-partitions, data-dir)`` pairs); the server's model and average
-    are on the GPU too unless ``server-device=cpu``
+    (any process may run any client), counted as the largest that many of the nodes'
+    partitions (``nodes``: each node's ``(partition-id, num-partitions, data-dir)``); the
+    server's model and average are on the GPU too unless ``server-device=cpu``
     (:func:`~fededge.clients.device.processes_that_fit`)."""
+    import heapq
+
+    import torch
+
     from fededge.models.zoo import build_model
     from fededge.workload import dataset_for
 
-    ds = dataset_for(cfg, splits[0][1] if splits else None)  # a node's own data dir where it has one
-    data = 0
-    for num_partitions, data_dir in splits:
-        split_ds = dataset_for(cfg, data_dir)
-        example = split_ds.x_train[0].numel() * split_ds.x_train.element_size() + split_ds.y_train.element_size()
-        sizes = sorted((len(i) for i in partition_indices(cfg, num_partitions, data_dir)), reverse=True)
-        data = max(data, example * sum(sizes[:CLIENT_TENSORS_CACHED]))
+    set_cuda_determinism(torch.device(device), cfg.deterministic)
+    examples: dict[str | None, int] = {}  # data dir -> bytes of one training example
+    sizes = []
+    for pid, num_partitions, data_dir in nodes:
+        if data_dir not in examples:
+            split_ds = dataset_for(cfg, data_dir)
+            examples[data_dir] = (split_ds.x_train[0].numel() * split_ds.x_train.element_size()
+                                  + split_ds.y_train.element_size())
+        sizes.append(examples[data_dir] * len(partition_indices(cfg, num_partitions, data_dir)[pid]))
+    data = sum(heapq.nlargest(CLIENT_TENSORS_CACHED, sizes))
+    ds = dataset_for(cfg, next(iter(examples), None))  # a node's own data dir where it has one
     fp = _device.measure_cuda_footprint(
         lambda: build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0),
         tuple(ds.input_shape), ds.num_classes, cfg.batch_size, device)
@@ -268,10 +280,13 @@ def run_inprocess(
     grid = make_grid(workers)
     if choice is not None and choice.device.startswith("cuda") and workers > 1:
         # Several processes on one GPU: as many as its free memory holds (issue 35, item 4).
+        nodes = ((int(c[keys.PARTITION_ID]), int(c[keys.NUM_PARTITIONS]), str(c.get(keys.DATA_DIR, "")) or None)
+                 for c in map(grid.node_config, grid.get_node_ids()))
         try:
-            fit, note = gpu_workers(cfg, workers, choice.device, grid.data_splits())
+            fit, note = gpu_workers(cfg, workers, choice.device, nodes)
         except BaseException:
-            grid.close()
+            with contextlib.suppress(Exception):  # the sizing's error is the one to see
+                grid.close()
             raise
         why = f"{why}; {note}"
         if fit < workers:
