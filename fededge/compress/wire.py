@@ -39,7 +39,7 @@ import torch
 
 __all__ = [
     "MAGIC", "VERSION", "CODEC_IDS", "DTYPES", "MAX_ELEMENTS", "MalformedPayloadError",
-    "Header", "pack", "unpack", "peek_codec", "pack_bits", "unpack_bits", "decode_limit",
+    "Header", "pack", "unpack", "header_length", "peek_codec", "pack_bits", "unpack_bits", "decode_limit",
 ]
 
 MAGIC = b"FE"
@@ -176,6 +176,29 @@ def unpack(payload: bytes, *, max_body: int | None = None) -> tuple[Header, byte
     return Header(codec, DTYPE_OF[dtype_id], tuple(shape), params, zl), body
 
 
+def header_length(payload: bytes) -> int:
+    """The length of ``payload``'s header (13 + 4n + P bytes: everything before the body),
+    read from its ndim and parameter-length fields; 0 where it is not a payload of this
+    format (no magic, or shorter than the header it announces). Validates nothing else:
+    :func:`unpack` does.
+
+    Examples
+    --------
+    >>> header_length(pack(Header("fp16", torch.float32, (2, 3), b""), b"0" * 12))
+    21
+    >>> header_length(b"not a payload")
+    0
+    """
+    if len(payload) < 7 or payload[:2] != MAGIC:
+        return 0
+    ndim = payload[6]
+    if len(payload) < 9 + 4 * ndim:
+        return 0
+    (plen,) = struct.unpack_from("<H", payload, 7 + 4 * ndim)
+    n = 13 + 4 * ndim + plen
+    return n if len(payload) >= n else 0
+
+
 def peek_codec(payload: bytes) -> str:
     """The codec a payload names in its header, without reading the body.
 
@@ -186,7 +209,7 @@ def peek_codec(payload: bytes) -> str:
 
     Examples
     --------
-    >>> peek_codec(pack(Header("fp16", torch.float32, (2,), b""), b"\x00" * 4))
+    >>> peek_codec(pack(Header("fp16", torch.float32, (2,), b""), b"0" * 4))
     'fp16'
     """
     if len(payload) < 4:
