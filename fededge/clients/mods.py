@@ -55,7 +55,7 @@ from fededge.algorithms.gossip import (
 )
 from fededge.arrays import record_from_torch, record_to_torch, to_numpy
 from fededge.clients.cohort import encode_update
-from fededge.compress.roles import is_counter, is_statistic
+from fededge.compress.roles import is_counter, is_statistic, server_sets_statistics
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
 from fededge.errors import ConfigError
@@ -178,7 +178,8 @@ class CompressionMod:
     ``Compressed(strategy, downlink="fp16")``) into ``arrays``. On the way out, for a
     train reply with ``arrays``, it sends instead one ``compressed`` record, the bundle
     of every floating-point tensor's wire payload, each naming its codec in its header;
-    other tensors (BatchNorm's counters) go as they are in ``arrays-uncompressed``. The
+    other tensors (BatchNorm's counters) go as they are in ``arrays-uncompressed``
+    (under ``norm-stats = global`` the counters are not sent: the server keeps its own). The
     encoder's state (error-feedback residuals, PowerSGD's Q, DGC's buffers) stays in
     ``context.state`` between rounds. For a DGA message it encodes the client's own Δ(t)
     of that round (:class:`DGAMod` must run inside it). Error replies, gossip replies
@@ -243,7 +244,10 @@ class CompressionMod:
                              f"the delta from (it has {list(msg.content.keys())})")
         base = record_to_torch(received) if own is None else {}
         delta, raw = {}, {}
+        server_counts = server_sets_statistics(self.update)  # norm-stats=global: the counters are the server's
         for name, new in record_to_torch(reply.content[keys.ARRAYS]).items():
+            if is_counter(name) and server_counts:
+                continue
             if not new.is_floating_point() or is_counter(name):  # the plan's integers: as they are
                 raw[name] = new
             elif own is not None:  # DGA: its own K-step change; the reply is G(g) + own

@@ -8,9 +8,12 @@ torch's PowerSGD hook do, and what fededge does by default:
   has no notion of what they are (a sign or a rank-2 factor of a variance is meaningless).
   They always go ``raw`` (float32, lossless), never through the compressor or the
   small-tensor cast. Their integer counter ``num_batches_tracked`` goes as it is.
-  Under ``norm-stats = global`` they are not sent at all (codec ``server``): the server
+  Under ``norm-stats = global`` neither is sent (codec ``server``): the server
   recalibrates its model's statistics itself
-  (:class:`fededge.strategies.normstats.NormCalibrated`).
+  (:class:`fededge.strategies.normstats.NormCalibrated`) and keeps its own counters
+  (torch reads a counter only in a BatchNorm without momentum, to average its running
+  statistics, which the server replaces). Each counter cost a Flower array of its own,
+  about 124 bytes for 8 (2.5 kB a reply on a ResNet-18).
 - **1-D tensors** (biases, normalisation scales and shifts) go with the small-tensor
   codec by default, as in torch's PowerSGD hook: they are a small share of the bytes and
   a large share of what a biased codec gets wrong. ``compress-1d = true`` sends them
@@ -23,7 +26,9 @@ Roles, in the order they are decided:
 ========== ==================================================== =========================
 role       which tensors                                        codec
 ========== ==================================================== =========================
-integer    not floating point, or ``num_batches_tracked``       none: sent as it is
+integer    not floating point, or ``num_batches_tracked``       none: sent as it is (a
+                                                                counter: ``server`` under
+                                                                ``global``)
 statistic  last name component ``running_mean``/``running_var``  ``raw`` (``server``: none)
 small      fewer than ``min_numel`` elements                     ``small_codec``
 vector     one dimension, ``compress_1d`` off (or PowerSGD)      ``small_codec``
@@ -120,8 +125,9 @@ class UpdatePlan:
         for name, value in tensors.items():
             shape, floating, itemsize = _shape_dtype(value)
             role = tensor_role(name, shape, floating, config)
-            nbytes = int(np.prod(shape)) * itemsize if role == "integer" else 0
-            entries.append(PlanEntry(name, shape, role, role_codec(role, config), nbytes))
+            codec = role_codec(role, config, name)
+            nbytes = int(np.prod(shape)) * itemsize if role == "integer" and codec is None else 0
+            entries.append(PlanEntry(name, shape, role, codec, nbytes))
         plan = cls(config.compressor, tuple(entries), config.warmup_rounds)
         return plan._with_bytes(config) if with_bytes else plan
 
@@ -155,7 +161,9 @@ class UpdatePlan:
     @property
     def dense_bytes(self) -> int:
         """The same update in float32 (integers as they are)."""
-        return sum(e.bytes if e.role == "integer" else 4 * int(np.prod(e.shape)) for e in self.entries)
+        # a counter the server sets (norm-stats=global) counts as torch's int64
+        return sum((e.bytes if e.codec is None else 8 * int(np.prod(e.shape))) if e.role == "integer"
+                   else 4 * int(np.prod(e.shape)) for e in self.entries)
 
     def as_json(self) -> list[dict[str, Any]]:
         """One dict per tensor, for ``config.json``."""

@@ -20,7 +20,7 @@ ROLES: tuple[str, ...] = ("integer", "statistic", "small", "vector", "matrix")
 #: SyncBatchNorm buffers). ``num_batches_tracked`` is an integer and goes as it is.
 STATISTICS: tuple[str, ...] = ("running_mean", "running_var")
 #: The plan's "codec" of a tensor the client does not send because the server sets it
-#: (normalisation statistics under ``norm-stats = global``).
+#: (normalisation statistics and their counters under ``norm-stats = global``).
 SERVER = "server"
 #: Last name components of integer counters, sent as they are whatever dtype a server's
 #: aggregation left them in (FedAvg averages BatchNorm's counter into a float).
@@ -73,10 +73,12 @@ def server_sets_statistics(config: Any) -> bool:
     return getattr(config, "norm_stats", "") == "global"
 
 
-def role_codec(role: str, config: Any) -> str | None:
-    """The wire codec of a role under ``config``; None for integers (sent as they are)."""
+def role_codec(role: str, config: Any, name: str = "") -> str | None:
+    """The wire codec of a role under ``config``; None for integers (sent as they are),
+    but :data:`SERVER` for a counter (``name`` given) where the server sets the
+    statistics it counts for (``norm-stats = global``)."""
     if role == "integer":
-        return None
+        return SERVER if is_counter(name) and server_sets_statistics(config) else None
     if role == "statistic":
         return SERVER if server_sets_statistics(config) else "raw"
     if role in ("small", "vector"):

@@ -90,7 +90,15 @@ def test_the_plan_sends_no_statistics_under_global():
     stats = [e for e in plan.entries if e.role == "statistic"]
     assert stats and all(e.codec == "server" and e.bytes == 0 for e in stats)
     decoded = UpdatePlan.build(UpdateConfig(compressor="powersgd"), sd)
-    assert plan.payload_bytes == decoded.payload_bytes - sum(e.bytes for e in decoded.entries if e.role == "statistic")
+    # Nor their counters: the server keeps its own (each was a Flower array of its own).
+    counters = [e for e in plan.entries if e.name.endswith("num_batches_tracked")]
+    assert counters and all(e.role == "integer" and e.codec == "server" and e.bytes == 0 for e in counters)
+    assert all(decoded.codec_of(e.name) is None and decoded.entries[[d.name for d in decoded.entries].index(e.name)]
+               .bytes == 8 for e in counters)
+    assert plan.payload_bytes == decoded.payload_bytes - sum(e.bytes for e in decoded.entries
+                                                             if e.role == "statistic" or e.name in
+                                                             {c.name for c in counters})
+    assert plan.dense_bytes == decoded.dense_bytes  # the same update in float32, counters as int64
 
 
 # ------------------------------------------------------------------ through Flower
@@ -113,12 +121,16 @@ def test_the_servers_statistics_are_the_pool_of_the_clients_for_its_own_weights(
     expected = pool_statistics(parts)
     for k, v in expected.items():
         torch.testing.assert_close(final[k], v, rtol=1e-5, atol=1e-6)
+    # The counters stay the server's (not sent); the decoded rule averages the clients'.
+    counters = [k for k in final if k.endswith("num_batches_tracked")]
+    assert counters and all(int(final[k]) == 0 for k in counters)
     # One more exchange: the model goes down twice, and the statistics (not sent with the
     # update) come up in the answers.
     decoded = run_inprocess({**BASE, "norm-stats": "decoded", "results-dir": str(tmp_path / "d")}, num_clients=3)
     d = _lines(decoded)
     assert 1.9 < lines[1]["bytes_down"] / d[1]["bytes_down"] < 2.05
     assert lines[1]["bytes_up"] < 1.2 * d[1]["bytes_up"]
+    assert all(int(torch.load(decoded / "model.pt")[k]) > 0 for k in counters)
 
 
 def test_the_clock_charges_the_second_exchange(tmp_path):
@@ -201,3 +213,30 @@ def test_the_wrapper_refuses_what_it_cannot_wrap():
         NormCalibrated(DGA())
     with pytest.raises(ValueError, match="batches must be an integer >= 1"):
         NormCalibrated(FedAvg(), batches=0)
+
+
+def test_counters_sent_to_a_server_that_keeps_its_own_are_refused_by_name_and_kept_when_not_sent():
+    from fededge.compress.update import UpdateEncoder
+    from fededge.protocol import bundle_record
+    from fededge.strategies.compressed import CodecMismatchError, CompressionStats, _check_plan, decode_compressed
+    from flwr.app import RecordDict
+
+    sd = dict(build_model("cnn-bn", input_shape=(1, 8, 8), num_classes=10, seed=0).state_dict())
+    sd = {k: (v + 7 if k.endswith("num_batches_tracked") else v) for k, v in sd.items()}
+    floats = {k: v.float() for k, v in sd.items() if v.is_floating_point()}
+    counters = {k: v + 5 for k, v in sd.items() if k.endswith("num_batches_tracked")}
+    glob = UpdateConfig(compressor="signsgd", norm_stats="global")
+    payloads = UpdateEncoder(glob).encode({k: torch.zeros_like(v) for k, v in floats.items()}, round=0)
+    with pytest.raises(CodecMismatchError, match=r"tensor '.*num_batches_tracked' came as it is \(uncompressed\); "
+                                                 r"this server's plan gives it codec 'server'"):
+        _check_plan(payloads, counters, sd, glob)
+    _check_plan(payloads, {}, sd, glob)
+    out = decode_compressed(RecordDict({keys.COMPRESSED: bundle_record(payloads)}), sd, CompressionStats(),
+                            expect=glob, server_round=1)
+    got = {k: torch.from_numpy(v.numpy()) for k, v in out[keys.ARRAYS].items()}
+    assert all(torch.equal(got[k], sd[k]) for k in counters)  # the server's own, not the client's
+    # A server without the config cannot tell: the update lacks tensors.
+    from fededge.compress import MalformedPayloadError
+
+    with pytest.raises(MalformedPayloadError, match="of the model is missing from the update"):
+        decode_compressed(RecordDict({keys.COMPRESSED: bundle_record(payloads)}), sd, CompressionStats())
