@@ -69,6 +69,9 @@ def pack_bundle(payloads: dict[str, bytes], *, version: int = BUNDLE_VERSION) ->
     meta = b"".join([struct.pack("<I", len(payloads)),
                      *(e + struct.pack("<H", h) for e, h in zip(entries, heads)),
                      *(p[:h] for p, h in zip(payloads.values(), heads))])
+    if len(meta) > MAX_METADATA:
+        raise ValueError(f"a version-2 bundle's names and headers take at most {MAX_METADATA} bytes, these "
+                         f"{len(meta)}: write version 1")
     packed = zlib.compress(meta, 9)
     return b"".join([struct.pack("<2sBI", BUNDLE_MAGIC, 2, len(packed)), packed,
                      *(p[h:] for p, h in zip(payloads.values(), heads))])
@@ -131,7 +134,7 @@ def _unpack_v2(buf: memoryview, zlen: int) -> dict[str, bytes]:
     for name, plen, head in entries:
         if name in out:
             raise MalformedPayloadError(f"bundle names tensor {name!r} twice")
-        out[name] = bytes(meta[off:off + head]) + bytes(buf[tail:tail + plen - head])
+        out[name] = b"".join((meta[off:off + head], buf[tail:tail + plen - head]))
         off += head
         tail += plen - head
     return out

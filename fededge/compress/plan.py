@@ -186,7 +186,8 @@ class UpdatePlan:
                                         f"(model tensors: {len(planned)})")
             if entry.codec != codec:
                 if entry.codec == SERVER:
-                    want = "no payload (norm-stats=global: the server recalibrates it)"
+                    want = ("no payload (norm-stats=global: the server keeps its own)" if entry.role == "integer"
+                            else "no payload (norm-stats=global: the server recalibrates it)")
                 elif entry.codec:
                     want = f"codec {entry.codec!r}"
                 else:

@@ -73,6 +73,9 @@ def _v2(meta: bytes, tails: bytes = b"", zlen: int | None = None) -> bytes:
 
 
 _ENTRY = struct.pack("<H", 1) + b"a" + struct.pack("<I", 3) + struct.pack("<H", 1)
+_BOMB = zlib.compress(bytes(64 * 2**20 + 1), 9)
+_c = zlib.compressobj(zdict=b"dictionary")
+_ZDICT = _c.compress(struct.pack("<I", 0)) + _c.flush()
 
 
 @pytest.mark.parametrize(("data", "match"), [
@@ -88,6 +91,13 @@ _ENTRY = struct.pack("<H", 1) + b"a" + struct.pack("<I", 3) + struct.pack("<H", 
     (_v2(struct.pack("<I", 2) + _ENTRY * 2 + b"aa", b"bcbc"), "twice"),
     (_v2(struct.pack("<I", 1) + struct.pack("<H", 1) + b"\xff" + struct.pack("<I", 0) + struct.pack("<H", 0)),
      "not UTF-8"),
+    # junk after the stream, inside Z
+    (b"FB\x02" + struct.pack("<I", len(zlib.compress(struct.pack("<I", 0))) + 2) + zlib.compress(struct.pack("<I", 0))
+     + b"xx", "2 bytes follow the end of the bundle's metadata stream"),
+    # a stream that inflates past the limit (64 MiB of zeros, 65 kB deflated)
+    (b"FB\x02" + struct.pack("<I", len(_BOMB)) + _BOMB, "inflates past its limit"),
+    # a preset dictionary
+    (b"FB\x02" + struct.pack("<I", len(_ZDICT)) + _ZDICT, "does not decompress"),
 ])
 def test_malformed_version_2_bundles_name_the_problem(data, match):
     with pytest.raises(MalformedPayloadError, match=match):
@@ -133,4 +143,41 @@ def test_fuzz_only_malformed_payload_error(data):
         out = unpack_bundle(data)
     except MalformedPayloadError:
         return
-    assert isinstance(out, dict) and sum(map(len, out.values())) <= len(data)
+    assert isinstance(out, dict)
+    if data[2] == 1:  # version 1 holds its payloads as they are
+        assert sum(map(len, out.values())) <= len(data)
+
+
+_META = zlib.decompress(_VALID2[7:7 + struct.unpack_from("<I", _VALID2, 3)[0]])
+_TAILS = _VALID2[7 + struct.unpack_from("<I", _VALID2, 3)[0]:]
+
+
+@settings(max_examples=3000, deadline=None, database=None, derandomize=True)
+@given(st.one_of(*_mutations(_META)), st.one_of(st.just(_TAILS), *_mutations(_TAILS)))
+def test_fuzz_version_2_metadata_only_malformed_payload_error(meta, tails):
+    """The metadata mutated before it is deflated, so that the parser behind zlib is
+    reached; a bundle that reads gives payloads of exactly the announced lengths."""
+    data = _v2(meta, tails)
+    try:
+        out = unpack_bundle(data)
+    except MalformedPayloadError:
+        return
+    assert sum(map(len, out.values())) == len(tails) + sum(
+        struct.unpack_from("<H", meta, off)[0] for off in _head_offsets(meta))
+
+
+def _head_offsets(meta: bytes) -> list[int]:
+    (count,) = struct.unpack_from("<I", meta, 0)
+    off, heads = 4, []
+    for _ in range(count):
+        (nlen,) = struct.unpack_from("<H", meta, off)
+        off += 2 + nlen + 4
+        heads.append(off)
+        off += 2
+    return heads
+
+
+def test_a_bundle_whose_names_would_not_read_back_is_not_written():
+    with pytest.raises(ValueError, match="write version 1"):
+        pack_bundle({f"{i:05d}" + "n" * 65000: b"" for i in range(1100)})
+    assert len(unpack_bundle(pack_bundle({f"{i:05d}" + "n" * 65000: b"" for i in range(1100)}, version=1))) == 1100
