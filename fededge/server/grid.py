@@ -87,11 +87,15 @@ class InProcessGrid(Grid):
         Whether checkpoints hold the nodes' states (:meth:`state_dict`).
     client_states : {"memory", "disk", "auto"}
         Where idle nodes' ``context.state`` is kept (:mod:`fededge.server.nodestates`):
-        ``"auto"`` keeps them in memory until they total ``states_budget_mb``, then on disk.
+        ``"auto"`` keeps them in memory until they total the larger of ``states_budget_mb``
+        and ``states_round_clients``' states, then on disk.
     states_dir : path, optional
         Where ``"disk"`` states go (a private temporary directory in it; default ``$TMPDIR``).
     states_budget_mb : float
         ``"auto"``'s budget, in MiB.
+    states_round_clients : int
+        The clients of a round: ``"auto"`` keeps that many of the largest state in memory
+        at least (:class:`~fededge.server.nodestates.AutoStates`); 0, the budget alone.
     workers : int
         Processes that run the clients' messages: this one and ``workers - 1`` spawned ones.
     worker_threads : int
@@ -141,6 +145,7 @@ class InProcessGrid(Grid):
         client_states: str = "memory",
         states_dir: str | None = None,
         states_budget_mb: float = 256,
+        states_round_clients: int = 0,
         workers: int = 1,
         worker_threads: int = 1,
         client_app_ref: str | None = None,
@@ -184,7 +189,8 @@ class InProcessGrid(Grid):
         # each message, so idle nodes hold no copy of the run config.
         self._index = {nid: i for i, nid in enumerate(ids)}
         self._node_configs = None if node_configs is None else [dict(c) for c in node_configs]
-        self.states: NodeStates = make_states(client_states, states_dir, int(states_budget_mb * 2**20))
+        self.states: NodeStates = make_states(client_states, states_dir, int(states_budget_mb * 2**20),
+                                              round_clients=states_round_clients)
         self.workers = workers
         self.worker_threads = worker_threads
         self.cohort = cohort

@@ -265,12 +265,14 @@ def run_inprocess(
                          "so that what Flower cannot send fails here too")
     run_config = cfg.to_mapping()
     states = client_states or cfg.client_states
+    per_round = _per_round(cfg, num_clients)
 
     def make_grid(workers: int) -> InProcessGrid:
         return InProcessGrid(
             client_app or default_client, num_nodes=num_clients, run_config=run_config,
             run_id=run_id, node_configs=node_configs, seed=cfg.seed, keep_client_states=keep_client_states,
             client_states=states, states_dir=states_dir, states_budget_mb=cfg.client_states_memory_mb,
+            states_round_clients=per_round,
             workers=workers, client_app_ref=None if client_app is not None else DEFAULT_CLIENT_APP,
             cohort=cfg.cohort and client_app is None,  # a ClientApp of one's own keeps its own path
             client_device=choice.device if choice is not None and cfg.device == "auto" else None,
@@ -297,7 +299,8 @@ def run_inprocess(
     grid.runtime_note = (
         (f"clients on {choice.device} ({choice.reason}); " if choice is not None else "")
         + f"{workers} process{'es' if workers > 1 else ''} ({why}); client states "
-        + (f"in memory up to {cfg.client_states_memory_mb:g} MiB, then on disk" if states == "auto" else
+        + (f"in memory up to {cfg.client_states_memory_mb:g} MiB or {per_round} client"
+           f"{'s' if per_round != 1 else ''}' states (a round's), then on disk" if states == "auto" else
            "on disk" if states == "disk" else "in memory")
         + ("; messages handed over directly, their bytes counted from the format" if direct else ""))
     try:

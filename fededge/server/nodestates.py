@@ -275,22 +275,33 @@ def state_nbytes(state: RecordDict) -> int:
 
 
 class AutoStates:
-    """Memory first; every state on disk once those held pass ``budget_bytes``.
+    """Memory first; every state on disk once those held pass the budget.
 
     The states stay live ``RecordDict`` objects (:class:`MemoryStates`, no copy, no
-    serialisation) while their arrays total at most ``budget_bytes``. The first
+    serialisation) while their arrays total at most the budget: the larger of
+    ``budget_bytes`` and the states of one round's clients (``round_clients`` times the
+    largest state seen; a round holds that many states at once in any case), the latter at
+    most ``memory_cap`` (default a quarter of the machine's memory). The first
     :meth:`put` that takes them over the budget moves every state to a
     :class:`DiskStates` in ``directory``, logged once with the count and the size; the
     store stays on disk for the rest of the run. So a run of a few clients never writes
-    a file, and a run of 10,000 clients keeps at most the budget plus the states of the
-    nodes that are running in memory. ``budget_bytes=0`` moves to disk at the first
-    non-empty state.
+    a file, even with a ResNet's 45 MB of error feedback each (10 of them are 450 MB, over
+    256 MiB: each message then paid about 70 ms to pickle and store its state), and a run
+    of 10,000 clients keeps at most the budget plus the states of the nodes that are
+    running in memory. ``budget_bytes=0`` moves to disk at the first non-empty state,
+    whatever ``round_clients``.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20, *,
+                 round_clients: int = 0, memory_cap: int | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if round_clients < 0:
+            raise ValueError(f"round_clients must be >= 0, got {round_clients}")
         self.budget_bytes = budget_bytes
+        self.round_clients = round_clients
+        self.memory_cap = _physical_memory() // 4 if memory_cap is None else memory_cap
+        self._largest = 0  # the largest state seen
         self._directory = directory
         self._memory: MemoryStates | None = MemoryStates()
         self._sizes: dict[int, int] = {}  # node -> bytes of its state on the heap
@@ -307,11 +318,21 @@ class AutoStates:
     def _store(self) -> MemoryStates | DiskStates:
         return self.disk if self.disk is not None else self._memory  # type: ignore[return-value]
 
+    @property
+    def budget(self) -> int:
+        """Bytes of states kept in memory now: the larger of ``budget_bytes`` and one
+        round's clients' states (at most ``memory_cap``); 0 where ``budget_bytes`` is 0
+        (disk from the first state, as asked)."""
+        if not self.budget_bytes:
+            return 0
+        return max(self.budget_bytes, min(self.round_clients * self._largest, self.memory_cap))
+
     def _account(self, node: int, size: int) -> None:
         self._held += size - self._sizes.pop(node, 0)
         if size:
             self._sizes[node] = size
-        if self._held > self.budget_bytes and not self._move_failed:
+            self._largest = max(self._largest, size)
+        if self._held > self.budget and not self._move_failed:
             self._to_disk()
 
     def _to_disk(self) -> None:
@@ -332,9 +353,11 @@ class AutoStates:
                         "states directory ($TMPDIR) with room for them", len(nodes), self._held / 2**20,
                         type(err).__name__, err)
             return
-        log.info("client-states=auto: the states of %d client%s reached %.1f MiB, over the %g MiB budget "
-                 "(client-states-memory-mb); idle clients' states are kept on disk from now on, in %s",
-                 len(nodes), "" if len(nodes) == 1 else "s", self._held / 2**20, self.budget_bytes / 2**20, disk.dir)
+        log.info("client-states=auto: the states of %d client%s reached %.1f MiB, over the %.1f MiB budget "
+                 "(the larger of client-states-memory-mb, %g MiB, and %d clients of a round x %.1f MiB, at most "
+                 "a quarter of the memory); idle clients' states are kept on disk from now on, in %s",
+                 len(nodes), "" if len(nodes) == 1 else "s", self._held / 2**20, self.budget / 2**20,
+                 self.budget_bytes / 2**20, self.round_clients, self._largest / 2**20, disk.dir)
         memory.close()
         self._memory, self.disk, self._sizes, self._held = None, disk, {}, 0
 
@@ -384,6 +407,24 @@ class AutoStates:
 
 
 NodeStates = MemoryStates | DiskStates | AutoStates
+
+
+def _physical_memory(cgroup: str = "/sys/fs/cgroup") -> int:
+    """This machine's memory in bytes (``sysconf``; 4 GiB where it cannot be read),
+    lowered to a cgroup's memory limit (v2 ``memory.max``, v1
+    ``memory/memory.limit_in_bytes``: ``docker --memory``, a Kubernetes limit)."""
+    try:
+        total = int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        total = 4 << 30
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            text = Path(cgroup, name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total
 
 #: The name of a :class:`DiskStates` directory starts with this.
 PREFIX = "fededge-states-"
@@ -464,15 +505,16 @@ def _sha256(path: Path, fsync: bool = False) -> str:
     return h.hexdigest()
 
 
-def make_states(kind: str, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20
-                ) -> NodeStates:
+def make_states(kind: str, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20,
+                round_clients: int = 0) -> NodeStates:
     """``"memory"``, ``"disk"`` (in ``directory``, default ``$TMPDIR``) or ``"auto"``
-    (:class:`AutoStates`: memory up to ``budget_bytes``, then disk)."""
+    (:class:`AutoStates`: memory up to the larger of ``budget_bytes`` and
+    ``round_clients``' states, then disk)."""
     if kind == "memory":
         return MemoryStates()
     if kind == "disk":
         return DiskStates(directory)
     if kind == "auto":
-        return AutoStates(directory, budget_bytes)
+        return AutoStates(directory, budget_bytes, round_clients=round_clients)
     raise ValueError(f"client states are kept in 'memory', on 'disk' or 'auto' (memory, then disk past a "
                      f"budget), not {kind!r}")

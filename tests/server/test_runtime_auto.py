@@ -64,6 +64,69 @@ def test_auto_states_stay_in_memory_under_the_budget_then_move_every_state_to_di
     assert not directory.exists()
 
 
+def test_auto_states_keep_one_rounds_clients_in_memory_whatever_the_budget_up_to_the_cap(tmp_path, caplog):
+    """A round of 3 clients whose states outgrow the budget alone (a ResNet's error
+    feedback: 45 MB each against 256 MiB) stays in memory; a fourth state moves them;
+    the memory cap bounds the round's share."""
+    from fededge.server.nodestates import _physical_memory
+
+    per = state_nbytes(_state(0))
+    caplog.set_level(logging.INFO, logger="fededge.server.nodestates")
+    store = AutoStates(tmp_path, budget_bytes=per // 2, round_clients=3, memory_cap=100 * per)
+    try:
+        for node in range(3):
+            store.put(node, _state(node))
+        assert store.kind == "memory" and store.budget == 3 * per
+        store.put(3, _state(3))
+        assert store.kind == "disk" and sorted(store.nodes()) == [0, 1, 2, 3]
+        said = [r.getMessage() for r in caplog.records if "client-states=auto" in r.getMessage()]
+        assert len(said) == 1 and "3 clients of a round x" in said[0]
+    finally:
+        store.close()
+    capped = AutoStates(tmp_path, budget_bytes=1, round_clients=3, memory_cap=per + per // 2)
+    try:
+        capped.put(0, _state(0))
+        assert capped.kind == "memory" and capped.budget == per + per // 2
+        capped.put(1, _state(1))
+        assert capped.kind == "disk"
+    finally:
+        capped.close()
+    # The budget is a floor: a large one keeps more than a round.
+    big = AutoStates(tmp_path, budget_bytes=10 * per, round_clients=1)
+    try:
+        for node in range(9):
+            big.put(node, _state(node))
+        assert big.kind == "memory" and big.memory_cap == _physical_memory() // 4
+    finally:
+        big.close()
+    with pytest.raises(ValueError, match="round_clients must be >= 0"):
+        AutoStates(tmp_path, round_clients=-1)
+    # A budget of 0 is disk from the first state, as asked, whatever the round.
+    zero = AutoStates(tmp_path, budget_bytes=0, round_clients=3)
+    try:
+        zero.put(0, _state(0))
+        assert zero.kind == "disk" and zero.budget == 0
+    finally:
+        zero.close()
+
+
+def test_the_memory_cap_follows_a_cgroup_limit(tmp_path):
+    from fededge.server.nodestates import _physical_memory
+
+    host = _physical_memory(str(tmp_path / "none"))
+    assert host > 0
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _physical_memory(str(tmp_path)) == host
+    (tmp_path / "memory.max").write_text(f"{2**30}\n")
+    assert _physical_memory(str(tmp_path)) == min(host, 2**30)
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2**29}\n")
+    assert _physical_memory(str(tmp_path)) == min(host, 2**29)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert _physical_memory(str(tmp_path)) == host
+
+
 def test_auto_states_count_each_way_in_and_a_zero_budget_is_disk_from_the_first_state(tmp_path):
     per = state_nbytes(_state(0))
     for put in ("put", "put_bytes", "put_objects"):
@@ -159,7 +222,8 @@ def test_the_defaults_give_the_same_run_as_one_process_in_memory_and_say_what_th
     meta = json.loads((out / "config.json").read_text())
     assert meta["config"]["client-states"] == "auto"
     assert meta["inprocess_runtime"] == ("clients on cpu (auto: no CUDA device); 3 processes (auto: 3 usable "
-                                         "cores, 4 clients a round); client states in memory up to 0.5 MiB, then on disk")
+                                         "cores, 4 clients a round); client states in memory up to 0.5 MiB or 4 "
+                                         "clients' states (a round's), then on disk")
     assert json.loads((ref / "config.json").read_text())["inprocess_runtime"] == \
         ("clients on cpu (auto: no CUDA device); 1 process (as given); client states in memory; messages handed "
          "over directly, their bytes counted from the format")
@@ -171,7 +235,8 @@ def test_fededge_run_names_its_choices_and_refuses_a_bad_worker_count(tmp_path, 
                  f'num-rounds=1 local-steps=2 model="mlp" compressor="signsgd" results-dir="{tmp_path}"']) == 0
     err = capsys.readouterr().err
     first = next(line for line in err.splitlines() if line.startswith("[fededge] run "))
-    assert "; in-process, " in first and "(auto: " in first and "client states in memory up to 256 MiB" in first
+    assert "; in-process, " in first and "(auto: " in first and "client states in memory up to 256 MiB or 3 " \
+        "clients' states (a round's)" in first
     assert "[fededge] update plan (signsgd)" in err  # fededge's INFO lines are shown by the command
     assert logging.getLogger("fededge").handlers == []  # and the handler is gone afterwards
     for bad in ("0", "two"):
