@@ -163,12 +163,11 @@ def gpu_workers(cfg: RunConfig, asked: int, device: str,
     (:func:`~fededge.clients.device.processes_that_fit`)."""
     import heapq
 
-    import torch
-
     from fededge.models.zoo import build_model
     from fededge.workload import dataset_for
 
-    set_cuda_determinism(torch.device(device), cfg.deterministic)
+    # A device this machine lacks is refused here, by name, before anything starts.
+    set_cuda_determinism(_device.resolve_device(device), cfg.deterministic)
     examples: dict[str | None, int] = {}  # data dir -> bytes of one training example
     sizes = []
     for pid, num_partitions, data_dir in nodes:

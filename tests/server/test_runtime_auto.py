@@ -440,6 +440,7 @@ def test_the_gpu_processes_are_sized_with_the_runs_model_batch_and_largest_parti
         return CudaFootprint(context=MIB, step=MIB, model=MIB, free=56 * MIB, total=56 * MIB)
 
     monkeypatch.setattr(device, "measure_cuda_footprint", measure)
+    monkeypatch.setattr(device, "resolve_device", torch.device)  # a (pretend) GPU machine
     # cuBLAS reads its workspace setting at the first CUDA matmul: the run's, before the step.
     monkeypatch.setattr(inprocess, "set_cuda_determinism", lambda dev, det: seen.append(("determinism", str(dev), det)))
     cfg = RunConfig.from_mapping({"dataset": "synthetic", "synthetic-samples": 20000, "model": "mlp", "batch-size": 16,
@@ -549,6 +550,14 @@ def test_workers_on_a_gpu_are_lowered_to_what_fits_before_anything_starts(monkey
     monkeypatch.setattr(inprocess, "client_device_choice", lambda *a, **k: DeviceChoice("cpu", "as asked"))
     with pytest.raises(Stop):
         run_inprocess({"num-rounds": 1, "progress": "off"}, num_clients=4, workers=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the run would start")
+def test_workers_on_a_gpu_this_machine_lacks_stop_before_round_one_by_name(tmp_path):
+    with pytest.raises(RuntimeError, match=r"device='cuda' was asked for but torch.cuda.is_available\(\) is False"):
+        run_inprocess({"num-rounds": 1, "device": "cuda", "progress": "off", "results-dir": str(tmp_path)},
+                      num_clients=4, workers=2)
+    assert not list(tmp_path.iterdir())  # nothing started
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: measures a training step's memory on a GPU")
