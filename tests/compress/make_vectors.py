@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fededge.compress import build_codec, decode_any, unpack
+from fededge.compress.bundle import pack_bundle
 
 OUT = Path(__file__).parent / "vectors"
 
@@ -45,6 +46,17 @@ CASES = [
 ]
 
 
+#: A bundle's entries (docs/wire-format.md, "Bundles"): tensor name -> the vector whose
+#: payload it holds (a sparse, a low-rank, a raw, a cast and a zlib payload).
+BUNDLE_ENTRIES = [
+    ("conv1.weight", "topk_varint"),
+    ("layer1.0.conv1.weight", "powersgd_r2"),
+    ("layer1.0.bn1.weight", "raw"),
+    ("fc.bias", "fp16"),
+    ("zlib.weight", "qsgd_s3_zlib"),
+]
+
+
 def main() -> None:
     OUT.mkdir(exist_ok=True)
     for f in OUT.glob("*.f32"):
@@ -65,13 +77,23 @@ def main() -> None:
             "payload_bytes": len(payload), "body_bytes": len(body),
             "payload_sha256": hashlib.sha256(payload).hexdigest(),
         })
+    bundles = []
+    payloads = {tensor: (OUT / f"{vector}.payload.bin").read_bytes() for tensor, vector in BUNDLE_ENTRIES}
+    for version in (1, 2):
+        blob = pack_bundle(payloads, version=version)
+        (OUT / f"bundle_v{version}.bin").write_bytes(blob)
+        bundles.append({"name": f"bundle_v{version}", "version": version, "bytes": len(blob),
+                        "sha256": hashlib.sha256(blob).hexdigest(),
+                        "entries": [{"tensor": t, "payload": f"{v}.payload.bin"} for t, v in BUNDLE_ENTRIES]})
     doc = {
         "format": "fededge wire format version 1; arrays are little-endian float32, row-major",
-        "files": "NAME.input.f32 (encoder input), NAME.payload.bin, NAME.decoded.f32 (expected decode)",
+        "files": "NAME.input.f32 (encoder input), NAME.payload.bin, NAME.decoded.f32 (expected decode); "
+                 "bundle_vN.bin: a bundle of version N of the payloads its entries name",
         "vectors": index,
+        "bundles": bundles,
     }
     (OUT / "index.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {len(index)} vectors to {OUT}")
+    print(f"wrote {len(index)} vectors and {len(bundles)} bundles to {OUT}")
 
 
 if __name__ == "__main__":
