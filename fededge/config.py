@@ -256,9 +256,11 @@ class RunConfig:
         SuperLink, ``memory``). Results are the same either way.
     client_states_memory_mb : float
         ``client-states=auto``'s budget: the MiB of states kept in memory before they
-        all move to disk, or more where one round's clients' states are more (at most a
-        quarter of the machine's memory: ten ResNet-18 clients' error feedback, 450 MB,
-        stays in memory); 0: disk from the first state.
+        all move to disk, or more where one round's clients' states are more (the
+        clients a round samples times the largest state; at most four times the budget
+        and a quarter of the memory the process may use, its cgroup's limit included:
+        ten ResNet-18 clients a round with 45 MB of error feedback each stay in memory);
+        0: disk from the first state.
     dropout : float
         Fraction of the clients (partition ids, seeded) that never answer, in [0, 1):
         they reply at once that they dropped out and the simulated clock charges the

@@ -24,6 +24,7 @@ from fededge.config import ConfigError, RunConfig
 from fededge.keys import SERVER_RESULT_KEY
 from fededge.server.app import app as default_server
 from fededge.server.grid import InProcessGrid, run_server
+from fededge.server.nodestates import ROUND_SHARE_MAX
 from fededge.workload import CLIENT_TENSORS_CACHED, check_partition, partition_indices
 
 __all__ = ["DEFAULT_CLIENT_APP", "auto_workers", "client_device_choice", "gpu_workers", "run_inprocess",
@@ -299,7 +300,8 @@ def run_inprocess(
         (f"clients on {choice.device} ({choice.reason}); " if choice is not None else "")
         + f"{workers} process{'es' if workers > 1 else ''} ({why}); client states "
         + (f"in memory up to {cfg.client_states_memory_mb:g} MiB or {per_round} client"
-           f"{'s' if per_round != 1 else ''}' states (a round's), then on disk" if states == "auto" else
+           f"{'s' if per_round != 1 else ''}' states (a round's, at most "
+           f"{ROUND_SHARE_MAX * cfg.client_states_memory_mb:g} MiB), then on disk" if states == "auto" else
            "on disk" if states == "disk" else "in memory")
         + ("; messages handed over directly, their bytes counted from the format" if direct else ""))
     try:

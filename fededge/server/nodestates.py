@@ -274,22 +274,30 @@ def state_nbytes(state: RecordDict) -> int:
     return total
 
 
+#: One round's clients' states are kept in memory up to this many times the budget
+#: (``client-states-memory-mb``): 1 GiB by default, so that a run whose rounds sample all
+#: of 10,000 clients, or a sweep of runs side by side, stays near the budget it was given.
+ROUND_SHARE_MAX = 4
+
+
 class AutoStates:
     """Memory first; every state on disk once those held pass the budget.
 
     The states stay live ``RecordDict`` objects (:class:`MemoryStates`, no copy, no
     serialisation) while their arrays total at most the budget: the larger of
     ``budget_bytes`` and the states of one round's clients (``round_clients`` times the
-    largest state seen; a round holds that many states at once in any case), the latter at
-    most ``memory_cap`` (default a quarter of the machine's memory). The first
-    :meth:`put` that takes them over the budget moves every state to a
-    :class:`DiskStates` in ``directory``, logged once with the count and the size; the
-    store stays on disk for the rest of the run. So a run of a few clients never writes
-    a file, even with a ResNet's 45 MB of error feedback each (10 of them are 450 MB, over
-    256 MiB: each message then paid about 70 ms to pickle and store its state), and a run
-    of 10,000 clients keeps at most the budget plus the states of the nodes that are
-    running in memory. ``budget_bytes=0`` moves to disk at the first non-empty state,
-    whatever ``round_clients``.
+    largest state seen: every round stores that many states, and a store on disk pays to
+    pickle each), the latter at most ``ROUND_SHARE_MAX`` times ``budget_bytes`` and
+    ``memory_cap`` (default a quarter of the memory this process may use,
+    :func:`_physical_memory`). The first :meth:`put` that takes them over the budget moves
+    every state to a :class:`DiskStates` in ``directory``, logged once with the count and
+    the size; the store stays on disk for the rest of the run. So a run of a few clients
+    never writes a file, and one of ten ResNet clients a round with 45 MB of error
+    feedback each (450 MB, over 256 MiB: each message then paid about 70 ms to pickle and
+    store its state) keeps them in memory where all ten are its clients; a run of 10,000
+    clients keeps at most the budget (or four times it, where a round samples them all)
+    plus the states of the nodes that are running in memory. ``budget_bytes=0`` moves to
+    disk at the first non-empty state, whatever ``round_clients``.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20, *,
@@ -321,11 +329,12 @@ class AutoStates:
     @property
     def budget(self) -> int:
         """Bytes of states kept in memory now: the larger of ``budget_bytes`` and one
-        round's clients' states (at most ``memory_cap``); 0 where ``budget_bytes`` is 0
-        (disk from the first state, as asked)."""
+        round's clients' states (at most ``ROUND_SHARE_MAX`` x ``budget_bytes`` and
+        ``memory_cap``); 0 where ``budget_bytes`` is 0 (disk from the first state, as asked)."""
         if not self.budget_bytes:
             return 0
-        return max(self.budget_bytes, min(self.round_clients * self._largest, self.memory_cap))
+        round_share = min(self.round_clients * self._largest, ROUND_SHARE_MAX * self.budget_bytes, self.memory_cap)
+        return max(self.budget_bytes, round_share)
 
     def _account(self, node: int, size: int) -> None:
         self._held += size - self._sizes.pop(node, 0)
@@ -355,7 +364,8 @@ class AutoStates:
             return
         log.info("client-states=auto: the states of %d client%s reached %.1f MiB, over the %.1f MiB budget "
                  "(the larger of client-states-memory-mb, %g MiB, and %d clients of a round x %.1f MiB, at most "
-                 "a quarter of the memory); idle clients' states are kept on disk from now on, in %s",
+                 "4 x the former and a quarter of the memory); idle clients' states are kept on disk from now on, "
+                 "in %s",
                  len(nodes), "" if len(nodes) == 1 else "s", self._held / 2**20, self.budget / 2**20,
                  self.budget_bytes / 2**20, self.round_clients, self._largest / 2**20, disk.dir)
         memory.close()
@@ -409,21 +419,43 @@ class AutoStates:
 NodeStates = MemoryStates | DiskStates | AutoStates
 
 
-def _physical_memory(cgroup: str = "/sys/fs/cgroup") -> int:
-    """This machine's memory in bytes (``sysconf``; 4 GiB where it cannot be read),
-    lowered to a cgroup's memory limit (v2 ``memory.max``, v1
-    ``memory/memory.limit_in_bytes``: ``docker --memory``, a Kubernetes limit)."""
+def _physical_memory(cgroup: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The memory this process may use, in bytes: the machine's (``sysconf``; 4 GiB where
+    it cannot be read) lowered to the smallest memory limit of its cgroup and the cgroups
+    above it (v2 ``memory.max``, v1 ``memory.limit_in_bytes``: ``docker --memory``, a
+    Kubernetes or Slurm limit), found from ``/proc/self/cgroup`` (and at the mount's root,
+    which a container's cgroup namespace makes its own)."""
     try:
         total = int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):
+        total = 0
+    if total <= 0:
         total = 4 << 30
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
-        try:
-            text = Path(cgroup, name).read_text().strip()
-        except OSError:
+    dirs = {Path(cgroup), Path(cgroup, "memory")}
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        base = Path(cgroup) if controllers == "" else Path(cgroup, "memory") if "memory" in controllers.split(",") \
+            else None
+        if base is None:
             continue
-        if text.isdigit() and 0 < int(text) < total:
-            total = int(text)
+        here = base.joinpath(*[p for p in path.strip().split("/") if p])
+        while True:  # the cgroup and every one above it, up to the mount
+            dirs.add(here)
+            if here == base:
+                break
+            here = here.parent
+    for d in dirs:
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            try:
+                text = Path(d, name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit() and 0 < int(text) < total:
+                total = int(text)
     return total
 
 #: The name of a :class:`DiskStates` directory starts with this.

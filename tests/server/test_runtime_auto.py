@@ -72,7 +72,7 @@ def test_auto_states_keep_one_rounds_clients_in_memory_whatever_the_budget_up_to
 
     per = state_nbytes(_state(0))
     caplog.set_level(logging.INFO, logger="fededge.server.nodestates")
-    store = AutoStates(tmp_path, budget_bytes=per // 2, round_clients=3, memory_cap=100 * per)
+    store = AutoStates(tmp_path, budget_bytes=per, round_clients=3, memory_cap=100 * per)
     try:
         for node in range(3):
             store.put(node, _state(node))
@@ -83,7 +83,14 @@ def test_auto_states_keep_one_rounds_clients_in_memory_whatever_the_budget_up_to
         assert len(said) == 1 and "3 clients of a round x" in said[0]
     finally:
         store.close()
-    capped = AutoStates(tmp_path, budget_bytes=1, round_clients=3, memory_cap=per + per // 2)
+    # At most four times the budget: a round of all 10,000 clients stays near it.
+    many = AutoStates(tmp_path, budget_bytes=per // 2, round_clients=10_000, memory_cap=100 * per)
+    try:
+        many.put(0, _state(0))
+        assert many.budget == 4 * (per // 2)
+    finally:
+        many.close()
+    capped = AutoStates(tmp_path, budget_bytes=per, round_clients=3, memory_cap=per + per // 2)
     try:
         capped.put(0, _state(0))
         assert capped.kind == "memory" and capped.budget == per + per // 2
@@ -113,18 +120,50 @@ def test_auto_states_keep_one_rounds_clients_in_memory_whatever_the_budget_up_to
 def test_the_memory_cap_follows_a_cgroup_limit(tmp_path):
     from fededge.server.nodestates import _physical_memory
 
-    host = _physical_memory(str(tmp_path / "none"))
+    nowhere = str(tmp_path / "no-proc")
+    host = _physical_memory(str(tmp_path / "none"), nowhere)
     assert host > 0
+    # The process's own cgroup and those above it (v2, then v1's memory controller).
+    (tmp_path / "proc").write_text("0::/a/b\n4:memory:/x/y\n5:cpu:/z\n")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "memory.max").write_text(f"{2**30}\n")
+    (tmp_path / "a" / "b" / "memory.max").write_text("max\n")
+    assert _physical_memory(str(tmp_path), str(tmp_path / "proc")) == min(host, 2**30)
+    (tmp_path / "memory" / "x" / "y").mkdir(parents=True)
+    (tmp_path / "memory" / "x" / "y" / "memory.limit_in_bytes").write_text(f"{2**28}\n")
+    assert _physical_memory(str(tmp_path), str(tmp_path / "proc")) == min(host, 2**28)
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "memory.max").write_text(f"{2**20}\n")  # not this process's cgroup
+    assert _physical_memory(str(tmp_path), str(tmp_path / "proc")) == min(host, 2**28)
+    for d in ("a", "memory", "z", "proc"):
+        import shutil
+
+        shutil.rmtree(tmp_path / d) if (tmp_path / d).is_dir() else (tmp_path / d).unlink()
+    assert host > 0
+    # At the mount's root (a container's own, under its cgroup namespace).
     (tmp_path / "memory.max").write_text("max\n")
-    assert _physical_memory(str(tmp_path)) == host
+    assert _physical_memory(str(tmp_path), nowhere) == host
     (tmp_path / "memory.max").write_text(f"{2**30}\n")
-    assert _physical_memory(str(tmp_path)) == min(host, 2**30)
+    assert _physical_memory(str(tmp_path), nowhere) == min(host, 2**30)
     (tmp_path / "memory.max").unlink()
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2**29}\n")
-    assert _physical_memory(str(tmp_path)) == min(host, 2**29)
+    assert _physical_memory(str(tmp_path), nowhere) == min(host, 2**29)
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
-    assert _physical_memory(str(tmp_path)) == host
+    assert _physical_memory(str(tmp_path), nowhere) == host
+
+
+@pytest.mark.parametrize(("per_round", "spills"), [(4, False), (2, True)])
+def test_the_runtime_keeps_a_rounds_states_in_memory_and_spills_past_them(tmp_path, caplog, per_round, spills):
+    """run_inprocess gives the store its round: 4 clients a round of signSGD residuals
+    (0.2 MB each, 0.9 MB) stay in memory under a 0.3 MiB budget (4 x 0.3 MiB at most);
+    with 2 clients a round (0.44 MB) the third client's state spills."""
+    caplog.set_level(logging.INFO, logger="fededge.server.nodestates")
+    run_inprocess({"num-rounds": 3, "local-steps": 2, "model": "mlp", "compressor": "signsgd", "error-feedback": True,
+                   "progress": "off", "clients-per-round": per_round, "client-states-memory-mb": 0.3,
+                   "results-dir": str(tmp_path)}, num_clients=4, client_states="auto", states_dir=str(tmp_path))
+    moved = [r.getMessage() for r in caplog.records if "client-states=auto" in r.getMessage()]
+    assert bool(moved) == spills, moved
 
 
 def test_auto_states_count_each_way_in_and_a_zero_budget_is_disk_from_the_first_state(tmp_path):
@@ -223,7 +262,7 @@ def test_the_defaults_give_the_same_run_as_one_process_in_memory_and_say_what_th
     assert meta["config"]["client-states"] == "auto"
     assert meta["inprocess_runtime"] == ("clients on cpu (auto: no CUDA device); 3 processes (auto: 3 usable "
                                          "cores, 4 clients a round); client states in memory up to 0.5 MiB or 4 "
-                                         "clients' states (a round's), then on disk")
+                                         "clients' states (a round's, at most 2 MiB), then on disk")
     assert json.loads((ref / "config.json").read_text())["inprocess_runtime"] == \
         ("clients on cpu (auto: no CUDA device); 1 process (as given); client states in memory; messages handed "
          "over directly, their bytes counted from the format")
@@ -236,7 +275,7 @@ def test_fededge_run_names_its_choices_and_refuses_a_bad_worker_count(tmp_path, 
     err = capsys.readouterr().err
     first = next(line for line in err.splitlines() if line.startswith("[fededge] run "))
     assert "; in-process, " in first and "(auto: " in first and "client states in memory up to 256 MiB or 3 " \
-        "clients' states (a round's)" in first
+        "clients' states (a round's, at most 1024 MiB)" in first
     assert "[fededge] update plan (signsgd)" in err  # fededge's INFO lines are shown by the command
     assert logging.getLogger("fededge").handlers == []  # and the handler is gone afterwards
     for bad in ("0", "two"):
