@@ -37,7 +37,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from fededge.compress.wire import MalformedPayloadError, header_length
+from fededge.compress.wire import MalformedPayloadError, header_length, inflate
 
 __all__ = ["BUNDLE_MAGIC", "pack_bundle", "unpack_bundle"]
 
@@ -108,15 +108,8 @@ def _unpack_v2(buf: memoryview, zlen: int) -> dict[str, bytes]:
     if len(buf) < 7 + zlen:
         raise MalformedPayloadError(f"bundle announces {zlen} bytes of metadata, but has {len(buf) - 7} after "
                                     "its header")
-    d = zlib.decompressobj()
-    try:
-        meta = memoryview(d.decompress(bytes(buf[7:7 + zlen]), MAX_METADATA))
-    except zlib.error as err:
-        raise MalformedPayloadError(f"bundle metadata does not decompress: {err}") from None
-    if d.unconsumed_tail or not d.eof:
-        raise MalformedPayloadError("bundle metadata is truncated or inflates past its limit")
-    if d.unused_data:
-        raise MalformedPayloadError(f"{len(d.unused_data)} bytes follow the end of the bundle's metadata stream")
+    meta = memoryview(inflate(bytes(buf[7:7 + zlen]), MAX_METADATA, what="bundle metadata",
+                              too_long="inflates past its limit", stream="bundle's metadata stream"))
     if len(meta) < 4:
         raise MalformedPayloadError(f"bundle metadata of {len(meta)} bytes is shorter than its 4-byte count")
     (count,) = struct.unpack_from("<I", meta, 0)

@@ -39,7 +39,7 @@ import torch
 
 __all__ = [
     "MAGIC", "VERSION", "CODEC_IDS", "DTYPES", "MAX_ELEMENTS", "MalformedPayloadError",
-    "Header", "pack", "unpack", "header_length", "peek_codec", "pack_bits", "unpack_bits", "decode_limit",
+    "Header", "pack", "unpack", "header_length", "inflate", "peek_codec", "pack_bits", "unpack_bits", "decode_limit",
 ]
 
 MAGIC = b"FE"
@@ -164,16 +164,26 @@ def unpack(payload: bytes, *, max_body: int | None = None) -> tuple[Header, byte
     zl = bool(flags & FLAG_ZLIB)
     if zl:
         limit = max_body if max_body is not None else 64 * max(1, math.prod(shape)) + 4096
-        d = zlib.decompressobj()
-        try:
-            body = d.decompress(body, limit)
-        except zlib.error as err:
-            raise MalformedPayloadError(f"zlib body does not decompress: {err}") from None
-        if d.unconsumed_tail or not d.eof:
-            raise MalformedPayloadError("zlib body is truncated or larger than the codec can need")
-        if d.unused_data:
-            raise MalformedPayloadError(f"{len(d.unused_data)} bytes follow the end of the zlib stream")
+        body = inflate(body, limit, what="zlib body", too_long="larger than the codec can need",
+                       stream="zlib stream")
     return Header(codec, DTYPE_OF[dtype_id], tuple(shape), params, zl), body
+
+
+def inflate(data: bytes, limit: int, *, what: str, too_long: str, stream: str) -> bytes:
+    """``data``, one complete zlib stream and nothing after it, inflated to at most
+    ``limit`` bytes; :class:`MalformedPayloadError` otherwise, naming ``what`` (a
+    stream that does not inflate), ``too_long`` (one truncated or past the limit) and
+    ``stream`` (bytes after its end)."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, limit)
+    except zlib.error as err:
+        raise MalformedPayloadError(f"{what} does not decompress: {err}") from None
+    if d.unconsumed_tail or not d.eof:
+        raise MalformedPayloadError(f"{what} is truncated or {too_long}")
+    if d.unused_data:
+        raise MalformedPayloadError(f"{len(d.unused_data)} bytes follow the end of the {stream}")
+    return out
 
 
 def header_length(payload: bytes) -> int:
