@@ -113,8 +113,6 @@ def _unpack_v2(buf: memoryview, zlen: int) -> dict[str, bytes]:
     if len(meta) < 4:
         raise MalformedPayloadError(f"bundle metadata of {len(meta)} bytes is shorter than its 4-byte count")
     (count,) = struct.unpack_from("<I", meta, 0)
-    if count > MAX_ENTRIES:
-        raise MalformedPayloadError(f"bundle announces {count} entries, more than {MAX_ENTRIES}")
     entries, off = _entries(meta, 4, count, heads=True)
     if off + sum(h for _, _, h in entries) != len(meta):
         raise MalformedPayloadError(f"bundle metadata announces {off + sum(h for _, _, h in entries)} bytes, "

@@ -160,7 +160,8 @@ class UpdatePlan:
 
     @property
     def dense_bytes(self) -> int:
-        """The same update in float32 (integers as they are)."""
+        """The same update in float32 (integers as they are; a counter the server keeps,
+        not sent under ``norm-stats=global``, as torch's int64)."""
         # a counter the server sets (norm-stats=global) counts as torch's int64
         return sum((e.bytes if e.codec is None else 8 * int(np.prod(e.shape))) if e.role == "integer"
                    else 4 * int(np.prod(e.shape)) for e in self.entries)

@@ -94,8 +94,9 @@ class InProcessGrid(Grid):
     states_budget_mb : float
         ``"auto"``'s budget, in MiB.
     states_round_clients : int
-        The clients of a round: ``"auto"`` keeps that many of the largest state in memory
-        at least (:class:`~fededge.server.nodestates.AutoStates`); 0, the budget alone.
+        The clients of a round: ``"auto"`` keeps that many of the largest state in memory,
+        at most 4 x the budget and a quarter of the memory
+        (:class:`~fededge.server.nodestates.AutoStates`); 0, the budget alone.
     workers : int
         Processes that run the clients' messages: this one and ``workers - 1`` spawned ones.
     worker_threads : int

@@ -148,6 +148,15 @@ def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = 
     return DeviceChoice(choice.device, f"auto: {choice.reason}", choice.per_client_step_s)
 
 
+def _round_share_mb(grid: InProcessGrid, cfg: RunConfig) -> float:
+    """The most MiB of one round's states that ``client-states=auto`` keeps in memory:
+    :data:`~fededge.server.nodestates.ROUND_SHARE_MAX` x the budget, or less where a
+    quarter of the memory the process may use is less."""
+    cap = getattr(getattr(grid, "states", None), "memory_cap", None)  # AutoStates: its cap
+    share = ROUND_SHARE_MAX * cfg.client_states_memory_mb
+    return share if cap is None else round(min(share, cap / 2**20), 1)
+
+
 def gpu_workers(cfg: RunConfig, asked: int, device: str,
                 nodes: Iterable[tuple[int, int, str | None]]) -> tuple[int, str]:
     """How many of ``asked`` processes can train fededge's clients on the GPU ``device``
@@ -300,8 +309,8 @@ def run_inprocess(
         (f"clients on {choice.device} ({choice.reason}); " if choice is not None else "")
         + f"{workers} process{'es' if workers > 1 else ''} ({why}); client states "
         + (f"in memory up to {cfg.client_states_memory_mb:g} MiB or {per_round} client"
-           f"{'s' if per_round != 1 else ''}' states (a round's, at most "
-           f"{ROUND_SHARE_MAX * cfg.client_states_memory_mb:g} MiB), then on disk" if states == "auto" else
+           f"{'s' if per_round != 1 else ''}' states (a round's, at most {_round_share_mb(grid, cfg):g} MiB), "
+           "then on disk" if states == "auto" else
            "on disk" if states == "disk" else "in memory")
         + ("; messages handed over directly, their bytes counted from the format" if direct else ""))
     try:

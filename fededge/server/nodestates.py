@@ -364,10 +364,10 @@ class AutoStates:
             return
         log.info("client-states=auto: the states of %d client%s reached %.1f MiB, over the %.1f MiB budget "
                  "(the larger of client-states-memory-mb, %g MiB, and %d clients of a round x %.1f MiB, at most "
-                 "4 x the former and a quarter of the memory); idle clients' states are kept on disk from now on, "
+                 "%d x the former and a quarter of the memory); idle clients' states are kept on disk from now on, "
                  "in %s",
                  len(nodes), "" if len(nodes) == 1 else "s", self._held / 2**20, self.budget / 2**20,
-                 self.budget_bytes / 2**20, self.round_clients, self._largest / 2**20, disk.dir)
+                 self.budget_bytes / 2**20, self.round_clients, self._largest / 2**20, ROUND_SHARE_MAX, disk.dir)
         memory.close()
         self._memory, self.disk, self._sizes, self._held = None, disk, {}, 0
 
@@ -458,6 +458,7 @@ def _physical_memory(cgroup: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/s
                 total = int(text)
     return total
 
+
 #: The name of a :class:`DiskStates` directory starts with this.
 PREFIX = "fededge-states-"
 #: The file whose lock a :class:`DiskStates` holds while open.
@@ -541,7 +542,8 @@ def make_states(kind: str, directory: str | os.PathLike[str] | None = None, budg
                 round_clients: int = 0) -> NodeStates:
     """``"memory"``, ``"disk"`` (in ``directory``, default ``$TMPDIR``) or ``"auto"``
     (:class:`AutoStates`: memory up to the larger of ``budget_bytes`` and
-    ``round_clients``' states, then disk)."""
+    ``round_clients``' states, the latter at most :data:`ROUND_SHARE_MAX` x the budget and
+    a quarter of the memory, then disk)."""
     if kind == "memory":
         return MemoryStates()
     if kind == "disk":

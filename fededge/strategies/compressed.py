@@ -275,6 +275,9 @@ def _check_plan(payloads: dict[str, bytes], raw: dict[str, torch.Tensor], sent: 
                     f"tensor {e.name!r} ({e.role}) is missing; this server's plan gives it codec {e.codec!r}"
                     + (" (a client with norm-stats=global sends no statistics)" if e.role == "statistic" else ""))
         for name in (n for n, c in codecs.items() if c == "as-is" and n in sent):
+            if plan.codec_of(name) == SERVER:
+                raise PlanMismatchError(f"tensor {name!r} came as it is (uncompressed); this server's plan sends it "
+                                        "not at all (norm-stats=global: the server keeps its own)")
             if plan.codec_of(name) is not None:
                 raise PlanMismatchError(f"tensor {name!r} came as it is (uncompressed); this server's plan gives "
                                         f"it codec {plan.codec_of(name)!r}")

@@ -55,8 +55,6 @@ def test_version_2_by_hand_deflates_the_names_and_headers_and_keeps_the_bodies()
 
 
 def test_version_2_is_smaller_for_a_models_update():
-    import torch
-
     from fededge.models.zoo import build_model
 
     sd = build_model("resnet18-w8", input_shape=(3, 32, 32), num_classes=10, seed=0).state_dict()
@@ -123,8 +121,9 @@ def test_malformed_bundles_name_the_problem(data, match):
 
 
 _VALID = pack_bundle({"a": b"xyz", "b": b"\x00" * 10, "c": b""}, version=1)
-_VALID2 = pack_bundle({"a": b"FE\x01\x00\x00\x00\x01" + b"\x02\x00\x00\x00" + b"\x00\x00" + b"\x08\x00\x00\x00" + b"x" * 8,
-                       "b": b"\x00" * 10, "c": b""})
+# "a" a 1-D payload of 2 elements (raw codec, no params, 8 body bytes): a head of 17 bytes
+_VALID2 = pack_bundle({"a": b"FE\x01\x00\x00\x00\x01" + b"\x02\x00\x00\x00" + b"\x00\x00" + b"\x08\x00\x00\x00"
+                       + b"x" * 8, "b": b"\x00" * 10, "c": b""})
 
 
 def _mutations(valid: bytes):

@@ -228,7 +228,8 @@ def test_counters_sent_to_a_server_that_keeps_its_own_are_refused_by_name_and_ke
     glob = UpdateConfig(compressor="signsgd", norm_stats="global")
     payloads = UpdateEncoder(glob).encode({k: torch.zeros_like(v) for k, v in floats.items()}, round=0)
     with pytest.raises(CodecMismatchError, match=r"tensor '.*num_batches_tracked' came as it is \(uncompressed\); "
-                                                 r"this server's plan gives it codec 'server'"):
+                                                 r"this server's plan sends it not at all \(norm-stats=global: the "
+                                                 r"server keeps its own\)"):
         _check_plan(payloads, counters, sd, glob)
     _check_plan(payloads, {}, sd, glob)
     out = decode_compressed(RecordDict({keys.COMPRESSED: bundle_record(payloads)}), sd, CompressionStats(),
