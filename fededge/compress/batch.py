@@ -123,7 +123,7 @@ def _encode_all(encoders: Sequence[UpdateEncoder], deltas: Sequence[dict[str, to
             payloads = _powersgd_batch(encoders, i, name, xs, round)
         elif role == "matrix" and type(first.codec) is QSGD:
             payloads = _qsgd_batch(encoders, i, name, xs, round)
-        elif role == "matrix" and not (type(first.codec) is TopK and CHUNK_VALUES // max(xs[0].numel(), 1) < 2):
+        elif role == "matrix" and not (type(first.codec) is TopK and _per_chunk(xs) < 2):
             # (top-k of a matrix of a chunk's size or more: as fast client by client,
             # whose decode is cheaper than the batch's scatter)
             payloads = _matrix_batch(encoders, name, xs)
@@ -156,7 +156,7 @@ def _powersgd_batch(encoders: Sequence[UpdateEncoder], index: int, name: str, xs
     enough to run at the machine's speed, and a stack of them only goes to memory: ten
     ResNet-18 clients took 3x as long batched). A chunk the batch refuses is encoded client
     by client, which raises the per-client error."""
-    step = CHUNK_VALUES // max(xs[0].numel(), 1)
+    step = _per_chunk(xs)
     if step < 2:
         return None
     out: list[bytes | None] = []
@@ -239,8 +239,14 @@ def _qsgd_batch(encoders: Sequence[UpdateEncoder], index: int, name: str, xs: Se
     return payloads
 
 
+def _per_chunk(xs: Sequence[torch.Tensor]) -> int:
+    """Clients a chunk holds (0 or 1 for a tensor of a chunk's size or more: batching it
+    gains nothing)."""
+    return CHUNK_VALUES // max(xs[0].numel(), 1)
+
+
 def _chunks(xs: Sequence[torch.Tensor]):  # noqa: ANN202 - yields (lo, hi, stacked float32 CPU tensor)
-    step = max(1, CHUNK_VALUES // max(xs[0].numel(), 1))
+    step = max(1, _per_chunk(xs))
     for lo in range(0, len(xs), step):
         hi = min(lo + step, len(xs))
         yield lo, hi, torch.stack([t.detach() for t in xs[lo:hi]]).float().cpu()
@@ -273,7 +279,7 @@ def _matrix_batch(encoders: Sequence[UpdateEncoder], name: str, xs: Sequence[tor
     codec = encoders[0].codec
     assert codec is not None
     like = xs[0].float()
-    header = codec_header(SignSGD.name, like, b"", codec.config)
+    header = None if isinstance(codec, TopK) else codec_header(SignSGD.name, like, b"", codec.config)
     d = max(xs[0].numel(), 1)
     payloads: list[bytes] = []
     residuals: list[torch.Tensor] = []
@@ -294,6 +300,7 @@ def _matrix_batch(encoders: Sequence[UpdateEncoder], name: str, xs: Sequence[tor
         scale = torch.stack([(row.double().abs_().sum() / d).float() for row in flat]).numpy()[:, None]
         negative = values < 0
         bits = np.packbits(negative, axis=1, bitorder="little")
+        assert header is not None
         payloads.extend(pack(header, scale[j].astype("<f4").tobytes() + bits[j].tobytes()) for j in range(hi - lo))
         if feedback is not None:
             # decode(payload) is -scale where the bit is set, +scale where not: the sign
