@@ -55,7 +55,7 @@ from fededge.algorithms.gossip import (
 )
 from fededge.arrays import record_from_torch, record_to_torch, to_numpy
 from fededge.clients.cohort import encode_update
-from fededge.compress.roles import is_counter, is_statistic, server_sets_statistics
+from fededge.compress.roles import is_counter, is_statistic, server_keeps
 from fededge.compress.update import UpdateConfig, UpdateEncoder, decode_update
 from fededge.data.partition import PartitionError
 from fededge.errors import ConfigError
@@ -244,9 +244,8 @@ class CompressionMod:
                              f"the delta from (it has {list(msg.content.keys())})")
         base = record_to_torch(received) if own is None else {}
         delta, raw = {}, {}
-        server_counts = server_sets_statistics(self.update)  # norm-stats=global: the counters are the server's
         for name, new in record_to_torch(reply.content[keys.ARRAYS]).items():
-            if is_counter(name) and server_counts:
+            if is_counter(name) and server_keeps(name, self.update):  # norm-stats=global: the server's own
                 continue
             if not new.is_floating_point() or is_counter(name):  # the plan's integers: as they are
                 raw[name] = new

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["COUNTERS", "ROLES", "SERVER", "STATISTICS", "PlanMismatchError", "is_counter", "is_statistic", "role_codec",
-           "server_sets_statistics", "tensor_role"]
+           "server_keeps", "server_sets_statistics", "tensor_role"]
 
 #: The roles a tensor can have, in the order the rule decides them.
 ROLES: tuple[str, ...] = ("integer", "statistic", "small", "vector", "matrix")
@@ -73,12 +73,19 @@ def server_sets_statistics(config: Any) -> bool:
     return getattr(config, "norm_stats", "") == "global"
 
 
+def server_keeps(name: str, config: Any) -> bool:
+    """Whether clients under ``config`` leave tensor ``name`` out of their updates because
+    the server sets it itself: the normalisation statistics and their counters under
+    ``norm-stats = global`` (the plan's codec :data:`SERVER`)."""
+    return server_sets_statistics(config) and (is_statistic(name) or is_counter(name))
+
+
 def role_codec(role: str, config: Any, name: str = "") -> str | None:
     """The wire codec of a role under ``config``; None for integers (sent as they are),
     but :data:`SERVER` for a counter (``name`` given) where the server sets the
     statistics it counts for (``norm-stats = global``)."""
     if role == "integer":
-        return SERVER if is_counter(name) and server_sets_statistics(config) else None
+        return SERVER if server_keeps(name, config) else None
     if role == "statistic":
         return SERVER if server_sets_statistics(config) else "raw"
     if role in ("small", "vector"):

@@ -149,12 +149,10 @@ def client_device_choice(cfg: RunConfig, num_clients: int, workers: int | str = 
 
 
 def _round_share_mb(grid: InProcessGrid, cfg: RunConfig) -> float:
-    """The most MiB of one round's states that ``client-states=auto`` keeps in memory:
-    :data:`~fededge.server.nodestates.ROUND_SHARE_MAX` x the budget, or less where a
-    quarter of the memory the process may use is less."""
-    cap = getattr(getattr(grid, "states", None), "memory_cap", None)  # AutoStates: its cap
-    share = ROUND_SHARE_MAX * cfg.client_states_memory_mb
-    return share if cap is None else round(min(share, cap / 2**20), 1)
+    """The most MiB of one round's states that ``client-states=auto`` keeps in memory
+    (:attr:`~fededge.server.nodestates.AutoStates.round_cap`)."""
+    cap = getattr(getattr(grid, "states", None), "round_cap", None)  # AutoStates'
+    return ROUND_SHARE_MAX * cfg.client_states_memory_mb if cap is None else round(cap / 2**20, 1)
 
 
 def gpu_workers(cfg: RunConfig, asked: int, device: str,

@@ -333,8 +333,13 @@ class AutoStates:
         ``memory_cap``); 0 where ``budget_bytes`` is 0 (disk from the first state, as asked)."""
         if not self.budget_bytes:
             return 0
-        round_share = min(self.round_clients * self._largest, ROUND_SHARE_MAX * self.budget_bytes, self.memory_cap)
-        return max(self.budget_bytes, round_share)
+        return max(self.budget_bytes, min(self.round_clients * self._largest, self.round_cap))
+
+    @property
+    def round_cap(self) -> int:
+        """The most bytes of one round's states kept in memory: ``ROUND_SHARE_MAX`` x
+        ``budget_bytes``, or ``memory_cap`` where that is less."""
+        return min(ROUND_SHARE_MAX * self.budget_bytes, self.memory_cap)
 
     def _account(self, node: int, size: int) -> None:
         self._held += size - self._sizes.pop(node, 0)

@@ -35,7 +35,7 @@ from fededge import keys
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.plan import PlanMismatchError, UpdatePlan
-from fededge.compress.roles import SERVER, is_counter, is_statistic, server_sets_statistics
+from fededge.compress.roles import SERVER, server_keeps
 from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
@@ -225,7 +225,7 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
             full[name] = (old.float() + d).to(old.dtype).numpy()
         elif name in raw:
             full[name] = raw[name].numpy()
-        elif expect is not None and server_sets_statistics(expect) and (is_statistic(name) or is_counter(name)):
+        elif expect is not None and server_keeps(name, expect):
             full[name] = old.numpy()  # not sent: the server recalibrates it (NormCalibrated), keeps its counter
         else:
             raise MalformedPayloadError(f"tensor {name!r} of the model is missing from the update")
