@@ -51,7 +51,8 @@ from flwr.serverapp import Grid, ServerApp
 from fededge import _flwr_internals as fi
 from fededge import keys
 from fededge.safefile import bytes_from_tensor, tensor_of_bytes
-from fededge.server.nodestates import DiskStates, NodeStates, make_states
+from fededge.server.nodestates import (INLINE_STATES_MAX, NodeStates, make_states, read_states_file,
+                                      write_states_file)
 from fededge.server.workers import (SUPERLINK_NODE_ID, Job, WorkerPool, error_reply, load_client_app, over_the_wire,
                                     received, run_message, run_message_direct)
 
@@ -284,6 +285,10 @@ class InProcessGrid(Grid):
         if states_file is not None and self.states.disk is not None:
             out["states_file"] = Path(states_file).name
             out["states_sha256"] = self.states.disk.save_file(states_file)
+        elif states_file is not None and self.states.held_bytes() > INLINE_STATES_MAX:
+            out["states_file"] = Path(states_file).name
+            out["states_sha256"] = write_states_file(
+                states_file, ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes()))
         else:
             blobs = ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes())
             out["state_bytes"] = {nid: tensor_of_bytes(blob) for nid, blob in blobs if blob is not None}
@@ -306,16 +311,11 @@ class InProcessGrid(Grid):
             path = Path(states_dir) / str(state["states_file"])
             if not path.is_file():
                 raise ValueError(f"{path}: the checkpoint's client states file is missing")
-            own = self.states.disk
-            disk = own if own is not None else DiskStates(path.parent)
-            try:
-                disk.load_file(path, str(state["states_sha256"]))
-                if disk is not own:  # a grid that keeps its states in memory (for now)
-                    for nid in disk.nodes():
-                        self.states.put_bytes(nid, disk.take_bytes(nid))
-            finally:
-                if disk is not own:
-                    disk.close()
+            if self.states.disk is not None:
+                self.states.disk.load_file(path, str(state["states_sha256"]))
+            else:  # a grid that keeps its states in memory (for now): one row at a time
+                for nid, blob in read_states_file(path, str(state["states_sha256"])):
+                    self.states.put_bytes(nid, blob)
         elif "state_bytes" in state:
             for nid, blob in state["state_bytes"].items():
                 self.states.put_bytes(int(nid), bytes_from_tensor(blob, f"the checkpoint's state of node {nid}"))

@@ -46,7 +46,7 @@ import shutil
 import socket
 import sqlite3
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,9 @@ from fededge import _flwr_internals as fi
 from fededge.config import CLIENT_STATES
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 
-__all__ = ["CLIENT_STATES", "OWNER_LOCK", "PREFIX", "AutoStates", "DiskStates", "MemoryStates", "NodeStates", "collect_orphans",
-           "make_states", "state_from_bytes", "state_to_bytes"]
+__all__ = ["CLIENT_STATES", "INLINE_STATES_MAX", "OWNER_LOCK", "PREFIX", "AutoStates", "DiskStates", "MemoryStates",
+           "NodeStates", "collect_orphans", "make_states", "read_states_file", "state_from_bytes", "state_to_bytes",
+           "write_states_file"]
 
 #: A node's state as bytes and back (:func:`fededge.protocol.recorddict_to_bytes`; the
 #: clients' :class:`~fededge.clients.statestore.StateSpillMod` writes the same).
@@ -116,11 +117,94 @@ class MemoryStates:
         """Nodes that hold a non-empty state."""
         return iter([n for n, s in self._states.items() if len(s)])
 
+    def held_bytes(self) -> int:
+        """The bytes the states hold on the heap (:func:`state_nbytes`)."""
+        return sum(state_nbytes(s) for s in self._states.values() if len(s))
+
     def __len__(self) -> int:
         return sum(1 for _ in self.nodes())
 
     def close(self) -> None:
         self._states.clear()
+
+
+def _states_db(path: Path) -> sqlite3.Connection:
+    """A new SQLite file of node states (the table :class:`DiskStates` reads and writes)."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA page_size=65536")
+        db.execute("PRAGMA journal_mode=OFF")
+        db.execute("PRAGMA synchronous=OFF")
+        db.execute("CREATE TABLE states (node INTEGER PRIMARY KEY, objects BLOB NOT NULL)")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _node_key(node: int) -> int:
+    # SQLite integers are signed 64-bit; Flower's node ids are up to 2**64 - 1.
+    return node - (1 << 64) if node >= 1 << 63 else node
+
+
+def _write_atomically(path: str | os.PathLike[str], fill: Callable[[Path], None]) -> str:
+    """``fill`` a temporary file beside ``path``, fsync it, rename it into place and fsync
+    the directory; return its SHA-256 (hex). A failure leaves no temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        fill(tmp)
+        digest = _sha256(tmp, fsync=True)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return digest
+
+
+def write_states_file(path: str | os.PathLike[str], items: Iterable[tuple[int, bytes | None]]) -> str:
+    """Write ``(node, state bytes)`` pairs (:func:`state_to_bytes`; None: no state) into a
+    states file at ``path``, the format of :meth:`DiskStates.save_file`, one pair at a
+    time; return its SHA-256 (hex). For a checkpoint of states held in memory: a generator
+    of pairs keeps one state serialised at a time, where the checkpoint's body (serialised
+    whole) would hold them all at once, twice."""
+    def fill(tmp: Path) -> None:
+        db = _states_db(tmp)
+        try:
+            for node, blob in items:
+                if blob is not None:
+                    db.execute("INSERT OR REPLACE INTO states (node, objects) VALUES (?, ?)", (_node_key(node), blob))
+        finally:
+            db.close()
+    return _write_atomically(path, fill)
+
+
+def _open_states_file(path: str | os.PathLike[str], sha256: str) -> sqlite3.Connection:
+    """A read-only connection to a states file, after checking its SHA-256 (``ValueError``
+    naming the file when it differs)."""
+    got = _sha256(Path(path))
+    if got != sha256:
+        raise ValueError(f"{path}: the states file is corrupt or not this checkpoint's (sha256 {got[:12]}..., "
+                         f"the checkpoint says {sha256[:12]}...)")
+    return sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+
+
+def read_states_file(path: str | os.PathLike[str], sha256: str) -> Iterator[tuple[int, bytes]]:
+    """The ``(node, state bytes)`` pairs of a states file (:meth:`DiskStates.save_file`,
+    :func:`write_states_file`), one at a time, after checking its SHA-256: a grid that
+    keeps its states in memory reads a checkpoint's side file without copying it."""
+    src = _open_states_file(path, sha256)
+    try:
+        for key, blob in src.execute("SELECT node, objects FROM states ORDER BY rowid"):
+            yield key + (1 << 64) if key < 0 else key, blob
+    finally:
+        src.close()
 
 
 class DiskStates:
@@ -150,11 +234,7 @@ class DiskStates:
             # (64 KiB, set before the table exists) replacing one moves 4 pages, not 48
             # (bench_message_costs on a 2-core EPYC: 0.22 against 0.28 ms a message). A
             # state much under 64 KiB takes a whole page on disk (not measured here).
-            self._db = sqlite3.connect(self.path, isolation_level=None)
-            self._db.execute("PRAGMA page_size=65536")
-            self._db.execute("PRAGMA journal_mode=OFF")
-            self._db.execute("PRAGMA synchronous=OFF")
-            self._db.execute("CREATE TABLE states (node INTEGER PRIMARY KEY, objects BLOB NOT NULL)")
+            self._db = _states_db(self.path)
         except BaseException:
             self.close()
             raise
@@ -165,10 +245,7 @@ class DiskStates:
             raise RuntimeError(f"the node states in {self.dir} were closed")
         return self._db
 
-    @staticmethod
-    def _key(node: int) -> int:
-        # SQLite integers are signed 64-bit; Flower's node ids are up to 2**64 - 1.
-        return node - (1 << 64) if node >= 1 << 63 else node
+    _key = staticmethod(_node_key)
 
     def take_bytes(self, node: int) -> bytes | None:
         """The node's row as stored (:func:`state_to_bytes`), None if it has no state."""
@@ -207,40 +284,27 @@ class DiskStates:
     def __len__(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM states").fetchone()[0])
 
+    def held_bytes(self) -> int:
+        """The bytes of states held on the heap: none (they are in the file)."""
+        return 0
+
     def save_file(self, path: str | os.PathLike[str]) -> str:
         """Copy every state into the SQLite file ``path`` (SQLite's online backup, page by
         page, so memory stays flat whatever the states weigh), fsync'ed and renamed into
         place; return its SHA-256 (hex). For a checkpoint that would otherwise hold every
         state in memory at once."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        try:
+        def fill(tmp: Path) -> None:
             dest = sqlite3.connect(tmp)
             try:
                 self.db.backup(dest)
             finally:
                 dest.close()
-            digest = _sha256(tmp, fsync=True)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        return digest
+        return _write_atomically(path, fill)
 
     def load_file(self, path: str | os.PathLike[str], sha256: str) -> None:
         """Replace every state with those of :meth:`save_file`'s ``path``, after checking
         its SHA-256 (``ValueError`` naming the file when it differs)."""
-        got = _sha256(Path(path))
-        if got != sha256:
-            raise ValueError(f"{path}: the states file is corrupt or not this checkpoint's (sha256 {got[:12]}..., "
-                             f"the checkpoint says {sha256[:12]}...)")
-        src = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+        src = _open_states_file(path, sha256)
         try:
             src.backup(self.db)
         finally:
@@ -273,6 +337,12 @@ def state_nbytes(state: RecordDict) -> int:
         total += sum(len(v) for v in record.values() if isinstance(v, bytes))
     return total
 
+
+#: A checkpoint of the in-process grid holds the states kept in memory in its own body up
+#: to this many bytes (:func:`state_nbytes`); more go to a side file, one state at a time
+#: (:func:`write_states_file`): the body is serialised whole, so inline states would be in
+#: memory three times at its peak (the live states, their bytes, the serialised body).
+INLINE_STATES_MAX = 64 << 20
 
 #: One round's clients' states are kept in memory up to this many times the budget
 #: (``client-states-memory-mb``): 1 GiB by default, so that a run whose rounds sample all
@@ -410,6 +480,10 @@ class AutoStates:
 
     def nodes(self) -> Iterator[int]:
         return self._store.nodes()
+
+    def held_bytes(self) -> int:
+        """The bytes of the states held on the heap (0 once they are on disk)."""
+        return self._held if self.disk is None else 0
 
     def __len__(self) -> int:
         return len(self._store)

@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fededge.cli import main
 from fededge.config import ConfigError, RunConfig
+from fededge.server import grid as grid_module
 from fededge.server.grid import InProcessGrid
 from fededge.server.inprocess import auto_workers, run_inprocess
 from fededge.server.nodestates import AutoStates, DiskStates, make_states, state_nbytes, state_to_bytes
@@ -192,10 +193,14 @@ def test_auto_states_count_each_way_in_and_a_zero_budget_is_disk_from_the_first_
         AutoStates(tmp_path, budget_bytes=-1)
 
 
-@pytest.mark.parametrize("moved", [False, True])
-def test_a_checkpoint_of_auto_states_reads_back_into_any_store(tmp_path, moved):
-    """Before the move the checkpoint holds the states' bytes; after it, a side file (as
-    client-states=disk's). Either reads back into a grid of any kind, equal bit for bit."""
+@pytest.mark.parametrize("case", ["memory", "memory over the inline size", "moved"])
+def test_a_checkpoint_of_auto_states_reads_back_into_any_store(tmp_path, monkeypatch, case):
+    """Before the move the checkpoint holds the states' bytes, or a side file where they
+    pass INLINE_STATES_MAX; after it, a side file (as client-states=disk's). Each reads
+    back into a grid of any kind, equal bit for bit."""
+    moved = case == "moved"
+    if case == "memory over the inline size":
+        monkeypatch.setattr(grid_module, "INLINE_STATES_MAX", state_nbytes(_state(0)) * 3)  # 4 states held
     budget = 0.001 if moved else 1.0  # MiB
     grid = InProcessGrid("fededge.clients.app:app", num_nodes=5, run_config={}, client_states="auto",
                          states_budget_mb=budget)
@@ -205,7 +210,8 @@ def test_a_checkpoint_of_auto_states_reads_back_into_any_store(tmp_path, moved):
             grid.states.put(nid, _state(i))
         assert grid.states.kind == ("disk" if moved else "memory")
         saved = grid.state_dict(states_file=tmp_path / "round-000001.states")
-        assert ("states_file" in saved) == moved and ("state_bytes" in saved) != moved
+        side = case != "memory"
+        assert ("states_file" in saved) == side and ("state_bytes" in saved) != side
         want = {nid: grid.states.take_bytes(nid) for nid in nodes[:4]}
     finally:
         grid.close()
@@ -217,6 +223,47 @@ def test_a_checkpoint_of_auto_states_reads_back_into_any_store(tmp_path, moved):
             assert {nid: back.states.take_bytes(nid) for nid in back.states.nodes()} == want, kind
         finally:
             back.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "auto"])
+def test_a_checkpoint_of_many_states_in_memory_serialises_one_at_a_time(tmp_path, kind):
+    """24 states of 1 MiB held in memory (over INLINE_STATES_MAX's 64 MiB only in total
+    with the patch below): the checkpoint writes them to its side file one at a time, so
+    the Python heap's peak during state_dict stays near one state, where inline it holds
+    all their bytes (and the checkpoint's serialised body would hold them again)."""
+    import tracemalloc
+
+    grid = InProcessGrid("fededge.clients.app:app", num_nodes=24, run_config={}, client_states=kind,
+                         states_budget_mb=1024)
+    try:
+        for i, nid in enumerate(grid.get_node_ids()):
+            grid.states.put(nid, _state(i, floats=1 << 18))  # 1 MiB of float32
+        held = grid.states.held_bytes()
+        assert 24 << 20 < held < 25 << 20 and grid.states.disk is None
+
+        def peak(inline_max: int) -> tuple[int, dict]:
+            grid_module.INLINE_STATES_MAX, before = inline_max, grid_module.INLINE_STATES_MAX
+            tracemalloc.start()
+            try:
+                saved = grid.state_dict(states_file=tmp_path / f"round-{inline_max}.states")
+                return tracemalloc.get_traced_memory()[1], saved
+            finally:
+                tracemalloc.stop()
+                grid_module.INLINE_STATES_MAX = before
+
+        side_peak, side = peak(held - 1)
+        inline_peak, inline = peak(held)
+        assert "states_file" in side and "state_bytes" in inline
+        assert inline_peak > held and side_peak < 3 << 20, (inline_peak, side_peak)
+        want = {int(nid): bytes(t.numpy().tobytes()) for nid, t in inline["state_bytes"].items()}
+    finally:
+        grid.close()
+    back = InProcessGrid("fededge.clients.app:app", num_nodes=24, run_config={}, client_states="memory")
+    try:
+        back.load_state_dict(side, states_dir=tmp_path)
+        assert {nid: back.states.take_bytes(nid) for nid in back.states.nodes()} == want
+    finally:
+        back.close()
 
 
 def test_auto_workers_take_every_core_up_to_a_rounds_clients_and_one_process_where_clients_cannot_spread():
