@@ -78,7 +78,8 @@ def write_checkpoint(run_dir: str | os.PathLike[str], server_round: int, payload
 
 def states_file_for(run_dir: str | os.PathLike[str], server_round: int) -> Path:
     """Where the checkpoint of ``server_round`` keeps a side file of client states (the
-    in-process grid's ``client_states="disk"``); pruned with the checkpoint."""
+    in-process grid's states on disk, or those in memory past
+    :data:`~fededge.server.nodestates.INLINE_STATES_MAX`); pruned with the checkpoint."""
     d = Path(run_dir) / CHECKPOINT_DIR
     d.mkdir(parents=True, exist_ok=True)
     return d / f"round-{server_round:06d}.states"

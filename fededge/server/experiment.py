@@ -486,7 +486,8 @@ class _RoundCloser:
             "partition_of": dict(self.metered.partition_of),
             "traffic": self.metered.state_dict(),
             "checkpoints": list(self.checkpoints),
-            # Disk states go to a side file of the checkpoint, not into its body.
+            # Disk states, and states in memory past INLINE_STATES_MAX, go to a side file of
+            # the checkpoint, not into its body.
             "grid": grid.state_dict(states_file=states_file_for(self.recorder.run_dir, server_round))
             if getattr(grid, "keeps_client_states", False) else None,
         }

@@ -227,8 +227,8 @@ def test_a_checkpoint_of_auto_states_reads_back_into_any_store(tmp_path, monkeyp
 
 @pytest.mark.parametrize("kind", ["memory", "auto"])
 def test_a_checkpoint_of_many_states_in_memory_serialises_one_at_a_time(tmp_path, kind):
-    """24 states of 1 MiB held in memory (over INLINE_STATES_MAX's 64 MiB only in total
-    with the patch below): the checkpoint writes them to its side file one at a time, so
+    """24 states of 1 MiB held in memory, with INLINE_STATES_MAX set just under what they
+    hold (and, for the comparison, at it): the checkpoint writes them to its side file one at a time, so
     the Python heap's peak during state_dict stays near one state, where inline it holds
     all their bytes (and the checkpoint's serialised body would hold them again)."""
     import tracemalloc

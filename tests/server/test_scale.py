@@ -24,12 +24,15 @@ from fededge.server.inprocess import run_inprocess
 from fededge.server.nodestates import (
     OWNER_LOCK,
     PREFIX,
+    AutoStates,
     DiskStates,
     MemoryStates,
     collect_orphans,
     make_states,
+    read_states_file,
     state_from_bytes,
     state_to_bytes,
+    write_states_file,
 )
 from tests.clients import userapp
 
@@ -82,6 +85,42 @@ def test_a_state_spilled_to_disk_and_read_back_equals_the_state_kept_in_memory(t
         disk.take(5)
     with pytest.raises(ValueError, match="'memory', on 'disk' or 'auto'"):
         make_states("ram")
+
+
+def test_a_states_file_written_one_state_at_a_time_reads_back_into_any_store(tmp_path):
+    """write_states_file (a checkpoint of states held in memory) writes what DiskStates
+    reads, unsigned 64-bit node ids included; read_states_file hands the rows back one at
+    a time after checking the file; a failed write leaves nothing behind."""
+    nodes = [5, 2**63 + 11, 2**64 - 1, 2**62]
+    blobs = {node: state_to_bytes(_state(i)) for i, node in enumerate(nodes)}
+    path = tmp_path / "round-000001.states"
+    digest = write_states_file(path, [(n, blobs[n]) for n in nodes] + [(7, None)])  # None: no state
+    assert dict(read_states_file(path, digest)) == blobs
+    disk = DiskStates(tmp_path)
+    try:
+        disk.load_file(path, digest)
+        assert {n: disk.take_bytes(n) for n in disk.nodes()} == blobs
+    finally:
+        disk.close()
+    # An AutoStates that passes its budget while reading moves to disk and loses nothing.
+    auto = AutoStates(tmp_path, budget_bytes=len(blobs[5]) * 3 // 2)
+    try:
+        for n, blob in read_states_file(path, digest):
+            auto.put_bytes(n, blob)
+        assert auto.kind == "disk" and sorted(auto.nodes()) == sorted(nodes)
+        # (a state held in memory before the move was re-serialised: equal, if not byte for byte)
+        assert all(_same(auto.take(n), state_from_bytes(blobs[n])) for n in nodes)
+    finally:
+        auto.close()
+    with pytest.raises(ValueError, match="round-000001.states: the states file is corrupt"):
+        next(read_states_file(path, "0" * 64))
+
+    def failing():
+        yield 1, blobs[5]
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        write_states_file(tmp_path / "round-000002.states", failing())
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == ["round-000001.states"]
 
 
 def test_a_state_as_bytes_reads_back_bit_for_bit_and_rows_of_flowers_objects_still_read(tmp_path):
@@ -349,11 +388,15 @@ def test_a_hundred_thousand_nodes_cost_their_ids_not_their_contexts():
         grid.close()
 
 
-def test_a_checkpoint_keeps_the_disk_states_in_a_side_file_pruned_with_it(tmp_path):
+@pytest.mark.parametrize("states", ["disk", "memory past INLINE_STATES_MAX"])
+def test_a_checkpoint_keeps_the_disk_states_in_a_side_file_pruned_with_it(tmp_path, monkeypatch, states):
+    from fededge.server import grid as grid_module
     from fededge.server.checkpoint import checkpoint_files, read_checkpoint
 
+    if states != "disk":
+        monkeypatch.setattr(grid_module, "INLINE_STATES_MAX", 0)
     run_dir = run_inprocess({**BASE, **RUNS["fedavg-signsgd-ef"], "num-rounds": 4, "checkpoint-every": 1,
-                             "client-states": "disk", "results-dir": str(tmp_path)}, num_clients=12)
+                             "client-states": states.split()[0], "results-dir": str(tmp_path)}, num_clients=12)
     ckpts = checkpoint_files(run_dir)
     assert [p.name for p in ckpts] == ["round-000003.ckpt", "round-000004.ckpt"]
     sides = sorted(p.name for p in (run_dir / "checkpoints").glob("*.states"))
