@@ -121,8 +121,8 @@ def main() -> None:
                   f"{(got['after'] - got['before']) / 1e6:.0f} | {got['ckpt'] / 1e6:.1f} | {got['side'] / 1e6:.1f} | "
                   f"{got['seconds']:.2f} |", flush=True)
         return
-    print(f"| model | clients | checkpoint MB | write s (mean) | round s, no ckpt | round s, ckpt every round "
-          f"| write / round | server-only ckpt MB | node state MB | round s, nodes keep state | nodes / round |")
+    print("| model | clients | checkpoint MB | write s (mean) | round s, no ckpt | round s, ckpt every round "
+          "| write / round | server-only ckpt MB | node state MB | round s, nodes keep state | nodes / round |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["FEDEDGE_STATE_DIR"] = str(Path(tmp) / "state")

@@ -15,7 +15,10 @@
   will parse it): an impossible combination is refused with every bad cell named.
 - **Runs** go ``jobs`` at a time (default: one per core), each a ``fededge run``
   process (the in-process runtime, one torch thread per client), into
-  ``<out>/runs/<cell>/seed-<s>/<run id>/``.
+  ``<out>/runs/<cell>/seed-<s>/<run id>/``. Each takes its share of the machine: of the
+  cores (``--workers``), and of the memory and the GPU's memory
+  (:data:`~fededge.config.RUNS_SHARING_ENV`: ``client-states=auto``'s cap and the
+  worker processes on a GPU), the runs side by side being ``jobs`` or the runs left.
 - **The table**, ``<out>/sweep.json`` and ``<out>/sweep.csv``: per cell, the mean and
   sample standard deviation over seeds of the final accuracy, and of rounds, simulated
   seconds and uplink bytes to ``target-accuracy`` (over the seeds that reached it,
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fededge.config import ConfigError, RunConfig
+from fededge.config import RUNS_SHARING_ENV, ConfigError, RunConfig, runs_sharing
 from fededge.runconfig_text import format_run_config, parse_run_config
 from fededge.tracking import check_installed, parse_log_to
 
@@ -290,6 +293,15 @@ def _command(run: SweepRun, sweep: Sweep, action: str, workers: str = "1") -> li
             "--run-config", format_run_config(run.overrides)]
 
 
+def run_env(at_once: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a sweep's runs: Flower's telemetry off, and
+    :data:`~fededge.config.RUNS_SHARING_ENV` the runs side by side (``at_once``, times the
+    sharing the sweep itself was given), so that each sizes its memory and GPU as its
+    share of the machine, as ``--workers`` gives it its share of the cores."""
+    environ = dict(os.environ if environ is None else environ)
+    return {**environ, "FLWR_TELEMETRY_ENABLED": "0", RUNS_SHARING_ENV: str(at_once * runs_sharing(environ))}
+
+
 def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
               report: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or finish) every run of ``sweep``, ``jobs`` at a time (0: one per core), and
@@ -312,6 +324,8 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
     jobs = jobs or cores
     todo = [(run, run.status()) for run in sweep.runs]
     kept = sum(1 for _, s in todo if s == "done")
+    at_once = max(1, min(jobs, len(todo) - kept))  # runs side by side: each its share of the cores
+    env = run_env(at_once)
     resumed = sum(1 for _, s in todo if s == "resume")
     report(f"sweep: {len(sweep.runs)} runs ({len(sweep.runs) // len(sweep.seeds)} cells x {len(sweep.seeds)} "
            f"seeds), {jobs} at a time, in {sweep.out.resolve()}"
@@ -330,8 +344,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
         log = run.directory / "sweep-run.log"
         started = time.perf_counter()
         with open(log, "a", encoding="utf-8") as out:
-            env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-            proc = subprocess.run(_command(run, sweep, status, str(max(1, cores // jobs))), stdout=out, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.run(_command(run, sweep, status, str(max(1, cores // at_once))), stdout=out, stderr=subprocess.STDOUT, env=env,
                                   preexec_fn=_preexec if sys.platform.startswith("linux") else None)
         done[0] += 1
         bar = _bar(done[0], len(sweep.runs))

@@ -257,7 +257,7 @@ def measure_cuda_footprint(model_fn: Callable[[], nn.Module], input_shape: tuple
 
 
 def processes_that_fit(asked: int, fp: CudaFootprint, *, data_bytes: int = 0, server_on_gpu: bool = False,
-                       margin: float = GPU_MARGIN) -> tuple[int, str]:
+                       margin: float = GPU_MARGIN, sharing: int = 1) -> tuple[int, str]:
     """How many of ``asked`` processes (this one included) can train clients on one GPU
     at once, by its free memory, and why, in a few words.
 
@@ -266,7 +266,10 @@ def processes_that_fit(asked: int, fp: CudaFootprint, *, data_bytes: int = 0, se
     (``data_bytes``) and a received model and a reply (2 x ``fp.model``); each other
     process also its own CUDA context. The server's model, its average's accumulator and
     scratch buffer (3 x ``fp.model``) are here where ``server_on_gpu``. ``margin`` of the
-    GPU's memory stays free. At least one: this process trains its clients in any case.
+    GPU's memory stays free. Where ``sharing`` runs share the machine (a sweep's,
+    :func:`~fededge.config.runs_sharing`), this run takes at most its share of the rest,
+    whatever is free when it starts (the others may not have started yet). At least one:
+    this process trains its clients in any case.
 
     Examples
     --------
@@ -275,16 +278,24 @@ def processes_that_fit(asked: int, fp: CudaFootprint, *, data_bytes: int = 0, se
     (5, '5 of 8 fit in the GPU (10000 B free, 1700 B a process)')
     >>> processes_that_fit(3, fp, margin=0.1)
     (3, '3 fit in the GPU (10000 B free, 1700 B a process)')
+    >>> processes_that_fit(8, fp, margin=0.1, sharing=2)  # (4500 - 1200) // 1700 = 1 more
+    (2, '2 of 8 fit in the GPU (10000 B free, its share 4500 B of 2 runs, 1700 B a process)')
     """
     if asked < 1:
         raise ValueError(f"asked must be >= 1, got {asked}")
+    if sharing < 1:
+        raise ValueError(f"sharing must be >= 1, got {sharing}")
     own = fp.step + data_bytes + 2 * fp.model
     here = own + (3 * fp.model if server_on_gpu else 0)
     other = fp.context + own
-    room = fp.free - margin * fp.total - here
+    usable, share = fp.free - margin * fp.total, ""
+    if sharing > 1 and (1 - margin) * fp.total / sharing < usable:
+        usable = (1 - margin) * fp.total / sharing
+        share = f", its share {_size(int(usable))} of {sharing} runs"
+    room = usable - here
     n = max(1, min(asked, 1 + int(room // other) if room > 0 else 1))
     fits = f"{n} fit" if n == asked else f"{n} of {asked} fit"
-    return n, f"{fits} in the GPU ({_size(fp.free)} free, {_size(other)} a process)"
+    return n, f"{fits} in the GPU ({_size(fp.free)} free{share}, {_size(other)} a process)"
 
 
 def _size(n: float) -> str:

@@ -20,7 +20,7 @@ from flwr.serverapp import ServerApp
 from fededge import keys
 from fededge.clients import device as _device  # its time_sgd_step looked up at call time (tests replace it)
 from fededge.clients.device import DeviceChoice, choose_by_measurement, set_cuda_determinism
-from fededge.config import ConfigError, RunConfig
+from fededge.config import ConfigError, RunConfig, runs_sharing
 from fededge.keys import SERVER_RESULT_KEY
 from fededge.server.app import app as default_server
 from fededge.server.grid import InProcessGrid, run_server
@@ -167,8 +167,9 @@ def gpu_workers(cfg: RunConfig, asked: int, device: str,
     data of up to :data:`~fededge.workload.CLIENT_TENSORS_CACHED` clients on the device
     (any process may run any client), counted as the largest that many of the nodes'
     partitions (``nodes``: each node's ``(partition-id, num-partitions, data-dir)``); the
-    server's model and average are on the GPU too unless ``server-device=cpu``
-    (:func:`~fededge.clients.device.processes_that_fit`)."""
+    server's model and average are on the GPU too unless ``server-device=cpu``; where a
+    sweep runs several runs at once, this one takes its share of the GPU
+    (:func:`~fededge.config.runs_sharing`, :func:`~fededge.clients.device.processes_that_fit`)."""
     import heapq
 
     from fededge.models.zoo import build_model
@@ -189,7 +190,8 @@ def gpu_workers(cfg: RunConfig, asked: int, device: str,
     fp = _device.measure_cuda_footprint(
         lambda: build_model(cfg.model, input_shape=ds.input_shape, num_classes=ds.num_classes, seed=0),
         tuple(ds.input_shape), ds.num_classes, cfg.batch_size, device)
-    return _device.processes_that_fit(asked, fp, data_bytes=data, server_on_gpu=cfg.server_device != "cpu")
+    return _device.processes_that_fit(asked, fp, data_bytes=data, server_on_gpu=cfg.server_device != "cpu",
+                                      sharing=runs_sharing())
 
 
 def run_inprocess(

@@ -58,7 +58,7 @@ except ImportError:  # Windows: no flock; a killed run's directory stays
 from flwr.app import RecordDict
 
 from fededge import _flwr_internals as fi
-from fededge.config import CLIENT_STATES
+from fededge.config import CLIENT_STATES, runs_sharing
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 
 __all__ = ["CLIENT_STATES", "INLINE_STATES_MAX", "OWNER_LOCK", "PREFIX", "AutoStates", "DiskStates", "MemoryStates",
@@ -147,6 +147,11 @@ def _node_key(node: int) -> int:
     return node - (1 << 64) if node >= 1 << 63 else node
 
 
+def _node_of(key: int) -> int:
+    """The node id of a row's key (:func:`_node_key` undone)."""
+    return key + (1 << 64) if key < 0 else key
+
+
 def _write_atomically(path: str | os.PathLike[str], fill: Callable[[Path], None]) -> str:
     """``fill`` a temporary file beside ``path``, fsync it, rename it into place and fsync
     the directory; return its SHA-256 (hex). A failure leaves no temporary file."""
@@ -202,7 +207,7 @@ def read_states_file(path: str | os.PathLike[str], sha256: str) -> Iterator[tupl
     src = _open_states_file(path, sha256)
     try:
         for key, blob in src.execute("SELECT node, objects FROM states ORDER BY rowid"):
-            yield key + (1 << 64) if key < 0 else key, blob
+            yield _node_of(key), blob
     finally:
         src.close()
 
@@ -279,7 +284,7 @@ class DiskStates:
 
     def nodes(self) -> Iterator[int]:
         for (key,) in self.db.execute("SELECT node FROM states ORDER BY rowid").fetchall():
-            yield key + (1 << 64) if key < 0 else key
+            yield _node_of(key)
 
     def __len__(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM states").fetchone()[0])
@@ -359,7 +364,8 @@ class AutoStates:
     largest state seen: every round stores that many states, and a store on disk pays to
     pickle each), the latter at most ``ROUND_SHARE_MAX`` times ``budget_bytes`` and
     ``memory_cap`` (default a quarter of the memory this process may use,
-    :func:`_physical_memory`). The first :meth:`put` that takes them over the budget moves
+    :func:`_physical_memory`, over the runs that share the machine,
+    :func:`~fededge.config.runs_sharing`: a sweep's runs side by side). The first :meth:`put` that takes them over the budget moves
     every state to a :class:`DiskStates` in ``directory``, logged once with the count and
     the size; the store stays on disk for the rest of the run. So a run of a few clients
     never writes a file, and one of ten ResNet clients a round with 45 MB of error
@@ -378,7 +384,8 @@ class AutoStates:
             raise ValueError(f"round_clients must be >= 0, got {round_clients}")
         self.budget_bytes = budget_bytes
         self.round_clients = round_clients
-        self.memory_cap = _physical_memory() // 4 if memory_cap is None else memory_cap
+        self.sharing = runs_sharing()  # a sweep's runs side by side: each its share of the memory
+        self.memory_cap = _physical_memory() // 4 // self.sharing if memory_cap is None else memory_cap
         self._largest = 0  # the largest state seen
         self._directory = directory
         self._memory: MemoryStates | None = MemoryStates()
@@ -439,10 +446,11 @@ class AutoStates:
             return
         log.info("client-states=auto: the states of %d client%s reached %.1f MiB, over the %.1f MiB budget "
                  "(the larger of client-states-memory-mb, %g MiB, and %d clients of a round x %.1f MiB, at most "
-                 "%d x the former and a quarter of the memory); idle clients' states are kept on disk from now on, "
+                 "%d x the former and a quarter of the memory%s); idle clients' states are kept on disk from now on, "
                  "in %s",
                  len(nodes), "" if len(nodes) == 1 else "s", self._held / 2**20, self.budget / 2**20,
-                 self.budget_bytes / 2**20, self.round_clients, self._largest / 2**20, ROUND_SHARE_MAX, disk.dir)
+                 self.budget_bytes / 2**20, self.round_clients, self._largest / 2**20, ROUND_SHARE_MAX,
+                 f" over {self.sharing} runs sharing the machine" if self.sharing > 1 else "", disk.dir)
         memory.close()
         self._memory, self.disk, self._sizes, self._held = None, disk, {}, 0
 

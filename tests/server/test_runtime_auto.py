@@ -482,6 +482,49 @@ def test_a_sweeps_runs_share_the_cores_and_a_resume_keeps_the_runs_device(tmp_pa
     assert meta["inprocess_runtime"].startswith("clients on cpu (auto: the run's own choice); 1 process (as given)")
 
 
+def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsys):
+    """The sweep tells its runs how many run side by side (its jobs, at most the runs
+    left; times its own sharing); a run's client-states=auto cap is its share of a quarter
+    of the memory; a bad value stops with the variable named."""
+    import fededge.server.nodestates as nodestates
+    from fededge.config import RUNS_SHARING_ENV, runs_sharing
+    from fededge.sweep import plan, run_env, run_sweep
+
+    assert runs_sharing({}) == 1 and runs_sharing({RUNS_SHARING_ENV: " 3 "}) == 3
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ConfigError, match=f"FEDEDGE_RUNS_SHARING='{bad}': the number of runs sharing"):
+            runs_sharing({RUNS_SHARING_ENV: bad})
+    env = run_env(4, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "FLWR_TELEMETRY_ENABLED": "0", RUNS_SHARING_ENV: "4"}
+    assert run_env(2, {RUNS_SHARING_ENV: "3"})[RUNS_SHARING_ENV] == "6"  # a sweep inside a share
+    monkeypatch.setattr(nodestates, "_physical_memory", lambda: 64 * 2**30)
+    monkeypatch.setenv(RUNS_SHARING_ENV, "4")
+    store = AutoStates(tmp_path)
+    try:
+        assert store.memory_cap == 4 * 2**30 and store.sharing == 4
+    finally:
+        store.close()
+    monkeypatch.delenv(RUNS_SHARING_ENV)
+    store = AutoStates(tmp_path)
+    try:
+        assert store.memory_cap == 16 * 2**30 and store.sharing == 1
+    finally:
+        store.close()
+    # A sweep of two runs at --jobs 8: both side by side, each told 2 and half the cores.
+    seen = []
+
+    def fake_run(cmd, *, env, **kw):  # noqa: ANN001, ANN202
+        seen.append((cmd[cmd.index("--workers") + 1] if "--workers" in cmd else None, env[RUNS_SHARING_ENV]))
+        return __import__("subprocess").CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr("fededge.sweep.subprocess.run", fake_run)
+    monkeypatch.setattr("fededge.sweep.os.cpu_count", lambda: 8)
+    sweep = plan(tmp_path / "sw", {"local-steps": [1, 2]}, [0], base={"num-rounds": 1}, num_clients=4)
+    with pytest.raises(Exception, match="2 of 2 runs failed"):
+        run_sweep(sweep, jobs=8, report=lambda line: None)
+    assert seen == [("4", "2"), ("4", "2")]
+
+
 # ---------------------------------------------------------------- several processes on one GPU (item 4)
 
 def test_the_processes_on_a_gpu_are_as_many_as_its_free_memory_holds():
@@ -509,6 +552,18 @@ def test_the_processes_on_a_gpu_are_as_many_as_its_free_memory_holds():
     assert counts == sorted(counts, reverse=True) and counts[-3:] == [1, 1, 1]
     with pytest.raises(ValueError, match="asked must be >= 1"):
         processes_that_fit(0, fp)
+    # Runs sharing the machine (a sweep's): each takes at most its share of the 90 %, free or not.
+    share = 72 * gib / 4 - own - 3 * fp.model
+    got = processes_that_fit(64, fp, server_on_gpu=True, sharing=4)
+    assert got[0] == 1 + int(share // (fp.context + own)) < 1 + more
+    assert got[1].endswith(f"(80.0 GiB free, its share 18.0 GiB of 4 runs, {(fp.context + own) / gib:.1f} GiB a process)")
+    # ... and no more than is free when it starts (the others' processes already there).
+    half_taken = CudaFootprint(fp.context, fp.step, fp.model, free=20 * gib, total=80 * gib)
+    assert processes_that_fit(64, half_taken, server_on_gpu=True, sharing=2) == processes_that_fit(
+        64, half_taken, server_on_gpu=True)
+    assert processes_that_fit(64, fp, sharing=1) == processes_that_fit(64, fp)
+    with pytest.raises(ValueError, match="sharing must be >= 1"):
+        processes_that_fit(8, fp, sharing=0)
 
 
 def test_the_gpu_processes_are_sized_with_the_runs_model_batch_and_largest_partitions(monkeypatch):
