@@ -436,15 +436,18 @@ DEVICE_SHARE = 0.25
 
 def _within_budget(device: Any, size: int) -> bool:
     """Whether ``size`` more bytes of TensorArrays fit on ``device``: always on the CPU
-    (tests); on a GPU, within :data:`DEVICE_SHARE` of its memory with what is held, and
-    with twice ``size`` free."""
+    (tests); on a GPU, within :data:`DEVICE_SHARE` of its memory with what is held (over
+    the runs that share the machine, :func:`~fededge.machine.runs_sharing`), and with
+    twice ``size`` free."""
     if device.type != "cuda":
         return True
     import torch
 
+    from fededge.machine import runs_sharing  # a sweep's runs side by side: each its share
+
     free, total = torch.cuda.mem_get_info(device)
     with _held_lock:
-        return free >= 2 * size and _held.get(device, 0) + size <= DEVICE_SHARE * total
+        return free >= 2 * size and _held.get(device, 0) + size <= DEVICE_SHARE * total / runs_sharing()
 
 
 def _release(device: Any, size: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,8 +40,7 @@ from fededge.models.zoo import MODELS, is_model_name
 from fededge.netem.runclock import ClockConfig
 from fededge.results_config import ResultsConfig
 
-__all__ = ["CLIENT_STATES", "ConfigError", "OWNED", "RUNS_SHARING_ENV", "RunConfig", "STRATEGIES", "DEVICES",
-           "GOSSIP_ALGORITHMS", "runs_sharing"]
+__all__ = ["CLIENT_STATES", "ConfigError", "OWNED", "RunConfig", "STRATEGIES", "DEVICES", "GOSSIP_ALGORITHMS"]
 
 #: The built-in strategies (``strategy=...``): each is one record of :mod:`fededge.catalog`,
 #: which also holds those a user registers (:func:`fededge.catalog.register_strategy`).
@@ -50,26 +48,6 @@ STRATEGIES: tuple[str, ...] = BUILTIN_NAMES
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 #: Where nodes keep their ``context.state`` between messages (``client-states``).
 CLIENT_STATES: tuple[str, ...] = ("memory", "disk", "auto")
-#: How many runs share this machine at once: ``fededge sweep`` sets it for each run it
-#: starts (its ``--jobs``, at most the runs left). A run then sizes what it takes of the
-#: machine's memory (``client-states=auto``'s cap, :class:`~fededge.server.nodestates.AutoStates`)
-#: and of its GPU's (worker processes on one GPU, :func:`~fededge.clients.device.processes_that_fit`)
-#: as its share, not the whole. It changes where states are kept and how many processes
-#: run, never a result.
-RUNS_SHARING_ENV = "FEDEDGE_RUNS_SHARING"
-
-
-def runs_sharing(environ: Mapping[str, str] | None = None) -> int:
-    """:data:`RUNS_SHARING_ENV` (1 where unset); :class:`ConfigError` naming it where it
-    is not a whole number >= 1."""
-    raw = (os.environ if environ is None else environ).get(RUNS_SHARING_ENV, "").strip()
-    if not raw:
-        return 1
-    n = int(raw) if raw.isdigit() else 0
-    if n < 1:
-        raise ConfigError(f"{RUNS_SHARING_ENV}={raw!r}: the number of runs sharing this machine must be a whole "
-                          "number >= 1 (fededge sweep sets it to the runs it starts at once); unset it for a run alone")
-    return n
 
 T = TypeVar("T")
 

@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fededge.config import RUNS_SHARING_ENV, ConfigError, RunConfig, runs_sharing
+from fededge.config import ConfigError, RunConfig
+from fededge.machine import RUNS_SHARING_ENV, runs_sharing, usable_cores
 from fededge.runconfig_text import format_run_config, parse_run_config
 from fededge.tracking import check_installed, parse_log_to
 
@@ -306,6 +307,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
               report: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or finish) every run of ``sweep``, ``jobs`` at a time (0: one per core), and
     write the table. Returns what ``sweep.json`` holds."""
+    runs_sharing()  # a bad FEDEDGE_RUNS_SHARING stops here, before anything is written
     labels = list(dict.fromkeys(cell_label(r.cell) for r in sweep.runs))
     if baseline is not None and baseline not in labels:
         raise SweepError(f"baseline {baseline!r} is not a cell; the cells: {'; '.join(labels)}")
@@ -320,7 +322,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
     else:
         spec_file.write_text(json.dumps(spec, indent=2) + "\n")
     _prepare_mlflow(sweep)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # this process's (its share, where the sweep itself shares the machine)
     jobs = jobs or cores
     todo = [(run, run.status()) for run in sweep.runs]
     kept = sum(1 for _, s in todo if s == "done")
@@ -328,7 +330,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
     env = run_env(at_once)
     resumed = sum(1 for _, s in todo if s == "resume")
     report(f"sweep: {len(sweep.runs)} runs ({len(sweep.runs) // len(sweep.seeds)} cells x {len(sweep.seeds)} "
-           f"seeds), {jobs} at a time, in {sweep.out.resolve()}"
+           f"seeds), {at_once} at a time, in {sweep.out.resolve()}"
            + (f"; {kept} finished before, kept" if kept else "") + (f"; {resumed} to resume" if resumed else ""))
     done = [kept]
     failures: list[str] = []

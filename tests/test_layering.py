@@ -40,6 +40,7 @@ PURE = {
     "fededge.config": "the run config, parsed once, testable without a runtime",
     "fededge.results_config": "what a run writes and where (ResultsConfig), read by the run config",
     "fededge.settings": "one rule for settings given as one object or as keywords",
+    "fededge.machine": "the cores a run may use and how many runs share the machine",
     "fededge.wrapping": "how a wrapper is followed to what it wraps (inner), one protocol",
     "fededge.catalog": "the selectable strategies, one record each, read by the run config",
     "fededge.keys": "record and config names, readable by pure code and other languages",

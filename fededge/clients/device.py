@@ -267,7 +267,7 @@ def processes_that_fit(asked: int, fp: CudaFootprint, *, data_bytes: int = 0, se
     process also its own CUDA context. The server's model, its average's accumulator and
     scratch buffer (3 x ``fp.model``) are here where ``server_on_gpu``. ``margin`` of the
     GPU's memory stays free. Where ``sharing`` runs share the machine (a sweep's,
-    :func:`~fededge.config.runs_sharing`), this run takes at most its share of the rest,
+    :func:`~fededge.machine.runs_sharing`), this run takes at most its share of the rest,
     whatever is free when it starts (the others may not have started yet). At least one:
     this process trains its clients in any case.
 

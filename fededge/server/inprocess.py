@@ -8,8 +8,6 @@ config, checks the clients' data split and runs fededge's apps (or the given one
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -20,8 +18,9 @@ from flwr.serverapp import ServerApp
 from fededge import keys
 from fededge.clients import device as _device  # its time_sgd_step looked up at call time (tests replace it)
 from fededge.clients.device import DeviceChoice, choose_by_measurement, set_cuda_determinism
-from fededge.config import ConfigError, RunConfig, runs_sharing
+from fededge.config import ConfigError, RunConfig
 from fededge.keys import SERVER_RESULT_KEY
+from fededge.machine import runs_sharing, usable_cores
 from fededge.server.app import app as default_server
 from fededge.server.grid import InProcessGrid, run_server
 from fededge.server.nodestates import ROUND_SHARE_MAX
@@ -32,36 +31,6 @@ __all__ = ["DEFAULT_CLIENT_APP", "auto_workers", "client_device_choice", "gpu_wo
 
 #: fededge's ClientApp, as workers import it.
 DEFAULT_CLIENT_APP = "fededge.clients.app:app"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity (a container's cpuset,
-    ``taskset``; ``os.cpu_count()`` where there is none), lowered to a cgroup's CPU quota
-    (``docker --cpus``, a Kubernetes CPU limit), rounded up."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        cores = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        cores = min(cores, math.ceil(quota))
-    return max(1, cores)
-
-
-def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """The CPUs a cgroup's quota allows this process (cgroup v2 ``cpu.max``, v1
-    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), None where there is no quota."""
-    try:
-        quota, period = Path(root, "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
-        period_us = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
-        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
-    except (OSError, ValueError):
-        return None
 
 
 def auto_workers(cfg: RunConfig, num_clients: int, *, by_reference: bool = True,
@@ -89,10 +58,13 @@ def auto_workers(cfg: RunConfig, num_clients: int, *, by_reference: bool = True,
         cuda = torch_cuda_available()
     if cfg.device.startswith("cuda") or (cfg.device == "auto" and cuda):
         return 1, "the clients train on CUDA, in this process"
+    sharing = runs_sharing() if cores is None else 1
     cores = usable_cores() if cores is None else cores
     per_round = _per_round(cfg, num_clients)
     n = max(1, min(cores, per_round))
-    return n, f"{cores} usable core{'s' if cores != 1 else ''}, {per_round} client{'s' if per_round != 1 else ''} a round"
+    share = f" (this run's share: {sharing} runs share the machine)" if sharing > 1 else ""
+    return n, (f"{cores} usable core{'s' if cores != 1 else ''}{share}, "
+               f"{per_round} client{'s' if per_round != 1 else ''} a round")
 
 
 def torch_cuda_available() -> bool:
@@ -169,7 +141,7 @@ def gpu_workers(cfg: RunConfig, asked: int, device: str,
     partitions (``nodes``: each node's ``(partition-id, num-partitions, data-dir)``); the
     server's model and average are on the GPU too unless ``server-device=cpu``; where a
     sweep runs several runs at once, this one takes its share of the GPU
-    (:func:`~fededge.config.runs_sharing`, :func:`~fededge.clients.device.processes_that_fit`)."""
+    (:func:`~fededge.machine.runs_sharing`, :func:`~fededge.clients.device.processes_that_fit`)."""
     import heapq
 
     from fededge.models.zoo import build_model
@@ -245,6 +217,7 @@ def run_inprocess(
     from fededge.clients.app import app as default_client
 
     cfg = RunConfig.from_mapping(dict(overrides or {}))  # fail early, naming the key
+    runs_sharing()  # and a bad FEDEDGE_RUNS_SHARING, naming it
     cpr = cfg.clients_per_round
     for key, want in (("clients-per-round", cpr if isinstance(cpr, int) else 0),
                       ("min-available-nodes", cfg.min_available_nodes)):

@@ -58,7 +58,8 @@ except ImportError:  # Windows: no flock; a killed run's directory stays
 from flwr.app import RecordDict
 
 from fededge import _flwr_internals as fi
-from fededge.config import CLIENT_STATES, runs_sharing
+from fededge.config import CLIENT_STATES
+from fededge.machine import runs_sharing
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 
 __all__ = ["CLIENT_STATES", "INLINE_STATES_MAX", "OWNER_LOCK", "PREFIX", "AutoStates", "DiskStates", "MemoryStates",
@@ -365,7 +366,7 @@ class AutoStates:
     pickle each), the latter at most ``ROUND_SHARE_MAX`` times ``budget_bytes`` and
     ``memory_cap`` (default a quarter of the memory this process may use,
     :func:`_physical_memory`, over the runs that share the machine,
-    :func:`~fededge.config.runs_sharing`: a sweep's runs side by side). The first :meth:`put` that takes them over the budget moves
+    :func:`~fededge.machine.runs_sharing`: a sweep's runs side by side). The first :meth:`put` that takes them over the budget moves
     every state to a :class:`DiskStates` in ``directory``, logged once with the count and
     the size; the store stays on disk for the rest of the run. So a run of a few clients
     never writes a file, and one of ten ResNet clients a round with 45 MB of error
@@ -384,7 +385,7 @@ class AutoStates:
             raise ValueError(f"round_clients must be >= 0, got {round_clients}")
         self.budget_bytes = budget_bytes
         self.round_clients = round_clients
-        self.sharing = runs_sharing()  # a sweep's runs side by side: each its share of the memory
+        self.sharing = runs_sharing() if memory_cap is None else 1  # a sweep's runs: each its share of the memory
         self.memory_cap = _physical_memory() // 4 // self.sharing if memory_cap is None else memory_cap
         self._largest = 0  # the largest state seen
         self._directory = directory

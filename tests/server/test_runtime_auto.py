@@ -21,6 +21,13 @@ from fededge.server.nodestates import AutoStates, DiskStates, make_states, state
 MIB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def _alone_on_the_machine(monkeypatch):
+    """These tests size memory, cores and GPUs for a run alone, whatever the caller's
+    environment says (FEDEDGE_RUNS_SHARING)."""
+    monkeypatch.delenv("FEDEDGE_RUNS_SHARING", raising=False)
+
+
 def _state(seed: int, floats: int = 1000) -> RecordDict:
     g = torch.Generator().manual_seed(seed)
     return RecordDict({"ef": ArrayRecord({"w": torch.randn(floats, generator=g)}),
@@ -453,7 +460,7 @@ def test_a_move_to_disk_that_fails_keeps_the_states_in_memory_and_says_so_once(t
 
 
 def test_usable_cores_follow_a_cgroup_cpu_quota(tmp_path):
-    from fededge.server.inprocess import _cgroup_cpu_quota
+    from fededge.machine import _cgroup_cpu_quota
 
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert _cgroup_cpu_quota(str(tmp_path)) == 1.5
@@ -487,11 +494,11 @@ def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsy
     left; times its own sharing); a run's client-states=auto cap is its share of a quarter
     of the memory; a bad value stops with the variable named."""
     import fededge.server.nodestates as nodestates
-    from fededge.config import RUNS_SHARING_ENV, runs_sharing
+    from fededge.machine import RUNS_SHARING_ENV, runs_sharing
     from fededge.sweep import plan, run_env, run_sweep
 
     assert runs_sharing({}) == 1 and runs_sharing({RUNS_SHARING_ENV: " 3 "}) == 3
-    for bad in ("0", "-2", "two", "1.5"):
+    for bad in ("0", "-2", "two", "1.5", "\u00b2"):
         with pytest.raises(ConfigError, match=f"FEDEDGE_RUNS_SHARING='{bad}': the number of runs sharing"):
             runs_sharing({RUNS_SHARING_ENV: bad})
     env = run_env(4, {"PATH": "/bin"})
@@ -510,6 +517,29 @@ def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsy
         assert store.memory_cap == 16 * 2**30 and store.sharing == 1
     finally:
         store.close()
+    # Cores: this run's share (its workers=auto, a sweep's own jobs); replies kept on a GPU.
+    import fededge.arrays as arrays
+    import fededge.machine as machine
+
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(machine, "_cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (100 * MIB, 100 * MIB))
+    gpu = torch.device("cuda", 0)  # mem_get_info replaced: no GPU needed
+    assert machine.usable_cores() == 8 and arrays._within_budget(gpu, 20 * MIB)
+    monkeypatch.setenv(RUNS_SHARING_ENV, "3")
+    assert machine.usable_cores() == 2 and machine.usable_cores(shared=False) == 8
+    assert auto_workers(RunConfig(clients_per_round=100), 1000, cuda=False) == (
+        2, "2 usable cores (this run's share: 3 runs share the machine), 100 clients a round")
+    assert not arrays._within_budget(gpu, 20 * MIB) and arrays._within_budget(gpu, 8 * MIB)  # 25 MiB / 3
+    # A bad value stops a sweep before it writes anything, and a run before it starts.
+    monkeypatch.setenv(RUNS_SHARING_ENV, "many")
+    with pytest.raises(ConfigError, match="FEDEDGE_RUNS_SHARING='many'"):
+        run_sweep(plan(tmp_path / "bad", {"local-steps": [1]}, [0], base={"num-rounds": 1}, num_clients=4),
+                  report=lambda line: None)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ConfigError, match="FEDEDGE_RUNS_SHARING='many'"):
+        run_inprocess({"num-rounds": 1, "results-dir": str(tmp_path / "r")}, num_clients=2)
+    monkeypatch.delenv(RUNS_SHARING_ENV)
     # A sweep of two runs at --jobs 8: both side by side, each told 2 and half the cores.
     seen = []
 
@@ -518,7 +548,7 @@ def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsy
         return __import__("subprocess").CompletedProcess(cmd, 1)
 
     monkeypatch.setattr("fededge.sweep.subprocess.run", fake_run)
-    monkeypatch.setattr("fededge.sweep.os.cpu_count", lambda: 8)
+    monkeypatch.setattr("fededge.sweep.usable_cores", lambda: 8)
     sweep = plan(tmp_path / "sw", {"local-steps": [1, 2]}, [0], base={"num-rounds": 1}, num_clients=4)
     with pytest.raises(Exception, match="2 of 2 runs failed"):
         run_sweep(sweep, jobs=8, report=lambda line: None)
