@@ -15,10 +15,10 @@
   will parse it): an impossible combination is refused with every bad cell named.
 - **Runs** go ``jobs`` at a time (default: one per core), each a ``fededge run``
   process (the in-process runtime, one torch thread per client), into
-  ``<out>/runs/<cell>/seed-<s>/<run id>/``. Each takes its share of the machine: of the
-  cores (``--workers``), and of the memory and the GPU's memory
-  (:data:`~fededge.config.RUNS_SHARING_ENV`: ``client-states=auto``'s cap and the
-  worker processes on a GPU), the runs side by side being ``jobs`` or the runs left.
+  ``<out>/runs/<cell>/seed-<s>/<run id>/``. Each takes its share of the machine
+  (:data:`~fededge.machine.RUNS_SHARING_ENV`, the runs side by side being ``jobs`` or the
+  runs left): of the cores (``--workers auto``: one process where its clients train on
+  CUDA or as a cohort), the memory (``client-states=auto``'s cap) and the GPU's memory.
 - **The table**, ``<out>/sweep.json`` and ``<out>/sweep.csv``: per cell, the mean and
   sample standard deviation over seeds of the final accuracy, and of rounds, simulated
   seconds and uplink bytes to ``target-accuracy`` (over the seeds that reached it,
@@ -284,9 +284,11 @@ def _preexec() -> None:  # pragma: no cover - runs in the child
         pass
 
 
-def _command(run: SweepRun, sweep: Sweep, action: str, workers: str = "1") -> list[str]:
-    """The command of one run. ``workers``: its processes (``fededge run --workers``); the
-    sweep's ``jobs`` runs share the cores, so each gets its share, not every core."""
+def _command(run: SweepRun, sweep: Sweep, action: str, workers: str = "auto") -> list[str]:
+    """The command of one run. ``workers``: its processes (``fededge run --workers``):
+    ``auto`` takes the run's share of the cores (the sweep's runs side by side share them,
+    :data:`~fededge.machine.RUNS_SHARING_ENV`), one process where its clients train on
+    CUDA or as a cohort."""
     exe = [sys.executable, "-m", "fededge.cli"]
     if action == "resume":
         return [*exe, "resume", str(run.run_dir())]
@@ -296,9 +298,9 @@ def _command(run: SweepRun, sweep: Sweep, action: str, workers: str = "1") -> li
 
 def run_env(at_once: int, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a sweep's runs: Flower's telemetry off, and
-    :data:`~fededge.config.RUNS_SHARING_ENV` the runs side by side (``at_once``, times the
+    :data:`~fededge.machine.RUNS_SHARING_ENV` the runs side by side (``at_once``, times the
     sharing the sweep itself was given), so that each sizes its memory and GPU as its
-    share of the machine, as ``--workers`` gives it its share of the cores."""
+    share of the machine, its cores too (``--workers auto``)."""
     environ = dict(os.environ if environ is None else environ)
     return {**environ, "FLWR_TELEMETRY_ENABLED": "0", RUNS_SHARING_ENV: str(at_once * runs_sharing(environ))}
 
@@ -322,11 +324,10 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
     else:
         spec_file.write_text(json.dumps(spec, indent=2) + "\n")
     _prepare_mlflow(sweep)
-    cores = usable_cores()  # this process's (its share, where the sweep itself shares the machine)
-    jobs = jobs or cores
+    jobs = jobs or usable_cores()  # this process's (its share, where the sweep itself shares the machine)
     todo = [(run, run.status()) for run in sweep.runs]
     kept = sum(1 for _, s in todo if s == "done")
-    at_once = max(1, min(jobs, len(todo) - kept))  # runs side by side: each its share of the cores
+    at_once = max(1, min(jobs, len(todo) - kept))  # runs side by side: each its share of the machine
     env = run_env(at_once)
     resumed = sum(1 for _, s in todo if s == "resume")
     report(f"sweep: {len(sweep.runs)} runs ({len(sweep.runs) // len(sweep.seeds)} cells x {len(sweep.seeds)} "
@@ -346,7 +347,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 0, baseline: str | None = None,
         log = run.directory / "sweep-run.log"
         started = time.perf_counter()
         with open(log, "a", encoding="utf-8") as out:
-            proc = subprocess.run(_command(run, sweep, status, str(max(1, cores // at_once))), stdout=out, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.run(_command(run, sweep, status), stdout=out, stderr=subprocess.STDOUT, env=env,
                                   preexec_fn=_preexec if sys.platform.startswith("linux") else None)
         done[0] += 1
         bar = _bar(done[0], len(sweep.runs))

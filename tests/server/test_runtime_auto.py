@@ -480,8 +480,8 @@ def test_a_sweeps_runs_share_the_cores_and_a_resume_keeps_the_runs_device(tmp_pa
     from fededge.sweep import _command, plan
 
     sweep = plan(tmp_path / "sw", {"compressor": ["none"]}, [0], base={"num-rounds": 1}, num_clients=4)
-    cmd = _command(sweep.runs[0], sweep, "run", "3")
-    assert cmd[cmd.index("--workers") + 1] == "3"
+    cmd = _command(sweep.runs[0], sweep, "run")
+    assert cmd[cmd.index("--workers") + 1] == "auto"  # the run's share (FEDEDGE_RUNS_SHARING)
     out = run_inprocess({"num-rounds": 1, "local-steps": 2, "model": "mlp", "progress": "off",
                          "results-dir": str(tmp_path / "r")}, num_clients=2, client_device="cpu")
     meta = json.loads((out / "config.json").read_text())
@@ -540,7 +540,7 @@ def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsy
     with pytest.raises(ConfigError, match="FEDEDGE_RUNS_SHARING='many'"):
         run_inprocess({"num-rounds": 1, "results-dir": str(tmp_path / "r")}, num_clients=2)
     monkeypatch.delenv(RUNS_SHARING_ENV)
-    # A sweep of two runs at --jobs 8: both side by side, each told 2 and half the cores.
+    # A sweep of two runs at --jobs 8: both side by side, each told 2 (its workers=auto: half the cores).
     seen = []
 
     def fake_run(cmd, *, env, **kw):  # noqa: ANN001, ANN202
@@ -552,7 +552,7 @@ def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsy
     sweep = plan(tmp_path / "sw", {"local-steps": [1, 2]}, [0], base={"num-rounds": 1}, num_clients=4)
     with pytest.raises(Exception, match="2 of 2 runs failed"):
         run_sweep(sweep, jobs=8, report=lambda line: None)
-    assert seen == [("4", "2"), ("4", "2")]
+    assert seen == [("auto", "2"), ("auto", "2")]
 
 
 # ---------------------------------------------------------------- several processes on one GPU (item 4)
