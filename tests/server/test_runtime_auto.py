@@ -489,7 +489,7 @@ def test_a_sweeps_runs_share_the_cores_and_a_resume_keeps_the_runs_device(tmp_pa
     assert meta["inprocess_runtime"].startswith("clients on cpu (auto: the run's own choice); 1 process (as given)")
 
 
-def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch, capsys):
+def test_a_sweeps_runs_share_the_memory_and_the_gpu(tmp_path, monkeypatch):
     """The sweep tells its runs how many run side by side (its jobs, at most the runs
     left; times its own sharing); a run's client-states=auto cap is its share of a quarter
     of the memory; a bad value stops with the variable named."""
