@@ -287,15 +287,13 @@ class InProcessGrid(Grid):
             raise RuntimeError(f"a checkpoint of the in-process grid needs no message in flight; "
                                f"{len(self._pending)} pending, {len(self._replies)} replies not pulled")
         out: dict[str, Any] = {"nodes": list(self._index), "messages_run": self.messages_run}
-        if states_file is not None and self.states.disk is not None:
+        disk = self.states.disk
+        blobs = ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes())  # one at a time
+        if states_file is not None and (disk is not None or self.states.held_bytes() > INLINE_STATES_MAX):
             out["states_file"] = Path(states_file).name
-            out["states_sha256"] = self.states.disk.save_file(states_file)
-        elif states_file is not None and self.states.held_bytes() > INLINE_STATES_MAX:
-            out["states_file"] = Path(states_file).name
-            out["states_sha256"] = write_states_file(
-                states_file, ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes()))
+            out["states_sha256"] = disk.save_file(states_file) if disk is not None else \
+                write_states_file(states_file, blobs)
         else:
-            blobs = ((nid, self.states.take_bytes(nid)) for nid in self.states.nodes())
             out["state_bytes"] = {nid: tensor_of_bytes(blob) for nid, blob in blobs if blob is not None}
         return out
 

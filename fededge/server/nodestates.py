@@ -61,6 +61,7 @@ from fededge import _flwr_internals as fi
 from fededge.config import CLIENT_STATES
 from fededge.machine import runs_sharing
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
+from fededge.safefile import fsync_dir
 
 __all__ = ["CLIENT_STATES", "INLINE_STATES_MAX", "OWNER_LOCK", "PREFIX", "AutoStates", "DiskStates", "MemoryStates",
            "NodeStates", "collect_orphans", "make_states", "read_states_file", "state_from_bytes", "state_to_bytes",
@@ -166,11 +167,7 @@ def _write_atomically(path: str | os.PathLike[str], fill: Callable[[Path], None]
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(path.parent)
     return digest
 
 
@@ -289,10 +286,6 @@ class DiskStates:
 
     def __len__(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM states").fetchone()[0])
-
-    def held_bytes(self) -> int:
-        """The bytes of states held on the heap: none (they are in the file)."""
-        return 0
 
     def save_file(self, path: str | os.PathLike[str]) -> str:
         """Copy every state into the SQLite file ``path`` (SQLite's online backup, page by
@@ -492,7 +485,7 @@ class AutoStates:
 
     def held_bytes(self) -> int:
         """The bytes of the states held on the heap (0 once they are on disk)."""
-        return self._held if self.disk is None else 0
+        return self._held
 
     def __len__(self) -> int:
         return len(self._store)
