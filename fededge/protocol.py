@@ -94,11 +94,13 @@ def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
     """A model cast by the ``downlink`` codec (``fp16``, ``bf16``), as the records a
     message carries instead of ``arrays``: the bundle of its float tensors' payloads
     (``compressed-down``) and its other tensors as they are (``arrays-uncompressed``, only
-    if there are any). :func:`decode_downlink` turns them back into ``arrays``."""
+    if there are any): integers, and under ``fp16`` a float tensor with a finite value
+    past its range (|x| > 65504, e.g. a running variance of unscaled inputs), which
+    fp16 cannot carry. :func:`decode_downlink` turns them back into ``arrays``."""
     codec = build_codec(downlink)
     payloads, raw = {}, {}
     for name, t in record_to_torch(arrays).items():
-        if t.is_floating_point():
+        if t.is_floating_point() and not (downlink == "fp16" and _past_fp16(t)):
             payloads[name] = codec.encode(t)
         else:
             raw[name] = from_torch(t)
@@ -106,6 +108,13 @@ def cast_downlink(arrays: ArrayRecord, downlink: str) -> dict[str, ArrayRecord]:
     if raw:
         records[keys.UNCOMPRESSED] = ArrayRecord(raw)
     return records
+
+
+def _past_fp16(t: Any) -> bool:
+    """Whether float tensor ``t``, finite, holds a value float16 rounds to Inf."""
+    import torch
+
+    return bool(torch.isfinite(t).all()) and not bool(torch.isfinite(t.to(torch.float16)).all())
 
 
 def decode_downlink(content: RecordDict) -> RecordDict:

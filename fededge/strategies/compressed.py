@@ -32,10 +32,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import keys
-from fededge.arrays import record_from_torch, record_to_torch
+from fededge.arrays import from_torch, record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.compress.plan import PlanMismatchError, UpdatePlan
-from fededge.compress.roles import SERVER, server_keeps
+from fededge.compress.roles import SERVER, is_counter, is_statistic, server_keeps
 from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
@@ -122,6 +122,15 @@ class Compressed(DelegatesEvaluation):
         self._sent: dict[int, dict[str, torch.Tensor]] = {}
         self._stats = CompressionStats()
         self._reported = False  # someone takes the stats (and reports the rejections)
+        # name -> the integer dtype of a tensor the clients hold as integers (BatchNorm's
+        # counters, a user's integer buffers): Flower's average makes it a float64, which
+        # the plan would then give a codec (the clients' as-is tensor refused from round
+        # 2) and a cast downlink would round (and overflow, under fp16). Kept an integer.
+        self._integers: dict[str, torch.dtype] = {}
+        #: set by a NormCalibrated around this wrapper: the server recalibrates the
+        #: statistics, so a reply without them (``norm-stats=global`` clients) keeps the
+        #: server's where ``update`` is not given to say so
+        self.server_sets_statistics = False
 
     def take_stats(self) -> CompressionStats:
         """The counts since the previous call (one round, when called once a round). A
@@ -142,6 +151,8 @@ class Compressed(DelegatesEvaluation):
     # -- Strategy ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        self._integers.update(integer_dtypes(arrays))
+        arrays = with_integers(arrays, self._integers)
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         if self.downlink == "none":
             self._sent = {server_round: record_to_torch(arrays)}  # only this round's base
@@ -171,9 +182,12 @@ class Compressed(DelegatesEvaluation):
                     if base is None:
                         raise RuntimeError(f"round {server_round}: compressed replies but no arrays were sent")
                     r.content = decode_compressed(r.content, base, self._stats, expect=self.update,
-                                                  server_round=server_round)
+                                                  server_round=server_round,
+                                                  keep_statistics=self.server_sets_statistics)
                 else:
                     check_uncompressed(self.update, server_round)
+                if keys.ARRAYS in r.content:
+                    self._integers.update(integer_dtypes(r.content[keys.ARRAYS]))
                 kept.append(r)
             except (MalformedPayloadError, CodecMismatchError) as err:
                 reason = f"node {r.metadata.src_node_id}: {err}"
@@ -188,17 +202,56 @@ class Compressed(DelegatesEvaluation):
             raise CodecMismatchError(
                 f"round {server_round}: every client update was refused: {mismatches[0]}. Give the "
                 f"clients' CompressionMod and the server's Compressed(..., update=...) the same UpdateConfig")
-        return self.inner.aggregate_train(server_round, kept)
+        arrays, metrics = self.inner.aggregate_train(server_round, kept)
+        return (None if arrays is None else with_integers(arrays, self._integers)), metrics
+
+
+def integer_dtypes(arrays: ArrayRecord) -> dict[str, torch.dtype]:
+    """name -> torch dtype of each integer (or bool) array of ``arrays``, read from the
+    arrays' headers (nothing is deserialised)."""
+    out = {}
+    for name, a in arrays.items():
+        dtype = _TORCH_DTYPES.get(str(getattr(a, "dtype", "")))
+        if dtype is not None:
+            out[name] = dtype
+    return out
+
+
+_TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
+                 "int64": torch.int64, "bool": torch.bool}
+
+
+def with_integers(arrays: ArrayRecord, dtypes: dict[str, torch.dtype]) -> ArrayRecord:
+    """``arrays`` with each tensor named in ``dtypes`` that came as a float (Flower's
+    average of an integer buffer is a float64) rounded back to its integer dtype; the
+    same record where there is none."""
+    floats = [n for n, d in dtypes.items() if n in arrays and str(arrays[n].dtype) not in _NAMES[d]]
+    if not floats:
+        return arrays
+    out = ArrayRecord()
+    for name in arrays.keys():
+        if name in floats:
+            t = record_to_torch(ArrayRecord({name: arrays[name]}))[name]
+            out[name] = from_torch((t != 0) if dtypes[name] == torch.bool else t.round().to(dtypes[name]))
+        else:
+            out[name] = arrays[name]
+    return out
+
+
+_NAMES = {d: (n,) for n, d in _TORCH_DTYPES.items()}
 
 
 def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats: CompressionStats, *,
-                      expect: UpdateConfig | None = None, server_round: int | None = None) -> RecordDict:
+                      expect: UpdateConfig | None = None, server_round: int | None = None,
+                      keep_statistics: bool = False) -> RecordDict:
     """A reply whose ``compressed`` record holds the update's payloads -> the same reply
     with full weights in ``arrays``: ``sent`` (the weights the update is a delta from) plus
     the decoded delta. Counts it in ``stats``. Raises MalformedPayloadError for anything
     that does not decode or does not fit the model, and :class:`CodecMismatchError` for
     a payload in a codec ``expect`` does not send (None: any codec), or a compressed reply
-    in one of ``expect``'s warm-up rounds (``server_round`` given)."""
+    in one of ``expect``'s warm-up rounds (``server_round`` given). ``keep_statistics``:
+    the server recalibrates the normalisation statistics (a NormCalibrated around the
+    wrapper), so a reply may leave them and their counters out where ``expect`` is None."""
     if expect is not None and server_round is not None and not expect.compresses(server_round):
         raise CodecMismatchError(
             f"client sent a compressed update in round {server_round}, a warm-up round of this server "
@@ -211,6 +264,10 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
                                     f"{list(rec.keys())[:5]}")
     payloads = bundle_payloads(rec)
     raw = record_to_torch(content[keys.UNCOMPRESSED]) if keys.UNCOMPRESSED in content else {}
+    for name, t in raw.items():
+        if name in sent and tuple(t.shape) != tuple(sent[name].shape):
+            raise MalformedPayloadError(
+                f"tensor {name!r} (sent as it is): shape {tuple(t.shape)} != model shape {tuple(sent[name].shape)}")
     if expect is not None:
         _check_codecs(payloads, expect)
         _check_plan(payloads, raw, sent, expect)
@@ -225,7 +282,8 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
             full[name] = (old.float() + d).to(old.dtype).numpy()
         elif name in raw:
             full[name] = raw[name].numpy()
-        elif expect is not None and server_keeps(name, expect):
+        elif (server_keeps(name, expect) if expect is not None
+              else keep_statistics and (is_statistic(name) or is_counter(name))):
             full[name] = old.numpy()  # not sent: the server recalibrates it (NormCalibrated), keeps its counter
         else:
             raise MalformedPayloadError(f"tensor {name!r} of the model is missing from the update")
@@ -264,7 +322,11 @@ def _check_plan(payloads: dict[str, bytes], raw: dict[str, torch.Tensor], sent: 
                 expect: UpdateConfig) -> None:
     """Every tensor in the codec the plan of ``sent`` under ``expect`` gives it, and the
     tensors sent as they are only those the plan sends so (its integers)."""
-    plan = UpdatePlan.build(expect, sent, with_bytes=False)
+    # A tensor the client holds as an integer and sends as it is, which a strategy's
+    # average (in an earlier round, or a run resumed from its checkpoint) made a float
+    # here, is the integer the client's plan sees.
+    plan = UpdatePlan.build(expect, {n: raw[n] if n in raw and not raw[n].is_floating_point() else t
+                                     for n, t in sent.items()}, with_bytes=False)
     codecs = {name: peek_codec(p) for name, p in payloads.items()}
     codecs.update({name: "as-is" for name in raw if name not in codecs})
     try:

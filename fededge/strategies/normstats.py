@@ -38,6 +38,7 @@ from fededge.arrays import record_to_torch
 from fededge.compress import MalformedPayloadError
 from fededge.errors import ConfigError
 from fededge.protocol import read_norm_stats
+from fededge.strategies.compressed import Compressed
 from fededge.strategies.delegate import DelegatesEvaluation
 from fededge.strategies.report import RoundReport, report_of
 
@@ -79,6 +80,10 @@ class NormCalibrated(DelegatesEvaluation):
         if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
             raise ValueError(f"batches must be an integer >= 1, got {batches!r}")
         self.inner = inner
+        if isinstance(inner, Compressed):
+            # Its clients may leave the statistics out (norm-stats=global): the server's
+            # own, recalibrated here, stand in for them also where no UpdateConfig says so.
+            inner.server_sets_statistics = True
         self.batches = batches
         self.timeout = timeout
         self._grid: Grid | None = None

@@ -227,3 +227,143 @@ def test_compressed_wraps_any_strategy_on_flowers_loop_and_refuses_a_non_strateg
         assert Compressed(inner).inner is inner
     with pytest.raises(TypeError, match="wraps a flwr.serverapp.strategy.Strategy, got dict"):
         Compressed({})
+
+
+# ------------------------------------------------- integer tensors and the fp16 downlink
+
+
+class _WithBuffers(torch.nn.Module):
+    """A linear layer with an integer buffer of a user's model (not a counter by name), a
+    BatchNorm-like counter past float16's range and a float buffer past it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32)
+        self.register_buffer("pos_ids", torch.arange(32))
+        self.register_buffer("bn_num_batches_tracked", torch.tensor(70_000))  # not a counter by name
+        self.norm = torch.nn.Module()
+        self.norm.register_buffer("num_batches_tracked", torch.tensor(70_001))  # a counter by name
+        self.register_buffer("scale", torch.full((4,), 1.0e5))
+
+
+def _buffers_app(update: UpdateConfig) -> ClientApp:
+    from flwr.app import MetricRecord, RecordDict
+
+    from fededge.arrays import record_from_torch, record_to_torch
+    from fededge.clients.mods import CompressionMod
+
+    app = ClientApp(mods=[CompressionMod(update)])
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        received = record_to_torch(msg.content["arrays"])
+        model = _WithBuffers()
+        model.load_state_dict(received)  # as a user's app loads it: integers stay integers
+        pid = int(context.node_config["partition-id"])
+        with torch.no_grad():
+            model.fc.weight.add_(0.01 * (pid + 1))
+            model.norm.num_batches_tracked.add_(20)
+        return Message(RecordDict({"arrays": record_from_torch(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": 10 * (pid + 1)})}), reply_to=msg)
+
+    return app
+
+
+@pytest.mark.parametrize("downlink", ["none", "fp16", "bf16"])
+def test_integer_buffers_stay_integers_through_flowers_average_and_the_cast_downlink(downlink):
+    """Flower's FedAvg averages every array into float64: a user's integer buffer was then
+    given a codec by the server's plan from round 2 and every client refused as a
+    mismatch; a counter went through fp16 (rounded past 2048, a crash past 65504)."""
+    from flwr.app import ArrayRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge import _flwr_internals as fi
+    from fededge.arrays import record_from_torch, record_to_torch
+    from fededge.server.grid import InProcessGrid
+
+    update = UpdateConfig(compressor="topk", topk_ratio=0.1, error_feedback=True)
+    grid = InProcessGrid(_buffers_app(update), num_nodes=3, run_config={})
+    strategy = Compressed(FedAvg(fraction_evaluate=0.0, min_available_nodes=3), update=update, downlink=downlink)
+    start = _WithBuffers().state_dict()
+    try:
+        with fi.task_identity(run_id=1, node_id=1, task_id=1):
+            result = strategy.start(grid=grid, initial_arrays=record_from_torch(start), num_rounds=3)
+    finally:
+        grid.close()
+    stats = strategy.take_stats()
+    assert stats.rejected == 0 and stats.decoded == 9, stats.reasons  # 3 clients x 3 rounds
+    final = record_to_torch(result.arrays)
+    assert final["pos_ids"].dtype == torch.int64 and torch.equal(final["pos_ids"], torch.arange(32))
+    assert final["bn_num_batches_tracked"].dtype == torch.int64 and int(final["bn_num_batches_tracked"]) == 70_000
+    counter = final["norm.num_batches_tracked"]
+    assert counter.dtype == torch.int64 and int(counter) == 70_001 + 3 * 20  # exact, past float16's range
+    # A float tensor fp16 cannot hold travels as float32 (exact, where it crashed the
+    # round); bf16 holds it, rounded (99,840), as its clients received it.
+    scale = torch.full((4,), 1.0e5)
+    expected = scale.to(torch.bfloat16).float() if downlink == "bf16" else scale
+    torch.testing.assert_close(final["scale"].float(), expected, rtol=1e-6, atol=0)
+    # The clients' weights were averaged (what FedAvg gives): the model moved by the
+    # examples-weighted mean of the clients' steps, 3 rounds, within top-k + EF's delay.
+    assert not torch.equal(final["fc.weight"], start["fc.weight"])
+    del RecordDict, ArrayRecord
+
+
+def test_an_integer_the_client_sends_as_it_is_is_taken_where_an_average_made_it_a_float():
+    """The plan's check on the server: a tensor the client holds as an integer (sent as
+    it is) that the server holds as a float (a checkpoint of an averaged model) is that
+    integer, not a tensor of the compressor's."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from fededge.arrays import record_from_torch
+    from fededge.compress.update import UpdateEncoder
+    from fededge.keys import UNCOMPRESSED
+    from fededge.protocol import bundle_record
+    from fededge.strategies.compressed import CompressionStats, decode_compressed
+
+    cfg = UpdateConfig(compressor="topk", topk_ratio=0.1)
+    sent = {"fc.weight": torch.randn(16, 32), "pos_ids": torch.arange(32, dtype=torch.float64)}
+    content = RecordDict({COMPRESSED: bundle_record(UpdateEncoder(cfg).encode({"fc.weight": torch.randn(16, 32)},
+                                                                              round=1)),
+                          UNCOMPRESSED: record_from_torch({"pos_ids": torch.arange(32)}),
+                          "metrics": MetricRecord({"num-examples": 3})})
+    out = decode_compressed(content, sent, CompressionStats(), expect=cfg, server_round=2)
+    assert out["arrays"]["pos_ids"].dtype == "int64"
+    # Sent as it is in another shape: malformed, by name (it was averaged into the model).
+    from fededge.compress import MalformedPayloadError
+
+    content[UNCOMPRESSED] = record_from_torch({"pos_ids": torch.arange(31)})
+    with pytest.raises(MalformedPayloadError, match=r"tensor 'pos_ids' \(sent as it is\): shape \(31,\) != model "
+                                                    r"shape \(32,\)"):
+        decode_compressed(content, sent, CompressionStats(), expect=cfg, server_round=2)
+
+
+def test_a_server_that_recalibrates_keeps_its_statistics_where_no_update_config_says_so():
+    """NormCalibrated(Compressed(inner)) without ``update=``: clients under
+    norm-stats=global leave the statistics out; they were refused as malformed, every
+    reply of every round, and the run went on without training."""
+    from flwr.app import RecordDict
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge.compress.update import UpdateEncoder
+    from fededge.protocol import bundle_record
+    from fededge.strategies.compressed import CompressionStats, decode_compressed
+    from fededge.strategies.normstats import NormCalibrated
+
+    sent = {"conv.weight": torch.randn(8, 4, 3, 3), "bn.running_mean": torch.zeros(8),
+            "bn.running_var": torch.ones(8), "bn.num_batches_tracked": torch.tensor(5)}
+    glob = UpdateConfig(compressor="signsgd", norm_stats="global")
+    payloads = UpdateEncoder(glob).encode({"conv.weight": torch.randn(8, 4, 3, 3)}, round=0)
+    inner = Compressed(FedAvg())
+    assert not inner.server_sets_statistics
+    NormCalibrated(inner)
+    assert inner.server_sets_statistics
+    out = decode_compressed(RecordDict({COMPRESSED: bundle_record(payloads)}), sent, CompressionStats(),
+                            keep_statistics=inner.server_sets_statistics)
+    assert out["arrays"]["bn.num_batches_tracked"].numpy() == 5
+    assert np.array_equal(out["arrays"]["bn.running_var"].numpy(), np.ones(8, np.float32))
+    from fededge.compress import MalformedPayloadError
+
+    sent["other.weight"] = torch.zeros(3)  # not a statistic: still missing, still refused
+    with pytest.raises(MalformedPayloadError, match="'other.weight' of the model is missing"):
+        decode_compressed(RecordDict({COMPRESSED: bundle_record(payloads)}), sent, CompressionStats(),
+                          keep_statistics=True)
