@@ -70,9 +70,11 @@ def write_checkpoint(run_dir: str | os.PathLike[str], server_round: int, payload
     for side in d.glob("round-*.states"):
         if side.name.split(".")[0] not in rounds:
             side.unlink(missing_ok=True)
-    for stale in d.glob(".round-*.tmp"):  # left by a writer that was killed
-        if not stale.name.endswith(f".{os.getpid()}.tmp"):
-            stale.unlink(missing_ok=True)
+    # Left by a writer that was killed (with SQLite's journal, before side files had
+    # none). Whatever its pid: this process's own writes are renamed into place by now,
+    # and a container's entrypoint restarts with the pid of the one that was killed.
+    for stale in d.glob(".round-*.tmp*"):
+        stale.unlink(missing_ok=True)
     return path, size, time.perf_counter() - t0
 
 

@@ -195,7 +195,10 @@ def _open_states_file(path: str | os.PathLike[str], sha256: str) -> sqlite3.Conn
     if got != sha256:
         raise ValueError(f"{path}: the states file is corrupt or not this checkpoint's (sha256 {got[:12]}..., "
                          f"the checkpoint says {sha256[:12]}...)")
-    return sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+    # A URI: the path percent-encoded (as_uri), so that a '#', '?' or '%' in it (a
+    # results-dir of the user's) is a character of the name, not SQLite's fragment,
+    # query or escape: unencoded, "results #2/..." opened "results " read-write.
+    return sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
 
 
 def read_states_file(path: str | os.PathLike[str], sha256: str) -> Iterator[tuple[int, bytes]]:
@@ -295,6 +298,10 @@ class DiskStates:
         def fill(tmp: Path) -> None:
             dest = sqlite3.connect(tmp)
             try:
+                # no rollback journal beside the temporary file (a killed copy would leave
+                # one that the checkpoints' clean-up does not know): the file is renamed
+                # into place only when complete, as write_states_file's
+                dest.execute("PRAGMA journal_mode=OFF")
                 self.db.backup(dest)
             finally:
                 dest.close()

@@ -58,6 +58,17 @@ def test_write_is_atomic_keeps_two_and_reads_back(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     got = read_checkpoint(tmp_path / "checkpoints" / "round-000004.ckpt")
     assert got["round"] == 4 and torch.equal(got["t"], torch.arange(4))
+    # What a killed writer left goes with the next checkpoint, this pid's too (a container
+    # restarts with the pid of the one killed), and SQLite's journal of a killed side file.
+    import os
+
+    d = tmp_path / "checkpoints"
+    left = [d / f".round-000005.ckpt.{os.getpid()}.tmp", d / ".round-000005.states.1.tmp",
+            d / ".round-000005.states.1.tmp-journal"]
+    for p in left:
+        p.write_bytes(b"partial")
+    write_checkpoint(tmp_path, 6, {"round": 6})
+    assert sorted(p.name for p in d.iterdir()) == ["round-000004.ckpt", "round-000006.ckpt"]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "magic"])

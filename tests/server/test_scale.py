@@ -93,6 +93,10 @@ def test_a_states_file_written_one_state_at_a_time_reads_back_into_any_store(tmp
     a time after checking the file; a failed write leaves nothing behind."""
     nodes = [5, 2**63 + 11, 2**64 - 1, 2**62]
     blobs = {node: state_to_bytes(_state(i)) for i, node in enumerate(nodes)}
+    # A results directory of the user's with SQLite's URI characters in its name: opened
+    # as "file:.../results " (read-write: a stray empty database) before they were encoded.
+    outer, tmp_path = tmp_path, tmp_path / "results #2?x=1%41"
+    tmp_path.mkdir()
     path = tmp_path / "round-000001.states"
     digest = write_states_file(path, [(n, blobs[n]) for n in nodes] + [(7, None)])  # None: no state
     assert dict(read_states_file(path, digest)) == blobs
@@ -121,6 +125,18 @@ def test_a_states_file_written_one_state_at_a_time_reads_back_into_any_store(tmp
     with pytest.raises(OSError, match="disk full"):
         write_states_file(tmp_path / "round-000002.states", failing())
     assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == ["round-000001.states"]
+    # DiskStates' own side file, through the same characters; nothing made outside.
+    disk, back = DiskStates(tmp_path), DiskStates(tmp_path)
+    try:
+        for n in nodes:
+            disk.put_bytes(n, blobs[n])
+        digest = disk.save_file(tmp_path / "round-000003.states")
+        back.load_file(tmp_path / "round-000003.states", digest)
+        assert {n: back.take_bytes(n) for n in back.nodes()} == blobs
+    finally:
+        disk.close()
+        back.close()
+    assert [p.name for p in outer.iterdir()] == [tmp_path.name]
 
 
 def test_a_state_as_bytes_reads_back_bit_for_bit_and_rows_of_flowers_objects_still_read(tmp_path):
