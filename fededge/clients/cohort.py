@@ -38,12 +38,13 @@ states the tolerance), not bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -113,6 +114,14 @@ class CohortJob:
         """Jobs with equal keys train as one cohort."""
         return (id(self.model), self.steps, self.sampler.batch_size, self.lr, self.momentum, self.weight_decay,
                 self.proximal_mu, self.x.device, self.x.dtype, tuple(self.x.shape[1:]),
+                self.momentum_buffers is not None)
+
+    def cost_key(self) -> tuple:
+        """What a group's seconds depend on: its key without the values of its rates (an
+        lr schedule makes every round's key a new one), only whether each term is there.
+        The timing of one client alone and the verdict on the group's cohorts go by it."""
+        return (id(self.model), self.steps, self.sampler.batch_size, self.momentum != 0, self.weight_decay != 0,
+                self.proximal_mu != 0, self.x.device, self.x.dtype, tuple(self.x.shape[1:]),
                 self.momentum_buffers is not None)
 
 
@@ -321,35 +330,40 @@ class _Slot:
             self._paused.set()
 
     def start(self) -> None:
-        if greenlet is not None:
-            self._green.switch()
-        else:
-            self._thread.start()
-            self._paused.wait()
-            self._paused.clear()
+        with _own_threads():
+            if greenlet is not None:
+                self._green.switch()
+            else:
+                self._thread.start()
+                self._paused.wait()
+                self._paused.clear()
 
     def pause(self) -> None:
-        """Called by the coroutine itself: hand the turn back until :meth:`resume`."""
-        if greenlet is not None:
-            self._parent.switch()
-        else:
-            self._paused.set()
-            self._resume.wait()
-            self._resume.clear()
+        """Called by the coroutine itself: hand the turn back until :meth:`resume`. The
+        torch threads it had (its ``client-threads``) are its own again on its return:
+        they are the process's, set by every call and the coordinator meanwhile."""
+        with _own_threads():
+            if greenlet is not None:
+                self._parent.switch()
+            else:
+                self._paused.set()
+                self._resume.wait()
+                self._resume.clear()
 
     def resume(self) -> None:
         """Run the call on to its next pause or its end; at its end, drop what it held
         (the greenlet, its body and job refer back to this slot: left to the cyclic
         collector, a round's jobs, with their weights, stayed in memory for many rounds)."""
         self.job = None
-        if greenlet is not None:
-            if not self._green.dead:
-                self._green.switch()
-        else:
-            if not self.done:
-                self._resume.set()
-                self._paused.wait()
-                self._paused.clear()
+        with _own_threads():
+            if greenlet is not None:
+                if not self._green.dead:
+                    self._green.switch()
+            else:
+                if not self.done:
+                    self._resume.set()
+                    self._paused.wait()
+                    self._paused.clear()
         if self.done:
             self.close()
 
@@ -361,6 +375,19 @@ class _Slot:
             self._thread = None
         self._body = None
         self.job = None
+
+
+@contextlib.contextmanager
+def _own_threads() -> Iterator[None]:
+    """Around a switch between the coordinator and a call: torch's thread count is the
+    process's, and each side sets its own (a call its ``client-threads``, the coordinator
+    the cohort's), so each side has its own back when the turn returns to it."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 _SLOT: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("fededge_cohort_slot", default=None)
@@ -405,7 +432,8 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int,
         raise job.error
     if job.per_client:  # the model holds another client's weights by now: this one's first
         _load(model, weights, buffers)
-        return _train.local_sgd(model, x, y, **kwargs)
+        # Timed here: the caller's clock also ran while the other calls and cohorts did.
+        return _timed(lambda: _train.local_sgd(model, x, y, **kwargs), x.device)
     assert job.trained is not None and job.result is not None and job.trained_buffers is not None
     _load(model, job.trained, job.trained_buffers)
     model.train()
@@ -440,27 +468,32 @@ def _judge(key: tuple, per_client_s: float, alone_s: float, model: nn.Module) ->
                     "small dense models)", type(model).__name__, device, 1e3 * per_client_s, 1e3 * alone_s)
 
 
+def _timed(train: Callable[[], LocalResult], device: torch.device) -> LocalResult:
+    """``train()``'s result with its own seconds as ``compute_s`` (a GPU's queue drained
+    on both sides)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    res = train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return LocalResult(mean_loss=res.mean_loss, steps=res.steps, examples_seen=res.examples_seen,
+                       compute_s=time.perf_counter() - t0)
+
+
 def _train_alone(job: CohortJob) -> float:
     """Train ``job`` on the per-client path (its result is that path's, exactly), with
     the threads it would have had, and return its seconds: what the simulated clock
     charges every client of its group, so that a cohort does not change ``sim_s``."""
-    model, device = job.model, job.x.device
+    model = job.model
     _load(model, job.weights, job.buffers)
     torch.set_num_threads(job.threads)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    res = _train.local_sgd(model, job.x, job.y, steps=job.steps, lr=job.lr, momentum=job.momentum,
-                           weight_decay=job.weight_decay, sampler=job.sampler, proximal_mu=job.proximal_mu,
-                           momentum_buffers=job.momentum_buffers)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
+    job.result = _timed(lambda: _train.local_sgd(
+        model, job.x, job.y, steps=job.steps, lr=job.lr, momentum=job.momentum, weight_decay=job.weight_decay,
+        sampler=job.sampler, proximal_mu=job.proximal_mu, momentum_buffers=job.momentum_buffers), job.x.device)
     job.trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in job.weights}
     job.trained_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    job.result = LocalResult(mean_loss=res.mean_loss, steps=res.steps, examples_seen=res.examples_seen,
-                             compute_s=seconds)
-    return seconds
+    return job.result.compute_s
 
 
 def _train_cohorts(waiting: list[CohortJob], threads_before: int) -> None:
@@ -471,28 +504,45 @@ def _train_cohorts(waiting: list[CohortJob], threads_before: int) -> None:
         groups.setdefault(job.group_key(), []).append(job)
     threads_now = torch.get_num_threads()
     try:
-        for key, jobs in groups.items():
+        for jobs in groups.values():
+            key = jobs[0].cost_key()
             if len(jobs) == 1:
                 jobs[0].per_client = True
                 continue
-            if _faster.get(key) is False:  # measured slower than per client: not again
+            if _faster.get(key) is False:  # measured slower than per client (or failed): not again
                 for j in jobs:
                     j.per_client = True
                 continue
-            try:
-                alone = _alone_s.get(key)
-                if alone is None:  # the group's first cohort: its first client trains alone, timed
+            alone = _alone_s.get(key)
+            if alone is None:  # the group's first cohort: its first client trains alone, timed
+                try:
                     alone = _alone_s[key] = _train_alone(jobs[0])
-                    jobs = jobs[1:]
-                    if len(jobs) == 1:
-                        jobs[0].per_client = True
-                        continue
-                torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
+                except Exception as err:  # noqa: BLE001 - that client's own failure, as on its own
+                    jobs[0].error = err
+                    for j in jobs[1:]:
+                        j.per_client = True
+                    continue
+                jobs = jobs[1:]
+                if len(jobs) == 1:
+                    jobs[0].per_client = True
+                    continue
+            torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
+            drawn = [j.sampler.state_dict() for j in jobs]
+            try:
                 seconds = cohort_sgd(jobs, charge_s=alone)
-                _judge(key, seconds / len(jobs), alone, jobs[0].model)
-            except Exception as err:  # noqa: BLE001 - each client of the cohort fails with it
-                for j in jobs:
-                    j.error = err
+            except Exception as err:  # noqa: BLE001 - one client's (a buffer of another model) or the stack's (memory)
+                # Each client trains on its own instead, from where its sampler stood, and
+                # fails with its own error if it has one; the group does not try again.
+                for j, state in zip(jobs, drawn):
+                    j.sampler.load_state_dict(state)
+                    j.trained = j.trained_buffers = j.result = None
+                    j.per_client = True
+                _faster[key] = False
+                log.warning("cohort training: a cohort of %d %s clients failed (%s: %s); its group's clients "
+                            "train one by one from now on", len(jobs), type(jobs[0].model).__name__,
+                            type(err).__name__, err)
+                continue
+            _judge(key, seconds / len(jobs), alone, jobs[0].model)
     finally:
         torch.set_num_threads(threads_now)
 

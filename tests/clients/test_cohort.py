@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_batchnorm_statistics_are_each_clients_own():
             torch.testing.assert_close(job.trained_buffers[n], b, atol=BN_ATOL, rtol=BN_ATOL)
 
 
-def _client_call(model, start, x, y, stream, log, i, steps=6, fail=False):
+def _client_call(model, start, x, y, stream, log, i, steps=6, fail=False, lr=0.05):
     """What a ClientApp's train does around local SGD: load, train, read the weights."""
     def call():
         log.append(("start", i, threading.get_ident()))
@@ -313,7 +314,7 @@ def _client_call(model, start, x, y, stream, log, i, steps=6, fail=False):
             for n, p in model.named_parameters():
                 p.copy_(start[n])
         sampler = BatchSampler(len(x), 16, seed=3, stream=stream)
-        res = local_sgd(model, x, y, steps=steps, lr=0.05, momentum=0.9, sampler=sampler)
+        res = local_sgd(model, x, y, steps=steps, lr=lr, momentum=0.9, sampler=sampler)
         if fail:
             raise RuntimeError(f"client {i} failed after training")
         log.append(("end", i, threading.get_ident()))
@@ -526,6 +527,142 @@ def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch
     for c, ((w, res, _), (x, y)) in enumerate(zip(out, data)):
         ref_w, _ = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), steps=6, lr=0.05,
                                momentum=0.9)
-        assert res.compute_s is None  # timed by the caller: the per-client path
+        assert res.compute_s is not None and res.compute_s > 0  # its own training's seconds, timed alone
         for n in w:
             assert torch.equal(w[n], ref_w[n]), n
+
+
+def test_a_client_trained_on_its_own_in_run_together_is_charged_its_own_seconds(monkeypatch):
+    """Groups of one (each client its own lr) train per client after every call has
+    paused: the caller's clock ran through the others' work too, which made client k's
+    charge about k + 1 times its own. Each result carries its own training's seconds."""
+    real = cohort._train.local_sgd
+    own = 0.2
+
+    def slow(*a, **k):  # each client's training: `own` seconds, whatever ran before it
+        time.sleep(own)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cohort._train, "local_sgd", slow)
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    start = _weights(model)
+    data = _clients([40, 40, 40, 40], seed=8)
+    t0 = time.perf_counter()
+    out = run_together([_client_call(model, start, x, y, c, [], c, lr=0.01 * (c + 1))
+                        for c, (x, y) in enumerate(data)])
+    assert time.perf_counter() - t0 >= 4 * own
+    charged = [res.compute_s for _, res, _ in out]
+    assert all(own <= s < 1.75 * own for s in charged), charged  # the fourth was charged 4x before
+
+
+def test_a_client_resumed_in_run_together_trains_with_its_own_threads(monkeypatch):
+    """torch's thread count is the process's: each call set its client-threads and
+    paused; another call's ``finally`` put back the process's before this one resumed."""
+    real = cohort._train.local_sgd
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+
+    monkeypatch.setattr(cohort._train, "local_sgd", spy)
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([48, 48, 48], seed=9)
+
+    def call(c):
+        def f():  # as fededge.clients.app.train with client-threads = 1
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                x, y = data[c]
+                local_sgd(model, x, y, steps=2, lr=0.01 * (c + 1), sampler=BatchSampler(48, 16, seed=0, stream=c))
+                return torch.get_num_threads()
+            finally:
+                torch.set_num_threads(threads)
+        return f
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        after = run_together([call(c) for c in range(3)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 1] and after == [1, 1, 1]
+
+
+def test_an_lr_schedule_keeps_one_timing_and_verdict_per_group(monkeypatch, caplog):
+    """The timing of one client alone and the verdict on a group's cohorts go by what
+    its cost depends on: with a new lr every round (a schedule) the group was timed
+    alone again every round and never judged."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    data = _clients([40, 40, 40], seed=6)
+    real = cohort.cohort_sgd
+    sizes = []
+
+    def slow(jobs, **kw):
+        sizes.append(len(jobs))
+        real(jobs, **kw)
+        return 1e3
+
+    monkeypatch.setattr(cohort, "cohort_sgd", slow)
+    start = _weights(model)
+    for r in range(4):
+        run_together([_client_call(model, start, x, y, c, [], c, lr=0.05 * 0.9**r) for c, (x, y) in enumerate(data)])
+    assert sizes == [2, 3]  # as with a constant lr: one alone + two, then three judged slower, then none
+    assert len(cohort._alone_s) == 1 and "train one by one from now on" in caplog.text
+
+
+def test_a_cohort_that_fails_leaves_each_client_its_own_outcome(caplog):
+    """One client's kept momentum buffer of another model failed every client of its
+    cohort; now the group trains one by one, from where each sampler stood, and only
+    that client fails (with the per-client path's own error)."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    start = _weights(model)
+    data = _clients([48, 48, 48, 48], seed=10)
+    name = next(n for n, _ in model.named_parameters())
+    bad = {name: torch.zeros(3, 3)}
+
+    def call(c):
+        def f():
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(start[n])
+            sampler = BatchSampler(48, 16, seed=0, stream=c)
+            try:
+                local_sgd(model, *data[c], steps=3, lr=0.05, momentum=0.9, sampler=sampler,
+                          momentum_buffers=dict(bad) if c == 3 else {})
+            except (ValueError, RuntimeError) as err:
+                return type(err).__name__
+            return _weights(model), sampler.state_dict()
+        return f
+
+    together = run_together([call(c) for c in range(4)])
+    alone = [call(c)() for c in range(4)]
+    assert isinstance(together[3], str) and together[3] == alone[3]
+    for c in range(3):
+        (w, drawn), (ref_w, ref_drawn) = together[c], alone[c]
+        assert drawn == ref_drawn
+        for n in w:
+            torch.testing.assert_close(w[n], ref_w[n], atol=ATOL, rtol=ATOL)
+    assert "failed" in caplog.text and "one by one from now on" in caplog.text
+
+
+def test_a_cohort_that_fails_after_drawing_its_batches_trains_each_client_from_its_own_sampler(monkeypatch):
+    """A failure of the stack itself (the GPU's memory, say) once the clients' batches are
+    drawn: each client trains on its own from where its sampler stood before the cohort,
+    so the results are the per-client path's, batch for batch."""
+    def oom(self, k):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(cohort._Gather, "__call__", oom)
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=1)
+    start = _weights(model)
+    data = _clients([40, 56, 48], seed=11)
+    out = run_together([_client_call(model, start, x, y, c, [], c) for c, (x, y) in enumerate(data)])
+    for c, ((w, res, drawn), (x, y)) in enumerate(zip(out, data)):
+        sampler = BatchSampler(len(x), 16, seed=3, stream=c)
+        ref_w, ref = _per_client(model, start, x, y, sampler, steps=6, lr=0.05, momentum=0.9)
+        assert drawn == sampler.state_dict()
+        assert all(torch.equal(w[n], ref_w[n]) for n in w)
+        assert res.mean_loss == ref.mean_loss
