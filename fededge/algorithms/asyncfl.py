@@ -469,8 +469,13 @@ class AsyncScheduler:
         self.done[client] += 1
         self.contributions[client] += 1
         if client in self.lagging:
+            # the slowest of the others (this client, lagging, is not among them yet): with
+            # itself among them it rejoined at its own old round, and held every other
+            # client at the SSP bound until it had caught up alone
+            others = [self.done[c] for c in self.clients if c not in self.lagging]
             self.lagging.discard(client)
-            self.done[client] = max(self.done[client], self.slowest())
+            if others:
+                self.done[client] = max(self.done[client], min(others))
         return d
 
     def write_off(self, client: int) -> Dispatch:

@@ -470,7 +470,9 @@ class DGATimeline:
             self._handled[j] = leave
             self._replied[j] = self.replied[(t, j)] = self.clock.send_up(j, c.bytes_up, leave)
             arrivals.append(self._replied[j])
-        self.ready[t] = max(arrivals, default=self.ready[t - 1])
+        # G(t) is G(t-1) plus round t's average: never ready before G(t-1), even where
+        # round t-1's slowest client had no work in round t (a dropout, an error reply)
+        self.ready[t] = max([self.ready[t - 1], *arrivals])
         self.clock.now = max(self.clock.now, self.ready[t])
         return self.ready[t]
 

@@ -137,7 +137,8 @@ class ReplyTiming:
         compute = 0.0 if reply.has_error() else self.compute_s(reply, measured_s)
         if self.clock is None or pid is None or pid >= len(self.clock.clients):
             return sent_at + compute
-        down = self.clock.send_down(pid, bytes_down, sent_at)
+        # a device that pulls (a SuperNode, nodes-pull) takes it at its next ask, as in FedAvg's round
+        down = self.clock.send_down(pid, bytes_down, self.clock.receive(pid, sent_at))
         done = self.clock.compute(pid, compute, down)
         return self.clock.send_up(pid, counted_wire_size(reply), done)  # as the meter counted it: not again
 

@@ -374,6 +374,10 @@ class _AsyncRun:
         # Clock order: an arrival at T is used once no message still out left before T.
         self.bound = math.inf
         self.mid_instant = False  # stopped (a checkpoint) after a version made inside an instant
+        # Arrival order: clients whose message failed, asked again once another client's
+        # update was used (an error comes back at once: asked again at once, a client
+        # that fails would be asked again and again before anyone else's reply came).
+        self.cooling: set[int] = set()
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -382,6 +386,7 @@ class _AsyncRun:
         return {"server": self.server.state_dict(), "scheduler": self.sched.state_dict(),
                 "queue": self.queue.state_dict(message_to_state), "pending": asdict(self.pending),
                 "now": self.now, "streak": self.streak, "bound": self.bound, "mid_instant": self.mid_instant,
+                "cooling": sorted(self.cooling),
                 "result_arrays": self.fl._result.arrays is not None}
 
     @classmethod
@@ -396,6 +401,7 @@ class _AsyncRun:
         run.pending = AsyncRoundInfo(**state["pending"])
         run.now, run.streak, run.bound = float(state["now"]), int(state["streak"]), float(state["bound"])
         run.mid_instant = bool(state["mid_instant"])
+        run.cooling = {int(c) for c in state.get("cooling", ())}
         # The version being sent is the server's current model, as the loop built it.
         current = ArrayRecord({k: t for k, t in server.model.items()})
         run.arrays = {server.version: current}
@@ -469,12 +475,17 @@ class _AsyncRun:
                 continue  # written off already: its late reply is not used
             d, t0, size = self.inflight.pop(mid)
             self.fl.timing.learn(reply)
-            if reply.has_error():
+            if reply.has_error() and self.order == "clock":
                 # A dropout: the server learns only when its timeout expires. An
                 # error is retried no sooner either, or a client that always fails
                 # would be asked again and again at the same simulated instant.
                 t = d.at + self.timeout
             else:
+                # (An error under arrival order: used as it came, stamped as it came, with
+                # no compute. Stamped at d.at + timeout, it waited behind every later
+                # arrival, for the rest of a busy run, and moved the clock past that mark
+                # when it was used. The client is asked again after another's update:
+                # `cooling`.)
                 t = self.fl.timing.arrival(d.client, d.at, size, reply, time.monotonic() - t0)
             self.queue.push(Event(t, d.seq, d.client, payload=reply))
         return pulled
@@ -491,6 +502,8 @@ class _AsyncRun:
     def dispatch(self) -> None:
         fl, sched, server = self.fl, self.sched, self.server
         starts = sched.startable()
+        if self.cooling and (self.inflight or len(self.queue)):  # (with nothing else to wait for: at once)
+            starts = [c for c in starts if c not in self.cooling]
         if not starts:
             return
         v = server.version
@@ -519,6 +532,8 @@ class _AsyncRun:
         why = "no reply within round-timeout" if reply is None else fl._why_unusable(reply)
         if why is not None:
             sched.write_off(ev.client)
+            if self.order != "clock":
+                self.cooling.add(ev.client)
             self.streak += 1
             if self.streak > 3 * len(fl.participants):
                 raise RuntimeError(
@@ -538,6 +553,7 @@ class _AsyncRun:
             return
         sched.finish(ev.client)
         self.streak = 0
+        self.cooling.clear()
         pending.contributors.append(fl.timing.name(ev.client))
         pending.staleness.append(server.version - d.version)
         new = server.receive(reply.content[fl.arrayrecord_key].to_torch_state_dict(),

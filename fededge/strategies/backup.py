@@ -106,7 +106,11 @@ class BackupWorkers(AsyncLoop):
                 if not r.has_error():
                     info.rejected += 1
                     info.reasons.append(f"node {node_of[mid]}: {why}")
-            first = set(first_arrivals(arrival, m_needed)) if arrival else set()
+            # Ranked by arrival, ties by client (partition id): message ids are random per run,
+            # and equal arrivals are the rule on an ideal link with sim-step-s.
+            named = {self.timing.name(node_of[mid]): mid for mid in arrival}
+            first = {named[c] for c in first_arrivals({c: arrival[mid] for c, mid in named.items()}, m_needed)} \
+                if arrival else set()
             # Keep FedAvg's reply order (the order of the sampled messages): bit for bit.
             chosen = [replies[mid] for mid in ids if mid in first]
             # No reply: a dropout, unless the round had its m and stopped waiting for it.

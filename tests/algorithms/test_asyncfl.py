@@ -229,6 +229,23 @@ def test_a_written_off_client_does_not_stall_ssp_and_rejoins():
     assert sched.contributions[2] > 0 and max(gaps) <= 1
 
 
+def test_a_written_off_client_rejoins_at_the_slowest_active_clients_round():
+    """It rejoined at its own old round (the slowest was computed with it back among the
+    active), which held every other client at the SSP bound until it caught up alone."""
+    sched = AsyncScheduler([0, 1, 2], concurrency=3, seed=0, ssp_bound=1)
+    sched.start(2, version=0, at=0.0)
+    sched.write_off(2)
+    for _ in range(10):
+        for c in (0, 1):
+            sched.start(c, version=0, at=0.0)
+            sched.finish(c)
+    assert sched.done == {0: 10, 1: 10, 2: 0} and 2 in sched.lagging
+    sched.start(2, version=0, at=0.0)
+    sched.finish(2)
+    assert sched.done[2] == 10 and not sched.lagging
+    assert sched.may_start(0) and sched.may_start(1) and sched.ahead() == 0
+
+
 def test_concurrency_limits_clients_in_flight():
     sched = AsyncScheduler(list(range(10)), concurrency=3, seed=1)
     first = sched.startable()

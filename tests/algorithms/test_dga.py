@@ -185,6 +185,18 @@ def test_homogeneous_round_times_by_hand():
     assert [tl.started[(t, 0)] for t in range(1, 5)] == pytest.approx([0.2, 0.8, 1.4, 2.0])
 
 
+def test_a_round_is_never_ready_before_the_round_it_builds_on():
+    """G(t) = G(t-1) + round t's average: where round t-1's slowest client has no work in
+    round t (a dropout), round t was 'ready' before round t-1, and its sim_s negative."""
+    tl = DGATimeline(SimClock([ClientLink(None), ClientLink(None, speed=0.1)]), DGAConfig(delay=1), clients=[0, 1])
+    r1 = tl.run_round(1, [ClientRound(0, 0, 1.0, 0), ClientRound(1, 0, 1.0, 0)])
+    assert r1 == pytest.approx(10.0)  # the slow client: 1 s of compute at speed 0.1
+    r2 = tl.run_round(2, [ClientRound(0, 0, 1.0, 0)])  # client 1 dropped out of round 2
+    assert r2 >= r1 and tl.ready[2] >= tl.ready[1]
+    r3 = tl.run_round(3, [ClientRound(0, 0, 1.0, 0)])
+    assert r3 >= r2
+
+
 def test_a_node_that_pulls_gets_its_next_message_only_after_its_reply_arrived():
     # The hand case above with a pulling node (a Flower SuperNode): round t's message leaves
     # when the reply of round t-1 has arrived (0.9), so download, compute and upload run in

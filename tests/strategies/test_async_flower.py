@@ -42,6 +42,32 @@ def test_backup_workers_with_no_backups_is_fedavg_bit_for_bit(tmp_path):
     assert all(r["late"] == [] and r["num_clients"] == 4 for r in _lines(backup)[1:])
 
 
+def test_backup_workers_with_no_backups_keep_fedavgs_clock_where_nodes_pull(tmp_path):
+    """A pulling node (a SuperNode, nodes-pull) takes its next message at its next ask
+    after its reply: FedAvg's round charged it, backup workers' did not."""
+    over = {**BASE, "sim-step-s": 0.5, "compute-speed": "lognormal:0.2", "nodes-pull": True}
+    fedavg = run_inprocess({**over, "results-dir": str(tmp_path / "a")}, num_clients=4)
+    backup = run_inprocess({**over, "strategy": "backup", "backup-workers": 0,
+                            "results-dir": str(tmp_path / "b")}, num_clients=4)
+    times = [[r["sim_s"] for r in _lines(run)[1:]] for run in (fedavg, backup)]
+    assert times[1] == pytest.approx(times[0], abs=1e-9)
+    assert times[0][1] - times[0][0] > 3.0  # the 3 s poll is in each round after the first
+
+
+def test_backup_workers_break_equal_arrivals_by_client(tmp_path):
+    """Identical clients on an ideal link with a fixed step arrive together every round;
+    the first m were those of the smallest (random, per run) message ids: two runs of one
+    config and seed took different clients and made different models."""
+    over = {**BASE, "strategy": "backup", "backup-workers": 2, "sim-step-s": 0.01}
+    runs = [run_inprocess({**over, "results-dir": str(tmp_path / k)}, num_clients=4) for k in "ab"]
+    for run in runs:
+        lines = _lines(run)[1:]
+        assert [r["contributors"] for r in lines] == [[0, 1]] * 4, [r["contributors"] for r in lines]
+        assert [r["late"] for r in lines] == [[2, 3]] * 4
+    ma, mb = _models(*runs)
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
 def test_fedbuff_with_a_buffer_of_n_and_no_staleness_is_fedavg(tmp_path):
     """Identical clients on an ideal network arrive together: every buffer holds one fresh
     update per client, and FedBuff's step is FedAvg's mean (to float rounding)."""
@@ -212,6 +238,24 @@ def test_a_failing_client_is_written_off_and_the_others_go_on(tmp_path, strategy
     # Its first message failed before the server learnt its partition id: the node id names it.
     assert sum(len(r.get("dropped") or []) for r in lines) == 1
     assert _summary(run)["contributions"].get("1", 0) >= 1  # it rejoined
+
+
+def test_an_error_reply_in_arrival_order_does_not_move_the_clock_by_the_timeout(tmp_path):
+    """Under arrival order a reply is used when it is pulled: an error reply stamped at
+    its message's departure plus round-timeout (clock order's stand-in for a dropout)
+    waited behind every later arrival (here: the whole run, the client never asked
+    again) and moved the run's clock past that mark when used. Stamped as it came, the
+    client is asked again after another's update (at once, an error that comes back at
+    once was a storm of retries that stopped the run as 'no client is answering')."""
+    from .apps import failing_once
+
+    run = run_inprocess({**BASE, "strategy": "fedasync", "async-order": "arrival", "num-rounds": 6,
+                         "round-timeout": 1000.0, "sim-step-s": 0.5, "results-dir": str(tmp_path)},
+                        num_clients=3, client_app=failing_once(partition=1, at_round=1))
+    lines = _lines(run)[1:]
+    assert _summary(run)["status"] == "completed" and len(lines) == 6
+    assert sum(len(r.get("dropped") or []) for r in lines) == 1
+    assert lines[-1]["sim_s"] < 100.0, [r["sim_s"] for r in lines]  # 6 versions of 3-step clients
 
 
 def _same_runs(a, b) -> bool:
