@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fededge.errors import ConfigError
 
-__all__ = ["RUNS_SHARING_ENV", "runs_sharing", "usable_cores"]
+__all__ = ["RUNS_SHARING_ENV", "cgroup_dirs", "runs_sharing", "usable_cores"]
 
 #: How many runs share this machine at once (unset: 1).
 RUNS_SHARING_ENV = "FEDEDGE_RUNS_SHARING"
@@ -56,17 +56,50 @@ def usable_cores(shared: bool = True) -> int:
     return max(1, cores // (runs_sharing() if shared else 1))
 
 
-def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """The CPUs a cgroup's quota allows this process (cgroup v2 ``cpu.max``, v1
-    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), None where there is no quota."""
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPUs the cgroups' quotas allow this process (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``): the smallest of its own cgroup's and
+    those above it (:func:`cgroup_dirs`: ``systemd-run -p CPUQuota``, a scheduler's job
+    cgroup) and the mount's root (a container's own); None where there is no quota."""
+    quotas = []
+    for d in cgroup_dirs("cpu", root, proc_cgroup):
+        try:
+            quota, period = Path(d, "cpu.max").read_text().split()[:2]
+            if quota != "max" and int(quota) > 0 and int(period) > 0:
+                quotas.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            pass
+        try:
+            quota_us = int(Path(d, "cpu.cfs_quota_us").read_text())
+            period_us = int(Path(d, "cpu.cfs_period_us").read_text())
+            if quota_us > 0 and period_us > 0:
+                quotas.append(quota_us / period_us)
+        except (OSError, ValueError):
+            pass
+    return min(quotas, default=None)
+
+
+def cgroup_dirs(controller: str, root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> set[Path]:
+    """The directories of this process's cgroup for ``controller`` (``cpu``, ``memory``)
+    and of every cgroup above it, up to the mount, as ``proc_cgroup`` names them: under
+    ``root`` for cgroup v2 (one hierarchy), under ``root/controller`` for v1; and both
+    mounts' roots (a container's cgroup namespace makes its own cgroup the root). Where
+    a limit is set, some of these hold its file."""
+    dirs = {Path(root), Path(root, controller)}
     try:
-        quota, period = Path(root, "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
-        period_us = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
-        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
-    except (OSError, ValueError):
-        return None
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        base = Path(root) if controllers == "" else Path(root, controller) if controller in controllers.split(",") \
+            else None
+        if base is None:
+            continue
+        here = base.joinpath(*[p for p in path.strip().split("/") if p])
+        while True:  # the cgroup and every one above it, up to the mount
+            dirs.add(here)
+            if here == base:
+                break
+            here = here.parent
+    return dirs

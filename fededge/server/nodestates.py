@@ -59,7 +59,7 @@ from flwr.app import RecordDict
 
 from fededge import _flwr_internals as fi
 from fededge.config import CLIENT_STATES
-from fededge.machine import runs_sharing
+from fededge.machine import cgroup_dirs, runs_sharing
 from fededge.protocol import recorddict_from_bytes, recorddict_to_bytes
 from fededge.safefile import fsync_dir
 
@@ -519,24 +519,7 @@ def _physical_memory(cgroup: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/s
         total = 0
     if total <= 0:
         total = 4 << 30
-    dirs = {Path(cgroup), Path(cgroup, "memory")}
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        base = Path(cgroup) if controllers == "" else Path(cgroup, "memory") if "memory" in controllers.split(",") \
-            else None
-        if base is None:
-            continue
-        here = base.joinpath(*[p for p in path.strip().split("/") if p])
-        while True:  # the cgroup and every one above it, up to the mount
-            dirs.add(here)
-            if here == base:
-                break
-            here = here.parent
-    for d in dirs:
+    for d in cgroup_dirs("memory", cgroup, proc_cgroup):
         for name in ("memory.max", "memory.limit_in_bytes"):
             try:
                 text = Path(d, name).read_text().strip()

@@ -474,6 +474,21 @@ def test_usable_cores_follow_a_cgroup_cpu_quota(tmp_path):
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert _cgroup_cpu_quota(str(tmp_path)) is None
     assert _cgroup_cpu_quota(str(tmp_path / "nothing")) is None
+    # The process's own cgroup and those above it, not the mount's root alone (a nested
+    # cgroup without its own namespace: systemd-run -p CPUQuota=, a scheduler's job):
+    # the smallest quota of them, v2 and v1's cpu controller.
+    (tmp_path / "proc").write_text("0::/a/b\n4:cpu,cpuacct:/x/y\n5:memory:/z\n")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "cpu.max").write_text("300000 100000\n")
+    (tmp_path / "a" / "b" / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path), str(tmp_path / "proc")) == 3.0
+    (tmp_path / "cpu" / "x" / "y").mkdir(parents=True)
+    (tmp_path / "cpu" / "x" / "cpu.cfs_quota_us").write_text("50000\n")
+    (tmp_path / "cpu" / "x" / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path), str(tmp_path / "proc")) == 0.5
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "cpu.max").write_text("10000 100000\n")  # the memory controller's cgroup: not this one
+    assert _cgroup_cpu_quota(str(tmp_path), str(tmp_path / "proc")) == 0.5
 
 
 def test_a_sweeps_runs_share_the_cores_and_a_resume_keeps_the_runs_device(tmp_path):
