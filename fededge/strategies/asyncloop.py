@@ -475,17 +475,16 @@ class _AsyncRun:
                 continue  # written off already: its late reply is not used
             d, t0, size = self.inflight.pop(mid)
             self.fl.timing.learn(reply)
-            if reply.has_error() and self.order == "clock":
+            if reply.has_error() and (self.order == "clock" or is_dropout(reply)):
                 # A dropout: the server learns only when its timeout expires. An
                 # error is retried no sooner either, or a client that always fails
                 # would be asked again and again at the same simulated instant.
                 t = d.at + self.timeout
             else:
-                # (An error under arrival order: used as it came, stamped as it came, with
-                # no compute. Stamped at d.at + timeout, it waited behind every later
-                # arrival, for the rest of a busy run, and moved the clock past that mark
-                # when it was used. The client is asked again after another's update:
-                # `cooling`.)
+                # (A client's error under arrival order: used as it came, stamped as it
+                # came, with no compute. Stamped at d.at + timeout it waited behind every
+                # later arrival, for the rest of a busy run. The client is asked again
+                # after another's update: `cooling`.)
                 t = self.fl.timing.arrival(d.client, d.at, size, reply, time.monotonic() - t0)
             self.queue.push(Event(t, d.seq, d.client, payload=reply))
         return pulled
@@ -525,11 +524,15 @@ class _AsyncRun:
     def use(self, ev: Event) -> None:
         fl, sched, server, pending = self.fl, self.sched, self.server, self.pending
         mode = fl.config.mode
-        self.now = max(self.now, ev.time)
         d = sched.running[ev.client]
         pending.groups.append(f"a{d.seq}")
         reply: Message | None = ev.payload
         why = "no reply within round-timeout" if reply is None else fl._why_unusable(reply)
+        if self.order == "clock" or why is None:
+            # Under arrival order a write-off's d.at + round-timeout (a dropout, a real
+            # silence) is no time of the run's: used when it came up, it moved the clock,
+            # and every later version, past that mark.
+            self.now = max(self.now, ev.time)
         if why is not None:
             sched.write_off(ev.client)
             if self.order != "clock":

@@ -258,6 +258,61 @@ def test_an_error_reply_in_arrival_order_does_not_move_the_clock_by_the_timeout(
     assert lines[-1]["sim_s"] < 100.0, [r["sim_s"] for r in lines]  # 6 versions of 3-step clients
 
 
+class _TricklingGrid:
+    """A SuperLink-like grid: one reply per pull; node 2's first message comes back as
+    ``first`` (a simulated dropout or a client's error), every other as a trained reply."""
+
+    def __init__(self, first):
+        self.first, self.n, self.pending = first, 0, {}
+
+    def get_node_ids(self):
+        return [1, 2]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            self.n += 1
+            mid = f"{self.n:064x}"
+            fi.set_message_id(m, mid)
+            self.pending[mid] = m
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        from flwr.app import Error, Message, MetricRecord, RecordDict
+
+        from fededge import keys
+
+        for mid in ids:
+            m = self.pending.pop(mid, None)
+            if m is None:
+                continue
+            if m.metadata.dst_node_id == 2 and self.first is not None:
+                reply, self.first = Message(Error(code=0, reason=self.first), reply_to=m), None
+                return [reply]
+            return [Message(RecordDict({"arrays": m.content["arrays"], "metrics": MetricRecord(
+                {"num-examples": 10, keys.LOCAL_STEPS_DONE: 1})}), reply_to=m)]
+        return []
+
+
+@pytest.mark.parametrize("kind", ["dropout", "error"])
+def test_a_write_off_in_arrival_order_leaves_the_clock_where_the_arrivals_put_it(kind):
+    """Replies trickle in as on a SuperLink: a write-off stamped at its departure plus
+    round-timeout, used when it came up, moved the run's clock (and every later version)
+    by the timeout."""
+    from flwr.app import ArrayRecord
+
+    from fededge.strategies._replies import DROPOUT_REASON
+
+    reason = f"{DROPOUT_REASON} (test)" if kind == "dropout" else "RuntimeError: boom"
+    strategy = FedAsync(order="arrival", step_s=1.0, poll_s=0.0)
+    with fi.task_identity(run_id=1, node_id=0, task_id=1):
+        strategy.start(_TricklingGrid(reason), ArrayRecord({"w": torch.zeros(2)}), num_rounds=4, timeout=100.0)
+    reports = [strategy.round_report(v) for v in range(1, 5)]
+    assert sum(len(r.dropped) for r in reports) == 1
+    assert all(r.sim_s < 10.0 for r in reports), [r.sim_s for r in reports]
+
+
 def _same_runs(a, b) -> bool:
     def strip(lines):
         for r in lines:
