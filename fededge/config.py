@@ -432,7 +432,9 @@ class RunConfig:
             )
         _int_at_least("local-steps", self.local_steps, 1)
         _int_at_least("batch-size", self.batch_size, 1)
-        _int_at_least("synthetic-samples", self.synthetic_samples, 20)
+        # the synthetic data sets' 10 classes, split 80/20 stratified: at least one of each
+        # class on each side (fededge.data.datasets.min_split_samples(10, 0.2) = 46)
+        _int_at_least("synthetic-samples", self.synthetic_samples, 46)
         _positive("synthetic-amplitude", self.synthetic_amplitude)
         _int_at_least("shards-per-client", self.shards_per_client, 1)
         _int_at_least("min-partition-size", self.min_partition_size, 1)

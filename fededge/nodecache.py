@@ -209,6 +209,12 @@ class NodeCache:
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
+            if final.exists() and self._is_good(final, manifest["key"]):
+                # Another process built the same key and stored it since our miss: use
+                # its entry (the same arrays). Replacing it would pull it from under
+                # that process's read-back (and anyone's load), which then failed.
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
             if final.exists():  # a bad entry: move it aside, then take its place
                 trash = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"
                 try:
@@ -226,6 +232,14 @@ class NodeCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+    @classmethod
+    def _is_good(cls, d: Path, key: dict[str, Any]) -> bool:
+        try:
+            cls._load_checked(d, key)
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+            return False
+        return True
 
     def get_or_build(self, kind: str, fields: Mapping[str, Any], build: Build) -> tuple[dict[str, np.ndarray],
                                                                                        dict[str, Any]]:
@@ -246,6 +260,8 @@ class NodeCache:
             _log.warning("fededge cache: cannot write under %s (%s); not caching", self.root, err)
             return dict(arrays), dict(meta)
         got = self.load(kind, fields)
-        if got is None:
-            raise OSError(f"fededge cache: an entry just written under {self.root} does not read back")
+        if got is None:  # replaced meanwhile by a process that found it bad: ours, from memory
+            _log.warning("fededge cache: the entry just written under %s did not read back; using the arrays "
+                         "built here", self.root)
+            return dict(arrays), dict(meta)
         return got

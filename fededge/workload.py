@@ -146,7 +146,15 @@ def check_partition(cfg: RunConfig, num_partitions: int, data_dir: str | None = 
     ...
     fededge.errors.ConfigError: partition='dirichlet' cannot give each of the 1000 clients ...
     """
-    partition_indices(cfg, num_partitions, data_dir)
+    parts = partition_indices(cfg, num_partitions, data_dir)
+    if cfg.model == "cnn-bn":  # min-partition-size bounds Dirichlet's splits only
+        smallest = min((len(p) for p in parts), default=2)
+        if smallest < 2:
+            ones = sum(len(p) < 2 for p in parts)
+            raise ConfigError(
+                f"model 'cnn-bn' needs at least 2 training examples on every client (its BatchNorm1d cannot "
+                f"train on one); partition={cfg.partition!r} gives {ones} of the {num_partitions} clients "
+                f"{smallest}: use fewer clients, more data, or partition='dirichlet' with min-partition-size >= 2")
 
 
 @lru_cache(maxsize=16)

@@ -178,6 +178,39 @@ def test_writes_are_atomic_nothing_half_written(tmp_path, monkeypatch):
     assert list((tmp_path / "c").iterdir()) == []
 
 
+def test_two_processes_building_one_key_keep_the_first_good_entry(tmp_path, monkeypatch):
+    """Two processes miss on one key (a sweep's runs, SuperNodes sharing a cache) and
+    both build: the second store found the first's entry and replaced it as if bad, which
+    pulled it from under the first's read-back (an OSError that stopped that process)
+    and any load meanwhile. Now the second uses the good entry; a read-back that fails
+    anyway serves the arrays built."""
+    import fededge.nodecache as nc
+
+    root = tmp_path / "c"
+    a, b = NodeCache(root), NodeCache(root)
+    key = ("dataset", {"k": 1})
+    assert b.load(*key) is None  # b misses and builds (slower)
+    a.get_or_build(*key, lambda: ({"x": np.full(10, 1.0, np.float32)}, {}))
+    entry = a.entry_dir(*key)
+    inode = entry.stat().st_ino
+    seen = []
+    real_rmtree = nc.shutil.rmtree
+
+    def rmtree(p, *args, **kw):  # a load by a third process while b stores
+        seen.append(NodeCache(root).load(*key))
+        return real_rmtree(p, *args, **kw)
+
+    monkeypatch.setattr(nc.shutil, "rmtree", rmtree)
+    assert b.store(*key, {"x": np.full(10, 1.0, np.float32)}) == entry
+    assert entry.stat().st_ino == inode  # a's entry, not replaced
+    assert all(got is not None for got in seen)
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    # A read-back that fails (the entry replaced meanwhile): the arrays built, not an error.
+    monkeypatch.setattr(NodeCache, "load", lambda self, kind, fields: None)
+    arrays, _ = NodeCache(root).get_or_build("other", {"k": 2}, lambda: ({"y": np.arange(4)}, {}))
+    assert arrays["y"].tolist() == [0, 1, 2, 3]
+
+
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FEDEDGE_CACHE_DIR", str(tmp_path / "x"))
     assert default_cache_dir() == tmp_path / "x"

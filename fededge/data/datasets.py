@@ -327,23 +327,37 @@ def _load_digits(*, seed: int, test_fraction: float) -> Dataset:
 _SYNTHETIC_RADIUS = 3.0
 
 
+def min_split_samples(classes: int, test_fraction: float) -> int:
+    """The fewest samples whose stratified split keeps one of each of ``classes`` on each
+    side: sklearn puts ``ceil(test_fraction * n)`` in the test set.
+
+    >>> min_split_samples(10, 0.2)
+    46
+    """
+    n = classes
+    while min(math.ceil(test_fraction * n), n - math.ceil(test_fraction * n)) < classes:
+        n += 1
+    return n
+
+
+def _check_split(samples: int, classes: int, test_fraction: float) -> None:
+    if samples < min_split_samples(classes, test_fraction):
+        n_test = math.ceil(test_fraction * samples)
+        raise ValueError(
+            f"synthetic_samples={samples} is too small for synthetic_classes={classes} "
+            f"with test_fraction={test_fraction}: the split gives {samples - n_test} train and "
+            f"{n_test} test samples, and each side needs at least one per class; raise synthetic_samples "
+            f"to {min_split_samples(classes, test_fraction)} or more (or lower synthetic_classes)"
+        )
+
+
 def _make_synthetic(
     *, seed: int, samples: int, features: int, classes: int, test_fraction: float
 ) -> Dataset:
     _check_int("synthetic_classes", classes, minimum=2)
     _check_int("synthetic_features", features, minimum=1)
     _check_int("synthetic_samples", samples, minimum=1)
-    # sklearn's split puts ceil(test_fraction * n) samples in the test set; stratifying
-    # needs at least one sample per class on each side.
-    n_test = math.ceil(test_fraction * samples)
-    n_train = samples - n_test
-    if min(n_test, n_train) < classes:
-        raise ValueError(
-            f"synthetic_samples={samples} is too small for synthetic_classes={classes} "
-            f"with test_fraction={test_fraction}: the split gives {n_train} train and "
-            f"{n_test} test samples, and each side needs at least one per class; "
-            f"raise synthetic_samples (or lower synthetic_classes)"
-        )
+    _check_split(samples, classes, test_fraction)
 
     rng = np.random.default_rng(seed)
     directions = rng.standard_normal((features, classes))
@@ -382,7 +396,8 @@ def _make_synthetic_images(*, seed: int, samples: int, classes: int, amplitude: 
     channel. For CIFAR-10-sized workloads (compression, timing) without a download.
     """
     _check_int("synthetic_classes", classes, minimum=2)
-    _check_int("synthetic_samples", samples, minimum=2 * classes)
+    _check_int("synthetic_samples", samples, minimum=1)
+    _check_split(samples, classes, test_fraction)
     if isinstance(amplitude, bool) or not isinstance(amplitude, (int, float)) or not 0 < amplitude < math.inf:
         raise ValueError(f"synthetic_amplitude must be a positive finite number (0.35 by default), got {amplitude!r}")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x696D67]))  # "img"
