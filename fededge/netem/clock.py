@@ -18,7 +18,9 @@ link (:class:`~fededge.netem.profiles.Direction`):
   stalls the transfer by about one RTT (fast retransmit). Tail-loss timeouts (RTO) are
   not modelled.
 - **delay**: the one-way delay. **jitter**: a normal sample with standard deviation
-  ``jitter``, clipped so that the total delay is never negative.
+  ``jitter``, clipped so that the total delay is never negative. Messages of one link
+  direction arrive in the order they were sent (one TCP stream, as the proxy and the
+  kernel deliver them): a message is never due before the one before it.
 
 Randomness is per link direction, from ``SeedSequence([seed, client, direction])``,
 so a run is deterministic for a seed whatever the order in which clients are handled.
@@ -101,6 +103,7 @@ class LinkDirection:
     next_opportunity: int = 0  # traces: opportunities before this index are used
     bytes_sent: int = 0
     loss_events: int = 0
+    last_arrival: float = 0.0  # a later message never arrives before an earlier one (one TCP stream)
 
     def send(self, nbytes: int, at: float) -> float:
         """Send ``nbytes`` no earlier than ``at``; return the arrival time."""
@@ -127,7 +130,11 @@ class LinkDirection:
         self.busy_until = left
         self.bytes_sent += nbytes
         jitter = float(self.rng.normal(0.0, d.jitter_s)) if d.jitter_s > 0 else 0.0
-        return left + max(0.0, d.delay_s + jitter)
+        # In order, as the proxy and the kernel deliver a connection's bytes: each
+        # message's own jitter put a later one before an earlier one (a pipelined
+        # protocol's model r+1 before model r).
+        self.last_arrival = max(self.last_arrival, left + max(0.0, d.delay_s + jitter))
+        return self.last_arrival
 
 
 @dataclass(frozen=True)
@@ -263,7 +270,7 @@ class SimClock:
                 "replied": {int(c): float(v) for c, v in self.replied.items()}, "links": [
             [client, which, None if d is None else {
                 "busy_until": d.busy_until, "next_opportunity": d.next_opportunity, "bytes_sent": d.bytes_sent,
-                "loss_events": d.loss_events, "rng": d.rng.bit_generator.state}]
+                "loss_events": d.loss_events, "last_arrival": d.last_arrival, "rng": d.rng.bit_generator.state}]
             for (client, which), d in sorted(self._dirs.items())]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -283,6 +290,7 @@ class SimClock:
                 link.next_opportunity = int(saved["next_opportunity"])
                 link.bytes_sent = int(saved["bytes_sent"])
                 link.loss_events = int(saved["loss_events"])
+                link.last_arrival = float(saved.get("last_arrival", 0.0))  # (a checkpoint from before it)
                 link.rng.bit_generator.state = saved["rng"]
 
     def stats(self) -> dict[str, int]:

@@ -78,12 +78,18 @@ class Direction:
             raise ProfileError(f"rate must be > 0 (or absent for unshaped), got {self.rate_bps} bit/s")
         if not (self.delay_s >= 0 and math.isfinite(self.delay_s)):
             raise ProfileError(f"delay must be >= 0 ms, got {self.delay_s * 1000} ms")
-        if not self.jitter_s >= 0:
-            raise ProfileError(f"jitter must be >= 0 ms, got {self.jitter_s * 1000} ms")
+        if not (self.jitter_s >= 0 and math.isfinite(self.jitter_s)):
+            raise ProfileError(f"jitter must be >= 0 ms and finite, got {self.jitter_s * 1000} ms")
         if not 0 <= self.loss < 1:
             raise ProfileError(f"loss must be a fraction in [0, 1), got {self.loss}")
-        if not self.loss_burst >= 1:
+        if not (self.loss_burst >= 1 and math.isfinite(self.loss_burst)):
             raise ProfileError(f"loss-burst is a mean burst length in packets, >= 1; got {self.loss_burst}")
+        most = self.loss_burst / (1.0 + self.loss_burst)
+        if self.loss > most:
+            # the Gilbert-Elliott chain's good -> bad probability would pass 1: the packet
+            # that enters the bad state is never lost, so bursts of this mean length lose at most this
+            raise ProfileError(f"loss {self.loss} cannot be had in bursts of {self.loss_burst:g} packets on average "
+                               f"(at most loss-burst / (1 + loss-burst) = {most:.3g}); lower loss or raise loss-burst")
 
     @property
     def gilbert_elliott(self) -> tuple[float, float]:

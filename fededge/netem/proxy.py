@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import collections
 import math
 import signal
@@ -89,7 +88,7 @@ from typing import Any, Deque
 import numpy as np
 
 from fededge.netem.profiles import Direction, LinkProfile, ProfileError
-from fededge.netem.trace import PACKET_BYTES, DeliveryTrace
+from fededge.netem.trace import PACKET_BYTES, DeliveryTrace, first_slot_at_or_after
 
 __all__ = [
     "MSS_BYTES", "NetemProxy", "ProxyConfig", "ProxyHandle", "ProxyStats", "mathis_ceiling_bps",
@@ -234,10 +233,7 @@ class _TraceCursor:
         return self.t0 + (cycle * self.period + self.ops[i]) / 1000.0
 
     def _first_at_or_after(self, t: float) -> int:
-        ms = max(0.0, (t - self.t0) * 1000.0)
-        cycle = math.floor(ms / self.period)
-        i = bisect.bisect_left(self.ops, ms - cycle * self.period)
-        return cycle * len(self.ops) + i
+        return first_slot_at_or_after(self.ops, self.period, (t - self.t0) * 1000.0)
 
     def departure(self, now: float, nbytes: int) -> float:
         """When the last of ``nbytes`` arriving at ``now`` leaves the link."""

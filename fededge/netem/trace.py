@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DeliveryTrace", "TraceError", "PACKET_BYTES"]
+__all__ = ["DeliveryTrace", "TraceError", "PACKET_BYTES", "first_slot_at_or_after"]
 
 PACKET_BYTES = 1500
 
@@ -77,11 +77,7 @@ class DeliveryTrace:
 
     def first_index_at_or_after(self, t_s: float) -> int:
         """Absolute index (over all repetitions) of the first opportunity at or after ``t_s``."""
-        ops, period = self.opportunities_ms, self.period_ms
-        t_ms = t_s * 1000.0
-        cycle = math.floor(t_ms / period)
-        i = bisect.bisect_left(ops, t_ms - cycle * period)
-        return cycle * len(ops) + i  # i == len(ops) rolls over into the next cycle
+        return first_slot_at_or_after(self.opportunities_ms, self.period_ms, t_s * 1000.0)
 
     def time_of(self, index: int) -> float:
         """Time (s) of the opportunity with absolute index ``index``."""
@@ -99,3 +95,24 @@ class DeliveryTrace:
         if nbytes <= 0:
             return start_s
         return self.nth_opportunity_s(start_s, math.ceil(nbytes / PACKET_BYTES))
+
+
+def first_slot_at_or_after(ops: tuple[int, ...], period: int, t_ms: float) -> int:
+    """Absolute index (over the trace's repetitions) of the first opportunity at or after
+    ``t_ms`` of the trace's own time, ``ops`` its sorted millisecond stamps, ``period``
+    its last one.
+
+    Opportunities are whole milliseconds, so ``t_ms`` is first taken to its millisecond:
+    the next transfer starts at the time of the last slot the previous one used, which
+    comes back from seconds a hair above its millisecond (``2.007 * 1000`` is
+    ``2007.0000000000002``) and skipped the rest of that millisecond's slots. A time on
+    a period's boundary ``k * period`` is the last slot of cycle ``k - 1``.
+
+    >>> first_slot_at_or_after((2007, 2007, 2007, 2007, 4000), 4000, 2.007 * 1000)
+    0
+    >>> first_slot_at_or_after((2, 5, 10), 10, 10.0)  # cycle 0's slot at 10 ms
+    2
+    """
+    target = max(0, math.ceil(t_ms - 1e-6))
+    cycle = max(0, (target - 1) // period)
+    return cycle * len(ops) + bisect.bisect_left(ops, target - cycle * period)

@@ -73,12 +73,15 @@ def test_delay_jitter_loss_is_netem_root_with_tbf_child():
     ]
     netem = plan[0].params
     assert isinstance(netem, NetemParams)
-    assert (netem.delay_s, netem.jitter_s, netem.loss, netem.gemodel) == (0.0275, 0.005, 0.002, None)
+    # netem's jitter is a uniform half-width (no distribution table): sqrt(3) x the
+    # profile's standard deviation, so that the spread is the clock's and the proxy's
+    assert (netem.delay_s, netem.loss, netem.gemodel) == (0.0275, 0.002, None)
+    assert netem.jitter_s == pytest.approx(0.005 * 3**0.5)
     assert netem.order_rate_Bps == 0xFFFFFFFF  # jitter: netem keeps order only when its rate is set
     assert netem.limit >= 1000
     assert plan[1].params == k.tbf_params(6.3e6)
     assert plan[0].describe() == (
-        "tc qdisc add dev wlan0 root handle fede: netem limit 1000 delay 27.5ms 5ms "
+        "tc qdisc add dev wlan0 root handle fede: netem limit 1000 delay 27.5ms 8.66025ms "
         "loss random 0.2% rate 34359738360bit"
     )
     assert plan[1].describe() == (
@@ -201,7 +204,9 @@ def test_netem_message_encodes_delay_loss_and_gemodel():
     assert (back["index"], back["handle"], back["parent"]) == (7, ROOT_HANDLE, TC_H_ROOT)
     assert back.get_attr("TCA_KIND") == "netem"
     opts = back.get_attr("TCA_OPTIONS")
-    assert opts["delay"] == int(50_000 * tick_in_usec) and opts["jitter"] == int(10_000 * tick_in_usec)
+    assert opts["delay"] == int(50_000 * tick_in_usec)
+    # a uniform of the profile's standard deviation: half-width sqrt(3) x 10 ms (to a tick)
+    assert opts["jitter"] == pytest.approx(10_000 * 3**0.5 * tick_in_usec, abs=16)
     assert opts["loss"] == 0 and opts["limit"] == params.limit
     ge = opts.get_attr("TCA_NETEM_LOSS").get_attr("NETEM_LOSS_GE")
     p, r = params.gemodel

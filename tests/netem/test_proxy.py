@@ -165,6 +165,21 @@ def test_trace_cursor_matches_delivery_trace_for_a_continuous_transfer():
         assert dep - 100.0 == pytest.approx(trace.departure_s(start, sent))
 
 
+@pytest.mark.parametrize("t0", [100.0, 1234.5678, 98765.4321])
+def test_the_trace_cursor_uses_every_slot_of_a_busy_trace_whatever_its_start_time(t0):
+    """Three slots a millisecond (36 Mbit/s): chunks back to back must leave when the
+    trace says for the whole transfer. With t0 = loop.time() (the machine's uptime) the
+    float rounding of (t - t0) * 1000 skipped the rest of a millisecond's slots: up to
+    20 % slower than the trace."""
+    trace = DeliveryTrace.parse("".join(f"{ms}\n" * 3 for ms in range(1, 101)), name="busy")
+    cursor = _TraceCursor(trace, t0=t0)
+    now, sent = t0, 0
+    for _ in range(1400):  # 8.4 MB in 6,000-byte chunks, each sent when the last left
+        now = cursor.departure(now, 6000)
+        sent += 6000
+    assert now - t0 == pytest.approx(trace.departure_s(0.0, sent), abs=1e-9)
+
+
 def test_mathis_ceiling():
     # 1% loss at 60 ms RTT is about 2.4 Mbit/s (shared/reference/network-profiles.md).
     assert mathis_ceiling_bps(0.01, 0.060) == pytest.approx(2.36e6, rel=0.01)

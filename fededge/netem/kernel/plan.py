@@ -203,8 +203,12 @@ def netem_params(d: Direction, *, mtu: int = 1500) -> NetemParams:
     loss = d.loss
     if d.loss > 0 and d.loss_burst > 1:
         gemodel, loss = d.gilbert_elliott, 0.0
+    # netem without a distribution table (fededge sends none) spreads each packet's delay
+    # uniformly over delay +- jitter; the profile's jitter is a standard deviation (the
+    # clock's and the proxy's normal samples), and a uniform half-width of jitter * sqrt(3)
+    # has that standard deviation (with jitter as given it had 0.58 of it)
     return NetemParams(
-        delay_s=d.delay_s, jitter_s=d.jitter_s, loss=loss, gemodel=gemodel, limit=limit,
+        delay_s=d.delay_s, jitter_s=d.jitter_s * math.sqrt(3.0), loss=loss, gemodel=gemodel, limit=limit,
         order_rate_Bps=U32_MAX if d.jitter_s > 0 else None,
     )
 
