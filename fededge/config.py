@@ -630,7 +630,7 @@ def check_gossip_keys(cfg: RunConfig) -> None:
             raise ConfigError(
                 "run-config key 'topology': 'one-peer-exponential' changes peers every round, "
                 "but CHOCO's public estimates assume a static graph; use gossip-algorithm="
-                "'dpsgd' with it, or a static topology such as 'exponential'")
+                "'dpsgd' with it, or a static topology such as 'exponential'")  # (GossipConfig says it too)
 
 
 def _owned_error(owner: type, params: Mapping[str, str], kwargs: Mapping[str, Any], err: ValueError) -> str:

@@ -268,6 +268,12 @@ def check_choco_codec(compressor: str, error_feedback: bool) -> None:
 GOSSIP_ALGORITHMS: tuple[str, ...] = ("dpsgd", "choco")
 
 
+#: Why CHOCO-SGD refuses a time-varying topology (the run config, GossipConfig and Gossip say it).
+TIME_VARYING_CHOCO = ("'one-peer-exponential' changes peers every round, but CHOCO's public estimates assume a "
+                      "static graph (a node keeps estimates of the nodes it hears, not of the next round's); use "
+                      "algorithm 'dpsgd' with it, or a static topology such as 'exponential'")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GossipConfig:
     """Who gossips with whom, and how. Run-config keys in brackets; this class declares
@@ -320,6 +326,8 @@ class GossipConfig:
             raise ValueError(f"topology_p must be in [0, 1] (0: the family's default), got {self.topology_p}")
         if self.topology == "file" and not self.topology_file:
             raise ValueError("topology='file' needs topology_file, a file of 'u v' edge lines")
+        if self.algorithm == "choco" and self.topology == "one-peer-exponential":
+            raise ValueError(TIME_VARYING_CHOCO)
 
     def topology_params(self) -> dict[str, object]:
         """The knobs the named family takes, as :func:`fededge.topology.build_topology`
@@ -376,7 +384,7 @@ def _apply(hat: Weights, q: Weights) -> Weights:
     if set(hat) != set(q):
         raise GossipError(f"a CHOCO message has tensors {sorted(q)[:5]}, the estimate "
                           f"{sorted(hat)[:5]}; both must cover the model's floating tensors")
-    return {k: v + q[k] for k, v in hat.items()}
+    return {k: v + q[k].to(v.dtype) for k, v in hat.items()}  # (a decoded q is float32: the estimate's dtype, everywhere)
 
 
 class ChocoNode:
@@ -437,7 +445,9 @@ class ChocoNode:
             raise GossipError(f"the CHOCO state has no estimate of node {index} itself (it holds "
                               f"{sorted(hats)}); it belongs to another node")
         node = cls(config, index=index, neighbours=[], init={})
-        node.hats = {int(j): dict(h) for j, h in hats.items()}
+        # the floating tensors only, as __init__ keeps them (a model's integer buffers are
+        # not estimated: its messages never carry them)
+        node.hats = {int(j): {k: v for k, v in h.items() if _floating(v)} for j, h in hats.items()}
         return node
 
     def difference(self, x: Weights) -> Weights:

@@ -50,7 +50,7 @@ resynchronised (``gossip-hat/*``). The failed node itself keeps its last trained
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ from fededge.algorithms.gossip import (
     ChocoConfig,
     GossipConfig,
     ChocoNode,
+    TIME_VARYING_CHOCO,
     Weights,
     GossipTimeline,
     GossipWork,
@@ -291,6 +292,8 @@ class Gossip(OwnLoop):
         n = len(self.nodes)
         # Before any training: a graph these nodes cannot form stops the run here.
         self.topology = build_topology(self.topology_name, n, seed=self.seed, **self.topology_params)
+        if self.algorithm == "choco" and self.topology.time_varying:
+            raise ValueError(f"topology {self.topology_name!r}: {TIME_VARYING_CHOCO}")
         for t in range(self.topology.period):
             self.topology.mixing(t, rule=self.mixing_rule)  # validated now, not in round t
         log.info("Gossip: %s, %d nodes (node i = the i-th node id in increasing order); %s",
@@ -298,6 +301,7 @@ class Gossip(OwnLoop):
         self._initial = initial_arrays
         self._float_keys = [k for k, v in initial_arrays.to_torch_state_dict().items() if v.is_floating_point()]
         self._max_elements = max((v.numel() for v in initial_arrays.to_torch_state_dict().values()), default=1)
+        self._shapes = {k: v for k, v in initial_arrays.to_torch_state_dict().items()}  # (shapes, dtypes)
         self._last: dict[int, ArrayRecord] = {}  # index -> its message of the previous round
         self._synced: set[int] = set()  # nodes that completed a round (hold a model)
         self._resync: set[int] = set()  # CHOCO nodes whose estimates must be resent
@@ -386,14 +390,20 @@ class Gossip(OwnLoop):
                         if sorted(q) != sorted(self._float_keys):
                             raise ValueError(f"its message has tensors {sorted(q)[:5]}, the model "
                                              f"{sorted(self._float_keys)[:5]}")
+                        _check_shapes(q, self._hats[i], "its message")
                         trained[i] = dict(r.content[keys.GOSSIP_EVAL_ARRAYS].to_torch_state_dict())
+                        _check_shapes(trained[i], self._shapes, "its model")
                         eval_bytes = wire_size(r.content[keys.GOSSIP_EVAL_ARRAYS])
-                        self._hats[i] = {k: v + q[k] for k, v in self._hats[i].items()}
+                        # in the estimate's dtype, as the node and its neighbours add it
+                        self._hats[i] = {k: v + q[k].to(v.dtype) for k, v in self._hats[i].items()}
                     else:
                         trained[i] = dict(rec.to_torch_state_dict())
                         if set(trained[i]) != set(self._initial.keys()):
                             raise ValueError(f"its model has tensors {sorted(trained[i])[:5]}, not the "
                                              f"model's")
+                        # (mixed at the relay and by the neighbours: a tensor of another shape
+                        # stopped the run here, or broadcast into them)
+                        _check_shapes(trained[i], self._shapes, "its model")
                 except Exception as err:  # a malformed message must not poison the neighbours
                     trained.pop(i, None)
                     why = f"{type(err).__name__}: {err}"
@@ -427,6 +437,10 @@ class Gossip(OwnLoop):
         info.failed.extend(missing)  # no reply within the timeout
         for i in info.failed:
             self._resync.add(i)
+            # Its next message brings a model too: a node that lost its state (a SuperNode
+            # restarted) starts from it (one that kept its own uses that); without it the
+            # node failed every later round.
+            self._synced.discard(i)
         for i in sent:
             self._synced.add(i)
             self._resync.discard(i)
@@ -464,3 +478,14 @@ class Gossip(OwnLoop):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         raise NotImplementedError("Gossip runs its own round loop: call start()")
+
+
+def _check_shapes(got: Weights, model: Mapping[str, Any], what: str) -> None:
+    """Every tensor of ``got`` of its tensor's shape in ``model``, floating where it is."""
+    for k, v in got.items():
+        ref = model.get(k)
+        if ref is None:
+            continue
+        if tuple(v.shape) != tuple(ref.shape) or v.is_floating_point() != ref.is_floating_point():
+            raise ValueError(f"{what}: tensor {k!r} is {v.dtype} {tuple(v.shape)}, the model's "
+                             f"{ref.dtype} {tuple(ref.shape)}")

@@ -334,3 +334,31 @@ def test_choco_with_unbiased_qsgd_needs_the_scale():
         results[name] = consensus_distance(xs) / consensus_distance(start)
     assert results["scaled"] < 0.1
     assert not results["raw"] < 1.0  # grows (or NaN): the unscaled estimate error explodes
+
+
+def test_choco_estimates_that_start_at_a_model_with_an_integer_buffer():
+    """The docs say to start the estimates at the common initial model: one with a
+    BatchNorm counter made choco_step fail (the messages carry floats only)."""
+    from fededge.algorithms.gossip import choco_step, identity
+
+    n = 4
+    w = build_topology("ring", n).mixing()
+    init = {"w": torch.zeros(3), "bn.num_batches_tracked": torch.tensor(0)}
+    models = [{"w": torch.randn(3, generator=torch.Generator().manual_seed(i)),
+               "bn.num_batches_tracked": torch.tensor(5 + i)} for i in range(n)]
+    out, hats = choco_step(models, [dict(init) for _ in range(n)], w, gamma=1.0, compressor=identity)
+    assert [int(m["bn.num_batches_tracked"]) for m in out] == [5, 6, 7, 8]  # each node's own
+    assert all(set(h) == {"w"} for h in hats)
+
+
+def test_a_decoded_message_is_added_in_the_estimates_dtype_by_everyone():
+    """The node cast its own q to a bf16 model's dtype; the relay and the neighbours added
+    the float32 decoded q: three copies of one estimate, no longer the same."""
+    from fededge.algorithms.gossip import ChocoConfig, ChocoNode
+
+    hat = {"w": torch.randn(8, 8).to(torch.bfloat16)}
+    q = {"w": torch.randn(8, 8) * 1e-3}  # float32, as a decoder gives it
+    node = ChocoNode.from_estimates(ChocoConfig(), 0, {0: hat, 1: hat})
+    node.receive({1: q})
+    got = node.hats[1]["w"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, hat["w"] + q["w"].to(torch.bfloat16))

@@ -155,6 +155,65 @@ def test_a_failing_node_is_left_out_and_the_run_goes_on(tmp_path, algorithm, at_
     assert all(r["loss"] == r["loss"] and r["consensus_distance"] < 10 for r in lines)  # finite, sane
 
 
+@pytest.mark.parametrize("algorithm", ["dpsgd", "choco"])
+def test_a_node_that_lost_its_state_gets_a_model_and_rejoins(tmp_path, algorithm):
+    """A SuperNode that restarted holds no model: its message of that round fails, and the
+    relay, which sent a model only until a node had completed a round, never sent one
+    again (the node failed every later round, the run still 'completed')."""
+    from .apps import losing_state_once
+
+    over = {**BASE, "num-rounds": 5, "gossip-algorithm": algorithm, "gossip-gamma": 0.5,
+            "results-dir": str(tmp_path)}
+    run_dir = run_inprocess(over, num_clients=4, client_app=losing_state_once(1, 3))
+    lines = _lines(run_dir)
+    assert [len(r["gossip_failed"]) for r in lines[1:]] == [0, 0, 1, 0, 0]
+    assert [r["num_clients"] for r in lines[1:]] == [4, 4, 3, 4, 4]
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "choco"])
+def test_a_reply_with_a_tensor_of_another_shape_is_left_out_not_mixed(tmp_path, algorithm):
+    """D-PSGD's relay checked the tensors' names only: a flattened weight stopped the run
+    in the relay's mixing (CHOCO's evaluation copy the same)."""
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+
+    from fededge import keys
+    from fededge.arrays import record_from_torch, record_to_torch
+    from fededge.clients.app import run_config_mods
+    from fededge.clients.app import train as fededge_train
+
+    app = ClientApp()
+    record = keys.GOSSIP_MESSAGE if algorithm == "dpsgd" else keys.GOSSIP_EVAL_ARRAYS
+
+    def tamper(msg: Message, context: Context, call_next):  # noqa: ANN001, ANN202 - outside the gossip mod
+        reply = call_next(msg, context)
+        if int(context.node_config[keys.PARTITION_ID]) == 1 and int(msg.content[keys.CONFIG][keys.SERVER_ROUND]) == 2:
+            w = dict(record_to_torch(reply.content[record]))
+            k = next(k for k, v in w.items() if v.ndim == 2)
+            w[k] = w[k].reshape(-1)  # the same elements, another shape
+            reply.content[record] = record_from_torch(w)
+        return reply
+
+    @app.train(mods=[tamper, run_config_mods])
+    def train(msg: Message, context: Context) -> Message:
+        return fededge_train(msg, context)
+
+    run_dir = run_inprocess({**BASE, "num-rounds": 3, "gossip-algorithm": algorithm, "results-dir": str(tmp_path)},
+                            num_clients=4, client_app=app)
+    lines = _lines(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert [r["rejected"] for r in lines[1:]] == [0, 1, 0]
+
+
+def test_choco_on_a_time_varying_graph_is_refused_by_the_library_too():
+    """Only the run config refused it: a library Gossip(algorithm='choco',
+    topology='one-peer-exponential') failed every node from round 3."""
+    from fededge.strategies.gossip import Gossip
+
+    with pytest.raises(ValueError, match="changes peers every round, but CHOCO's public estimates"):
+        Gossip(algorithm="choco", topology="one-peer-exponential")
+
+
 def test_one_peer_exponential_sends_one_message_per_node(tmp_path):
     """The time-varying graph: each round every node hears one peer (2^(t mod 2) away for
     n = 4), so the relay forwards one model per node and p2p is one copy per message."""
