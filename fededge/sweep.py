@@ -35,6 +35,7 @@ Pure (no Flower): runs are separate processes.
 from __future__ import annotations
 
 import csv
+import hashlib
 import itertools
 import json
 import os
@@ -129,9 +130,16 @@ def parse_grid(text: str) -> dict[str, list[Any]]:
 
 
 def _slug(cell: Mapping[str, Any]) -> str:
-    """A cell's directory name: ``strategy=dga,dga-delay=1`` with unsafe characters replaced."""
+    """A cell's directory name: ``strategy=dga,dga-delay=1``. Where characters had to be
+    replaced or the name cut to 150, a hash of the cell ends it: two cells that differed
+    only past the cut (or in replaced characters) shared one directory, and the second
+    deleted the first's runs and reported them as its own."""
     text = ",".join(f"{k}={v}" for k, v in cell.items()) or "base"
-    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)[:150]
+    safe = re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+    if safe == text and len(safe) <= 150:
+        return safe
+    digest = hashlib.sha1(json.dumps({k: repr(v) for k, v in cell.items()}, sort_keys=True).encode()).hexdigest()
+    return f"{safe[:130]}-{digest[:12]}"
 
 
 def cell_label(cell: Mapping[str, Any]) -> str:
@@ -249,6 +257,12 @@ def plan(out: str | os.PathLike[str], grid: Mapping[str, Sequence[Any]], seeds: 
     if bad:
         raise SweepError(f"{len(bad)} of {len(bad) + len(sweep.runs) // len(seeds)} cells cannot run; "
                          "nothing was started:\n" + "\n".join(bad))
+    seen: dict[Path, SweepRun] = {}
+    for run in sweep.runs:  # (the slug makes them unique; a run must never share another's directory)
+        other = seen.setdefault(run.directory, run)
+        if other is not run:
+            raise SweepError(f"cells {cell_label(other.cell)!r} and {cell_label(run.cell)!r} (seed {run.seed}) "
+                             f"would share the directory {run.directory}; nothing was started")
     return sweep
 
 

@@ -54,6 +54,24 @@ def test_every_invalid_cell_is_named_before_anything_runs(tmp_path):
         plan(tmp_path / "s", parse_grid("local-lr=0.1,0.2"), [0], base={**BASE, "local-lr": 0.3})
 
 
+def test_cells_that_differ_past_the_directory_names_cut_get_directories_of_their_own(tmp_path):
+    """A cell's directory name was its keys and values cut to 150 characters: two cells
+    that differed only after that shared one directory (the second deleted the first's
+    runs and reported them as its own), as did values that differ in replaced characters."""
+    from fededge.sweep import _slug
+
+    long = {"compressor": "topk", "topk-ratio": 0.01, "error-feedback": True, "local-steps": 5,
+            "lr-schedule": "cosine", "momentum": 0.9, "weight-decay": 0.0001, "compress-min-numel": 1000,
+            "client-states-memory-mb": 64}
+    base = {k: v for k, v in BASE.items() if k not in long}
+    sweep = plan(tmp_path / "s", {}, [0], base=base, cells=[{**long, "dga-delay": 1, "strategy": "dga"},
+                                                             {**long, "dga-delay": 2, "strategy": "dga"}])
+    dirs = [r.directory for r in sweep.runs]
+    assert len(set(dirs)) == 2 and all(len(d.parent.name) <= 150 for d in dirs)
+    assert _slug({"netem": "wifi:0.5,3g:0.5"}) != _slug({"netem": "wifi_0.5,3g_0.5"})
+    assert _slug({"strategy": "dga", "dga-delay": 1}) == "strategy=dga,dga-delay=1"  # short safe names as before
+
+
 def test_a_list_of_cells_is_planned_as_given_and_checked_the_same(tmp_path):
     cells = [{"local-steps": 1, "dga-delay": 4, "strategy": "dga"}, {"local-steps": 2, "dga-delay": 2, "strategy": "dga"}]
     base = {k: v for k, v in BASE.items() if k != "local-steps"}

@@ -130,13 +130,19 @@ def start_local_superlink(home: str | os.PathLike[str], *, timeout_s: float = 60
                                 stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
         link = LocalSuperLink(proc, home_path, env)
         deadline = time.monotonic() + timeout_s
-        while proc.poll() is None and time.monotonic() < deadline:
-            if _healthy(int(port)):
-                # Ours only if one of our processes holds the listening socket.
-                ours = set(processes_of(str(home_path))) | {proc.pid}
-                if listener_pids(int(port), among=ours):
-                    return link
-            time.sleep(0.2)
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if _healthy(int(port)):
+                    # Ours only if one of our processes holds the listening socket.
+                    ours = set(processes_of(str(home_path))) | {proc.pid}
+                    if listener_pids(int(port), among=ours):
+                        return link
+                time.sleep(0.2)
+        except BaseException:
+            # Ctrl-C (or any error) while it starts: it is in a session of its own, so the
+            # terminal's SIGINT never reached it, and nothing else would stop it.
+            link.stop(grace_s=5)
+            raise
         why = (f"exited with code {proc.returncode}" if proc.poll() is not None
                else f"did not answer on port {port} within {timeout_s} s, or another process held it")
         link.stop(grace_s=5)

@@ -53,6 +53,27 @@ def test_local_superlink_listens_on_a_port_of_its_own_and_stops(tmp_path):
     assert processes_of(str(tmp_path)) == [] and listener_pids(link.port) == []
 
 
+def test_ctrl_c_while_the_local_superlink_starts_stops_it(tmp_path, monkeypatch):
+    """It runs in a session of its own (the terminal's SIGINT never reaches it): a
+    KeyboardInterrupt while it started left it running, holding its port, its home
+    deleted under it by the caller."""
+    from fededge.deploy import launch
+
+    calls = []
+
+    def interrupted(port):  # noqa: ANN001, ANN202 - the first health check: Ctrl-C
+        calls.append(port)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_healthy", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_local_superlink(tmp_path / "home")
+        assert calls and processes_of(str(tmp_path)) == []
+    finally:
+        stop_processes_of(str(tmp_path))  # also when the test fails
+
+
 def test_local_superlink_env_takes_given_ports_and_refuses_one_port_twice(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     env = local_superlink_env(tmp_path, port=40001, control_port=40002)
