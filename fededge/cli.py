@@ -47,7 +47,7 @@ except ModuleNotFoundError:  # Python 3.10
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from fededge.runconfig_text import parse_run_config
+from fededge.runconfig_text import format_run_config, parse_run_config
 
 __all__ = ["main"]
 
@@ -159,8 +159,17 @@ def _cmd_resume(args: argparse.Namespace) -> int:
             return 1
         print(f"results: {out}")
         return 0
-    # Flower's simulation (fededge simulate, flwr run): the same app, resumed by its ServerApp.
-    args.run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+    # Flower's simulation (fededge simulate, flwr run): the same app, resumed by its ServerApp,
+    # on as many SuperNodes as the run had (another count splits the data otherwise).
+    had = meta.get("flower_nodes")
+    if args.num_supernodes is None:
+        args.num_supernodes = int(had) if had else 10
+    elif had and int(had) != args.num_supernodes:
+        print(f"fededge resume: the run had {had} SuperNodes, not {args.num_supernodes}: its clients' data split "
+              f"and the checkpoint's per-client state are for {had}; leave --num-supernodes out", file=sys.stderr)
+        return 2
+    # (TOML as the run config reads it: json.dumps wrote inf as Infinity, read back as a string)
+    args.run_config = format_run_config(overrides)
     return _cmd_simulate(args)
 
 
@@ -190,10 +199,12 @@ def _simulation_preflight(app: str, overrides: dict[str, Any], num_supernodes: i
     config = _fededge_app_config(app, overrides)
     if config is None:
         return
-    from fededge.config import ConfigError, RunConfig
+    from fededge.config import ConfigError, RunConfig, check_clients_available
     from fededge.workload import check_partition
 
     cfg = RunConfig.from_mapping(config)
+    # (inside the simulation the ServerApp would wait round-timeout for the clients missing)
+    check_clients_available(cfg, num_supernodes, where="the simulation", flag="--num-supernodes")
     try:
         check_partition(cfg, num_supernodes)
     except ConfigError:
@@ -346,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="for an in-process run: processes running the clients (default: as many as the run "
                              "had; auto or a count, as for fededge run)")
     resume.add_argument("app", nargs="?", default=".", help="Flower app directory, for a run in Flower's simulation")
-    resume.add_argument("--num-supernodes", type=int, default=10, help="for a run in Flower's simulation")
+    resume.add_argument("--num-supernodes", type=int, default=None,
+                        help="for a run in Flower's simulation (default: as many as it had)")
     resume.add_argument("--cpus-per-client", type=float, default=1.0, help=argparse.SUPPRESS)
     resume.add_argument("--gpus-per-client", type=float, default=0.0, help=argparse.SUPPRESS)
     resume.add_argument("--timeout", type=float, default=3600.0, help="seconds before a simulation is killed")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -111,6 +112,10 @@ OWNED: dict[str, tuple[type, str]] = {
     "resume-from": (ResultsConfig, "resume_from"),
 }
 
+
+
+#: The run-config keys that take ``inf`` (meaning none: no timeout); NaN none takes.
+INFINITE_OK = frozenset({"round-timeout"})
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -400,6 +405,15 @@ class RunConfig:
     progress: str = ResultsConfig.progress
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            # NaN passes every `x < 0` and `x > 0` check below (weight-decay=nan trained to
+            # NaN with no error); infinity only where it means "none" (no round timeout)
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value) and not (
+                    value == math.inf and _kebab(f.name) in INFINITE_OK):
+                raise ConfigError(f"run-config key '{_kebab(f.name)}' must be a finite number, got {value}"
+                                  + (" (inf is allowed for: " + ", ".join(sorted(INFINITE_OK)) + ")"
+                                     if value == math.inf else ""))
         _choice("strategy", self.strategy, strategy_names())
         _choice("dataset", self.dataset, DATASETS)
         _choice("partition", self.partition, PARTITIONS)
@@ -711,3 +725,16 @@ def _in_range(
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
         raise ConfigError(f"run-config key '{key}' must be in {left}{lo}, {hi}{right}, got {value}")
+
+
+def check_clients_available(cfg: RunConfig, num_clients: int, *, where: str = "the in-process run",
+                            flag: str = "num_clients (--num-clients)") -> None:
+    """:class:`ConfigError` where ``cfg`` asks each round for more clients than the run
+    has (``clients-per-round``, ``min-available-nodes``): its server would wait for them
+    until ``round-timeout`` (an hour by default)."""
+    cpr = cfg.clients_per_round
+    for key, want in (("clients-per-round", cpr if isinstance(cpr, int) else 0),
+                      ("min-available-nodes", cfg.min_available_nodes)):
+        if want > num_clients:
+            raise ConfigError(f"run-config key '{key}' is {want} but {where} has only {num_clients} clients; "
+                              f"lower it or raise {flag}")

@@ -80,6 +80,44 @@ def test_simulate_checks_the_split_before_starting_flower(monkeypatch, capsys):
     assert line.startswith("fededge: configuration error: unknown run-config key 'num-round'")
 
 
+def test_simulate_checks_the_clients_a_round_asks_for_before_starting_flower(monkeypatch, capsys):
+    """clients-per-round over --num-supernodes: the ServerApp waited round-timeout (an hour
+    by default) for clients that would never come."""
+    import fededge.deploy.launch as launch
+
+    monkeypatch.setattr(launch, "flwr_run_local", lambda *a, **k: pytest.fail("flwr run was started"))
+    for key in ("clients-per-round", "min-available-nodes"):
+        assert main(["simulate", str(ROOT), "--num-supernodes", "2", "--run-config", f"{key}=5"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line == (f"fededge: configuration error: run-config key '{key}' is 5 but the simulation has only "
+                        "2 clients; lower it or raise --num-supernodes")
+
+
+def test_resume_of_a_simulation_takes_its_supernodes_and_its_floats(tmp_path, monkeypatch, capsys):
+    """It resumed on 10 SuperNodes whatever the run had (another data split), and wrote
+    its run config with json.dumps (round-timeout=inf came back as the string 'Infinity')."""
+    import json
+
+    import fededge.deploy.launch as launch
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "round-000001.ckpt").write_bytes(b"x")
+    (run / "config.json").write_text(json.dumps({"runtime": "flower", "flower_nodes": 4, "config": {
+        "num-rounds": 3, "round-timeout": float("inf"), "model": "mlp"}}))
+    seen = {}
+
+    def fake(app, *, run_config, num_supernodes, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.update(run_config=run_config, nodes=num_supernodes)
+        return FlwrRun(0, "", "finished:completed", 1, 1.0, [])
+
+    monkeypatch.setattr(launch, "flwr_run_local", fake)
+    assert main(["resume", str(run), str(ROOT)]) == 0
+    assert seen["nodes"] == 4 and seen["run_config"]["round-timeout"] == float("inf")
+    assert main(["resume", str(run), str(ROOT), "--num-supernodes", "10"]) == 2
+    assert "the run had 4 SuperNodes, not 10" in capsys.readouterr().err
+
+
 def test_simulate_reports_a_config_error_raised_inside_the_simulation(monkeypatch, capsys):
     """The ServerApp checks too (for plain ``flwr run``); then the error comes from
     Flower's run log, whose status details keep the message but not its type."""

@@ -119,3 +119,19 @@ def test_clients_per_round_maps_to_flower_sampling():
     assert all(max(int(n * count.fraction_train), count.min_train_nodes) == 4 for n in (4, 10, 1000))
     frac = build_strategy(RunConfig(clients_per_round=0.5, min_available_nodes=6))
     assert (frac.fraction_train, frac.min_available_nodes) == (0.5, 6)
+
+
+@pytest.mark.parametrize("key", ["weight-decay", "proximal-mu", "server-lr", "local-lr", "alpha",
+                                 "synthetic-amplitude", "dgc-clip-norm", "staleness-a"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_float_key_that_is_not_a_number_is_refused_by_name(key, value):
+    """NaN passed every `x < 0` / `x > 0` check (weight-decay=nan trained to NaN without a
+    word), inf most; dgc-clip-norm's refusal named another key."""
+    with pytest.raises(ConfigError, match=f"run-config key '{key}' must be a finite number, got {value}"):
+        RunConfig.from_mapping({key: value})
+
+
+def test_round_timeout_takes_inf_for_none_and_nothing_takes_nan():
+    assert RunConfig.from_mapping({"round-timeout": float("inf")}).round_timeout == float("inf")
+    with pytest.raises(ConfigError, match="'round-timeout' must be a finite number, got nan"):
+        RunConfig.from_mapping({"round-timeout": float("nan")})

@@ -91,10 +91,10 @@ class StalenessFunction:
     def __post_init__(self) -> None:
         if self.kind not in STALENESS_FUNCTIONS:
             raise ValueError(f"staleness must be one of {', '.join(STALENESS_FUNCTIONS)}, got {self.kind!r}")
-        if not self.a >= 0:
-            raise ValueError(f"staleness-a must be >= 0, got {self.a}")
-        if not self.b >= 0:
-            raise ValueError(f"staleness-b must be >= 0, got {self.b}")
+        if not (self.a >= 0 and math.isfinite(self.a)):
+            raise ValueError(f"staleness-a must be a finite number >= 0, got {self.a}")
+        if not (self.b >= 0 and math.isfinite(self.b)):
+            raise ValueError(f"staleness-b must be a finite number >= 0, got {self.b}")
 
     def __call__(self, tau: float) -> float:
         if tau < 0:

@@ -323,6 +323,10 @@ class LocalDeployment:
         if self.certs is not None:
             # A SuperNode whose key is not registered is refused (exit code 305): register first.
             self.node_ids = [self.register_supernode(pub) for _, pub in self.certs.supernode_keys]
+        # Every SuperNode's runtime port at once (free_ports holds each socket until all
+        # are picked): one call per node could hand two nodes one port, which both then
+        # bind (gRPC's SO_REUSEPORT) and share one node's ClientApp connections.
+        runtime_ports = free_ports(self.num_supernodes, host=HOST)
         for i in range(self.num_supernodes):
             target = self.superlink_port
             if self.profiles is not None:
@@ -333,7 +337,7 @@ class LocalDeployment:
                 target = proxy.address[1]
             self._spawn(f"supernode-{i}", supernode_command(
                 superlink=f"{HOST}:{target}", partition_id=i, num_partitions=self.num_supernodes,
-                home=self.home, node_config=self.node_config, runtime_port=free_ports(1, host=HOST)[0],
+                home=self.home, node_config=self.node_config, runtime_port=runtime_ports[i],
                 root_certificates=ca,
                 auth_key=None if self.certs is None else self.certs.supernode_keys[i][0], warm=self.warm))
         time.sleep(0.5)  # a SuperNode that cannot start (port taken, bad flag) exits at once

@@ -18,7 +18,7 @@ from flwr.serverapp import ServerApp
 from fededge import keys
 from fededge.clients import device as _device  # its time_sgd_step looked up at call time (tests replace it)
 from fededge.clients.device import DeviceChoice, choose_by_measurement, set_cuda_determinism
-from fededge.config import ConfigError, RunConfig
+from fededge.config import RunConfig, check_clients_available
 from fededge.keys import SERVER_RESULT_KEY
 from fededge.machine import runs_sharing, usable_cores
 from fededge.server.app import app as default_server
@@ -218,14 +218,7 @@ def run_inprocess(
 
     cfg = RunConfig.from_mapping(dict(overrides or {}))  # fail early, naming the key
     runs_sharing()  # and a bad FEDEDGE_RUNS_SHARING, naming it
-    cpr = cfg.clients_per_round
-    for key, want in (("clients-per-round", cpr if isinstance(cpr, int) else 0),
-                      ("min-available-nodes", cfg.min_available_nodes)):
-        if want > num_clients:
-            raise ConfigError(
-                f"run-config key '{key}' is {want} but the in-process run has only "
-                f"{num_clients} clients; lower it or raise num_clients (--num-clients)"
-            )
+    check_clients_available(cfg, num_clients)
     # fededge's own clients train where device=auto measured them fastest (a ClientApp of
     # one's own picks its own device).
     if client_app is not None:

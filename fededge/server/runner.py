@@ -176,7 +176,10 @@ def run_experiment(
         metadata={"device": str(device), "runtime": runtime, "model_parameters": count_parameters(model),
                   **({"inprocess_nodes": len(list(grid.get_node_ids())), "inprocess_workers": grid.workers,
                       "inprocess_client_device": grid.client_device, "inprocess_runtime": grid.runtime_note}
-                     if isinstance(grid, InProcessGrid) else {}),
+                     if isinstance(grid, InProcessGrid) else
+                     # (Flower's simulation registers its nodes before the ServerApp starts:
+                     # `fededge resume` restarts it with as many, the data split the same)
+                     {"flower_nodes": len(list(grid.get_node_ids()))}),
                   "train_examples": len(ds.x_train), "test_examples": len(ds.x_test),
                   **({"update_plan": plan.as_json()} if plan.entries else {})},
         title=f"{cfg.strategy}, {cfg.model} on {cfg.dataset} ({cfg.partition}), device {device}"

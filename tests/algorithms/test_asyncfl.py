@@ -40,8 +40,9 @@ def test_staleness_functions_are_one_when_fresh_and_never_grow():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(kind="exp"), "staleness must be one of constant, polynomial, hinge"),
-    (dict(a=-1.0), "staleness-a must be >= 0"),
-    (dict(b=-0.5), "staleness-b must be >= 0"),
+    (dict(a=-1.0), "staleness-a must be a finite number >= 0"),
+    (dict(a=float("inf")), "staleness-a must be a finite number >= 0"),
+    (dict(b=-0.5), "staleness-b must be a finite number >= 0"),
 ])
 def test_bad_staleness_settings_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
