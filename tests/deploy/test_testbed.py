@@ -307,6 +307,36 @@ def test_up_refuses_when_a_testbed_is_already_up_and_leaves_it_alone(tmp_path, m
     assert (cfg.state_dir / tb.STATE_FILE).read_text() == before
 
 
+@pytest.mark.parametrize("port", [0, 41234])
+def test_up_uses_the_superlink_port_asked_for(tmp_path, monkeypatch, port):
+    """`fededge testbed up --port N` reached the dry run's plan only: a real `up` always
+    took a free port."""
+    for name in ("check_machine", "check_subnet"):
+        monkeypatch.setattr(tb_host, name, lambda *a, **k: None)
+    monkeypatch.setattr(tb_host, "list_netns", lambda: [])
+    monkeypatch.setattr(tb_host, "list_links", lambda: [])
+    planned = {}
+
+    class Planned(Exception):
+        pass
+
+    def plan(cfg, *, superlink_port, proxy_ports, netem_available):  # noqa: ANN001, ANN202
+        planned.update(link=superlink_port, proxies=list(proxy_ports))
+        raise Planned
+
+    monkeypatch.setattr(tb_lifecycle, "plan_testbed", plan)
+    args = build_parser().parse_args(["testbed", "up", "--clients", "3", "--state-dir", str(tmp_path / "s"),
+                                      *(["--port", str(port)] if port else [])])
+    from fededge.deploy.testbed.cli import _config_from_args
+
+    with pytest.raises(Planned):
+        tb.up(_config_from_args(args))
+    assert (planned["link"] == port) if port else planned["link"] > 0
+    assert len(planned["proxies"]) == 3 and planned["link"] not in planned["proxies"]
+    with pytest.raises(ValueError, match=r"superlink_port \(--port\) must be a TCP port"):
+        config(tmp_path, superlink_port=70000)
+
+
 def test_down_with_nothing_up_succeeds_twice(tmp_path):
     assert tb.down(tmp_path / "none").nothing
     assert tb.down(tmp_path / "none").nothing

@@ -55,7 +55,8 @@ def _config_from_args(args: argparse.Namespace) -> TestbedConfig:
     return TestbedConfig(clients=args.clients, profiles=args.profiles, shaping=args.shaping, seed=args.seed,
                          subnet=args.subnet, state_dir=args.state_dir, app_dir=args.app_dir,
                          profiles_file=args.profiles_file, rate_only=args.rate_only,
-                         node_config=parse_run_config(args.node_config), warm=not args.cold)
+                         node_config=parse_run_config(args.node_config), warm=not args.cold,
+                         superlink_port=getattr(args, "port", 0) or 0)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

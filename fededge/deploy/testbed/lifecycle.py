@@ -88,7 +88,11 @@ def up(config: TestbedConfig, *, wait_s: float = 90.0, echo: TextIO | None = Non
     if config.shaping == "kernel" and not config.rate_only and any(
             needs_netem(p.up) or needs_netem(p.down) for p in profiles):
         netem = host.probe_netem(tag)
-    ports = host.free_ports(config.clients + 1)
+    if config.superlink_port:  # the port asked for (--port); the proxies' free ones
+        ports = [config.superlink_port, *(p for p in host.free_ports(config.clients + 1)
+                                          if p != config.superlink_port)][:config.clients + 1]
+    else:
+        ports = host.free_ports(config.clients + 1)
     plan = plan_testbed(config, superlink_port=ports[0], proxy_ports=ports[1:], netem_available=netem)
 
     prepare_state_dir(plan.state_dir)

@@ -125,6 +125,8 @@ class TestbedConfig:
     warm : bool
         True (default): each node runs ``fededge supernode`` (a warm worker beside its
         SuperNode, docs/deployment.md); False (``--cold``): ``flower-supernode`` alone.
+    superlink_port : int
+        The SuperLink's port (``--port``); 0 (default): a free one.
     """
 
     __test__ = False  # not a pytest class
@@ -140,10 +142,15 @@ class TestbedConfig:
     rate_only: bool = False
     node_config: Mapping[str, Any] = field(default_factory=dict)
     warm: bool = True
+    superlink_port: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or self.clients < 1:
             raise ValueError(f"clients must be an integer >= 1, got {self.clients!r}")
+        if isinstance(self.superlink_port, bool) or not isinstance(self.superlink_port, int) \
+                or not 0 <= self.superlink_port <= 65535:
+            raise ValueError(f"superlink_port (--port) must be a TCP port, or 0 for a free one; got "
+                             f"{self.superlink_port!r}")
         if self.shaping not in SHAPINGS:
             raise ValueError(f"shaping must be one of {', '.join(SHAPINGS)}, got {self.shaping!r}")
         try:
