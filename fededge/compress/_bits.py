@@ -72,8 +72,13 @@ def check_body_size(header: Header, body: bytes, size: int) -> None:
 
 
 def bf16_bytes(t: torch.Tensor) -> bytes:
-    """float32 -> bfloat16 (round to nearest even), little-endian u16 each."""
-    return t.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+    """float32 -> bfloat16 (round to nearest even), little-endian u16 each. A finite value
+    that rounds to Inf (|x| over about 3.39e38) is refused: the decoder would refuse the
+    payload (as fp16's encoder refuses its overflow)."""
+    b = t.to(torch.bfloat16)
+    if not bool(torch.isfinite(b).all()) and bool(torch.isfinite(t).all()):
+        raise ValueError("a value overflows bfloat16 (|x| > ~3.39e38); send it as float32 (raw)")
+    return b.view(torch.int16).numpy().astype("<i2").tobytes()
 
 
 def bf16_values(buf: bytes) -> np.ndarray:

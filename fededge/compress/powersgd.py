@@ -210,10 +210,12 @@ class PowerSGD(ConfiguredCodec):
         # r * max|P| * max|Q|, so below float32's max the product is finite without a
         # pass over it (the generic check is skipped: output_finite_by_construction).
         bound = r * float(p.abs().max()) * float(q.abs().max())
-        if not bound < 3.0e38:
+        out = reconstruct(p, q)
+        if not bound < 3.0e38 and not bool(torch.isfinite(out).all()):
+            # (the bound alone refused finite products near float32's largest value)
             raise MalformedPayloadError(
-                f"decoded powersgd tensor could hold NaN or Inf: |P Q^T| up to {bound:.3g} overflows float32")
-        return reconstruct(p, q).reshape(header.shape)
+                f"decoded powersgd tensor holds NaN or Inf: |P Q^T| up to {bound:.3g} overflows float32")
+        return out.reshape(header.shape)
 
 
 def reconstruct(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -293,6 +293,9 @@ class RandK(ConfiguredCodec):
         k = self.config.k(d)
         idx = torch.randperm(d, generator=local_generator(generator))[:k].sort().values
         vals = f[idx] * (d / k) if k else f[idx]
+        if not bool(torch.isfinite(vals).all()):  # (the decoder would refuse the payload)
+            raise ValueError(f"random-k's d / k = {d / k:.3g} scaling overflows float32 for values this large; "
+                             "use topk (no scaling)")
         return topk_payload(x, f, idx, vals, self.config.ratio, self.config.lossless, "randk",
                             precision=self.config.values)
 

@@ -472,6 +472,25 @@ def test_nan_and_inf_after_decoding_are_rejected():
     big = struct.pack("<f", 3e38)
     with pytest.raises(MalformedPayloadError, match="NaN or Inf"):
         decode_any(pack(Header("powersgd", torch.float32, (1, 1), struct.pack("<H", 1)), big + big))
+    # ... but a product near float32's largest value that is finite decodes (the cheap
+    # bound r max|P| max|Q| refused P = 1, Q = 3.2e38)
+    one, near = struct.pack("<f", 1.0), struct.pack("<f", 3.2e38)
+    got = decode_any(pack(Header("powersgd", torch.float32, (1, 1), struct.pack("<H", 1)), one + near))
+    assert float(got) == pytest.approx(3.2e38, rel=1e-6)
+
+
+def test_an_encoder_refuses_what_its_decoder_would_refuse():
+    """bf16 rounds |x| over ~3.39e38 to Inf and random-k's d / k scaling can overflow:
+    both built payloads that their own decoders then refused."""
+    from fededge.compress import BF16, RandK, TopK
+
+    with pytest.raises(ValueError, match="overflows bfloat16"):
+        BF16().encode(torch.tensor([3.4e38]))
+    with pytest.raises(ValueError, match="overflows bfloat16"):
+        TopK(ratio=1.0, values="bf16").encode(torch.tensor([3.4e38, 1.0]))
+    with pytest.raises(ValueError, match="random-k's d / k = 2 scaling overflows float32"):
+        RandK(ratio=0.5).encode(torch.tensor([3e38, 3e38]))
+    assert decode_any(BF16().encode(torch.tensor([3.3e38]))).isfinite().all()
 
 
 def test_decode_limit_refuses_huge_shapes_before_allocating():
