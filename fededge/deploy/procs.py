@@ -251,17 +251,25 @@ def alive(pid: int) -> bool:
 
 
 def processes_of(marker: str, *, root: Callable[[str], bool] | None = None) -> list[int]:
-    """Live processes whose command line contains ``marker`` (and passes ``root``, when
-    given), and all their descendants."""
+    """Live processes whose command line names the path ``marker`` (itself, or a path
+    under it: ``/x/h`` matches ``/x/h`` and ``/x/h/db``, not ``/x/h2`` nor ``/y/x/h``) and
+    passes ``root``, when given, and all their descendants; never this process nor its
+    ancestors (a wrapper whose command line names the path, ``timeout ... /x/h``)."""
     me = os.getpid()
+    mine = {me}
+    p = parent_pid(me)
+    while p and p not in mine:
+        mine.add(p)
+        p = parent_pid(p)
+    named = re.compile(r"(?:^|(?<=[\s=:]))" + re.escape(marker.rstrip("/")) + r"(?=/|\s|$)")
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    family = {p for p in pids if p != me and marker in (c := cmdline(p)) and (root is None or root(c))
+    family = {p for p in pids if p not in mine and named.search(c := cmdline(p)) and (root is None or root(c))
               and alive(p)}
     changed = True
     while changed:
         changed = False
         for p in pids:
-            if p not in family and parent_pid(p) in family and alive(p):
+            if p not in family and p not in mine and parent_pid(p) in family and alive(p):
                 family.add(p)
                 changed = True
     return sorted(family)

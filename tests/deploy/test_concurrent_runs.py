@@ -74,6 +74,28 @@ def test_ctrl_c_while_the_local_superlink_starts_stops_it(tmp_path, monkeypatch)
         stop_processes_of(str(tmp_path))  # also when the test fails
 
 
+def test_the_processes_of_a_home_are_those_naming_it_or_a_path_under_it(tmp_path):
+    """A substring match took /x/h2's processes for /x/h's (its stop would have stopped
+    another run's), and never spared the caller's ancestors."""
+    import sys
+
+    sleeper = "import time; time.sleep(60)"
+    args = {"under": [f"{tmp_path}/h/state.db"], "flag": [f"--home={tmp_path}/h"], "other": [f"{tmp_path}/h2/db"],
+            "inside": [f"/elsewhere{tmp_path}/h/db"]}
+    procs = {k: subprocess.Popen([sys.executable, "-c", sleeper, *a]) for k, a in args.items()}
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(str(tmp_path) in (open(f"/proc/{p.pid}/cmdline").read())
+                                                      for p in procs.values()):
+            time.sleep(0.05)
+        assert set(processes_of(str(tmp_path / "h"))) == {procs["under"].pid, procs["flag"].pid}
+        assert set(processes_of(str(tmp_path / "h") + "/")) == {procs["under"].pid, procs["flag"].pid}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
 def test_local_superlink_env_takes_given_ports_and_refuses_one_port_twice(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     env = local_superlink_env(tmp_path, port=40001, control_port=40002)
