@@ -218,3 +218,20 @@ def test_a_sink_added_on_resume_gets_the_rounds_before_the_checkpoint(tmp_path):
     run_inprocess({**run, "num-rounds": 6, "log-to": "tensorboard", "resume-from": str(run_dir)}, num_clients=NODES)
     expected = _expected(_lines(run_dir))
     assert _tensorboard(run_dir / "tensorboard", expected) == _float32(expected)
+
+
+def test_wandb_mode_disabled_drops_the_wandb_sink_and_dryrun_is_offline(monkeypatch, caplog):
+    """WANDB_MODE=disabled (W&B's own switch, common in CI) raised a ValueError that
+    stopped the run; dryrun is W&B's older name for offline."""
+    from fededge.tracking import make_sinks
+    from fededge.tracking.wandb_sink import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with caplog.at_level(logging.WARNING, logger="fededge.tracking"):
+        assert make_sinks(["wandb"]) == []
+    assert "WANDB_MODE=disabled: this run logs nothing to W&B" in caplog.text
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert WandbSink().mode == "offline"
+    monkeypatch.setenv("WANDB_MODE", "sideways")
+    with pytest.raises(ValueError, match="mode must be one of offline, online, got 'sideways'"):
+        WandbSink()

@@ -197,7 +197,7 @@ def flwr_run_local(
             out += f"\n[fededge] the local SuperLink on {link.address} died during the run"
         try:
             info = latest_run(list_runs(None, env=link.env)) or {}
-        except DeploymentError as err:  # the run's status is then unknown: not ok
+        except (DeploymentError, subprocess.TimeoutExpired) as err:  # the run's status is then unknown: not ok
             info = {}
             out += f"\n[fededge] {err}"
         status, run_id = run_fields(info)

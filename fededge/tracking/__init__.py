@@ -23,10 +23,14 @@ a sink opens.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 from collections.abc import Iterable
 
 from fededge.errors import ConfigError
 from fededge.tracking.base import MetricSink, Sinks, numeric_items
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["SINK_NAMES", "MetricSink", "MissingExtraError", "Sinks", "check_installed", "make_sinks",
            "numeric_items", "parse_log_to"]
@@ -90,5 +94,9 @@ def make_sinks(names: Iterable[str], *, mlflow_uri: str = "", mlflow_experiment:
         else:
             from fededge.tracking.wandb_sink import WandbSink
 
+            if (wandb_mode or os.environ.get("WANDB_MODE", "")).strip().lower() == "disabled":
+                # W&B's own switch (a common CI setting): no W&B sink, said once, the run goes on
+                _log.warning("log-to names wandb but WANDB_MODE=disabled: this run logs nothing to W&B")
+                continue
             out.append(WandbSink(project=wandb_project, mode=wandb_mode))
     return out

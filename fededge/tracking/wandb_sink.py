@@ -52,6 +52,7 @@ class WandbSink(MetricSink):
     def __init__(self, project: str | None = None, mode: str | None = None, entity: str | None = None) -> None:
         project = project or os.environ.get("WANDB_PROJECT") or "fededge"
         mode = mode or os.environ.get("WANDB_MODE") or "offline"
+        mode = "offline" if mode == "dryrun" else mode  # W&B's older name for offline
         if mode not in WANDB_MODES:
             raise ValueError(f"mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
         self.project, self.mode, self.entity = project, mode, entity
