@@ -347,27 +347,27 @@ class Experiment:
                 extra={**self.metadata, "strategy_class": strategy_class,
                        "clock": self._clock_json()}, sinks=self._sinks())
         progress = Progress(self.progress, num_rounds)
-        done = 0 if checkpoint is None else int(checkpoint["round"])
-        progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "
-                      + (f"resumed after round {done} from {path.name}; " if checkpoint is not None else "")
-                      + f"results in {recorder.run_dir.resolve()}")
-        clock = RunClock(config=self.clock_config, seed=self.seed,
-                         run_dir=None if checkpoint is not None else recorder.run_dir)
-        rounds = _RoundCloser(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout, num_rounds)
-        rounds.final = initial_arrays
-        attach_clock(strategy, clock)
-        own_loop = attach_checkpoint(strategy, rounds)
-        if not own_loop and type(strategy).start is not Strategy.start:
-            # Its own round loop, and no way to stop it at a round boundary: a checkpoint
-            # written from outside would not hold its state. Say so, write none.
-            rounds.uncheckpointable = (f"{type(strategy).__name__} runs its own round loop and does not "
-                                       "implement attach_checkpoint (fededge.strategies.resume)")
-            if checkpoint is not None:
-                raise ResumeError(f"{rounds.uncheckpointable}: it cannot be resumed")
-            if self.checkpoint_every > 0:
-                log.warning("%s: no checkpoints are written (checkpoint-every=%d)", rounds.uncheckpointable,
-                            self.checkpoint_every)
-        try:
+        try:  # from here on a failure leaves summary.json "failed", not "running"
+            done = 0 if checkpoint is None else int(checkpoint["round"])
+            progress.note(f"run {recorder.run_id}: {self.title or type(strategy).__name__}; "
+                          + (f"resumed after round {done} from {path.name}; " if checkpoint is not None else "")
+                          + f"results in {recorder.run_dir.resolve()}")
+            clock = RunClock(config=self.clock_config, seed=self.seed,
+                             run_dir=None if checkpoint is not None else recorder.run_dir)
+            rounds = _RoundCloser(self, strategy, MeteredGrid(grid), clock, recorder, progress, timeout, num_rounds)
+            rounds.final = initial_arrays
+            attach_clock(strategy, clock)
+            own_loop = attach_checkpoint(strategy, rounds)
+            if not own_loop and type(strategy).start is not Strategy.start:
+                # Its own round loop, and no way to stop it at a round boundary: a checkpoint
+                # written from outside would not hold its state. Say so, write none.
+                rounds.uncheckpointable = (f"{type(strategy).__name__} runs its own round loop and does not "
+                                           "implement attach_checkpoint (fededge.strategies.resume)")
+                if checkpoint is not None:
+                    raise ResumeError(f"{rounds.uncheckpointable}: it cannot be resumed")
+                if self.checkpoint_every > 0:
+                    log.warning("%s: no checkpoints are written (checkpoint-every=%d)", rounds.uncheckpointable,
+                                self.checkpoint_every)
             connected = wait_for_nodes(grid, self.min_nodes, timeout)
             clock.know_nodes(grid.get_node_ids())
             clock.check(connected)  # an unknown profile stops the run before any training

@@ -266,3 +266,19 @@ def test_an_undecodable_update_is_rejected_once_per_round_and_the_run_goes_on(tm
     assert err.count("a compressed update was rejected and left out") == 2
     assert "a client failed" not in err
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("fededge")]
+
+
+def test_a_failure_before_the_nodes_are_waited_for_leaves_the_run_failed_not_running(tmp_path, monkeypatch):
+    """What ran between the run directory's creation and the round loop's try (the clock
+    attached to the strategy, a resume refused) left summary.json saying 'running'."""
+    from fededge.server import experiment
+
+    def broken(strategy, clock):  # noqa: ANN001, ANN202
+        raise RuntimeError("the clock could not be attached")
+
+    monkeypatch.setattr(experiment, "attach_clock", broken)
+    with pytest.raises(RuntimeError, match="could not be attached"):
+        run_inprocess({"num-rounds": 1, "local-steps": 1, "progress": "off", "results-dir": str(tmp_path)},
+                      num_clients=2)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed" and summary["error"] == "RuntimeError: the clock could not be attached"
