@@ -65,7 +65,8 @@ def _clock(config: dict, cfg: dict) -> dict:
         clock = {k: cfg[k] for k in ("netem", "netem-file", "compute-speed", "seed", "sim-step-s", "message-overhead-s")
                  if k in cfg}
     return {"netem": "", "netem-file": "", "compute-speed": "1.0", "seed": 0, "sim-step-s": 0.0,
-            "message-overhead-s": 0.0, **{k: v for k, v in clock.items() if v is not None}}
+            "message-overhead-s": 0.0, "nodes-pull": False, "timeout": cfg.get("round-timeout", 3600.0),
+            **{k: v for k, v in clock.items() if v is not None}}
 
 
 def _dga_config(cfg: dict, lines: list[dict]) -> DGAConfig:
@@ -111,7 +112,8 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
                          seed=seed,
                          netem_file=clock_cfg["netem-file"] if netem_file is None else netem_file,
                          speed=clock_cfg["compute-speed"] if compute_speed is None else compute_speed,
-                         message_overhead_s=float(clock_cfg["message-overhead-s"]))
+                         message_overhead_s=float(clock_cfg["message-overhead-s"]),
+                         pulls=bool(clock_cfg["nodes-pull"]))
     clock = SimClock(links, seed=seed)
     timeline = None
     if kind == "dga":
@@ -119,16 +121,27 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
     # The run's clock charged sim-step-s per local step, when set, not the measured compute:
     # the steps each client reported (recorded), else, in older run dirs, local-steps.
     steps, step_s = int(cfg.get("local-steps", 1)), float(clock_cfg["sim-step-s"])
+    timeout = float(clock_cfg["timeout"])
     out, total = [], 0.0
     for r in lines:
-        work = [ClientRound(c["partition"], c["bytes_down"], _compute_s(c, steps, step_s), c["bytes_up"])
-                for c in r.get("clients", [])]
         if r["round"] >= 1:
             if timeline is not None:
+                work = [ClientRound(c["partition"], c["bytes_down"], _compute_s(c, steps, step_s), c["bytes_up"])
+                        for c in r.get("clients", [])]
                 before = timeline.ready[r["round"] - 1]
                 total += timeline.run_round(r["round"], work) - before
-            elif work:
-                total += synchronous_round(clock, work).duration
+            else:
+                # As the run's clock: the training, the second exchange (norm-stats=global's
+                # queries), the clients' evaluation, one after the other; a node that never
+                # answered held the round until the timeout.
+                duration = 0.0
+                for key in ("clients", "clients_followup", "clients_evaluate"):
+                    work = [ClientRound(c["partition"], c["bytes_down"],
+                                        _compute_s(c, steps, step_s), c["bytes_up"])
+                            for c in r.get(key, [])]
+                    if work:
+                        duration += synchronous_round(clock, work).duration
+                total += max(duration, timeout) if r.get("dropped") else duration
         out.append(total)
     return out
 

@@ -91,6 +91,12 @@ log = logging.getLogger("fededge")
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
 
 
+#: The exchanges of a synchronous round on the clock, in order (RoundTraffic's per-node
+#: fields), and the keys of metrics.jsonl that record each one's clients (for replay).
+EXCHANGES = ("nodes", "followup", "evaluation")
+EXCHANGE_RECORDS = ("clients", "clients_followup", "clients_evaluate")
+
+
 class RoundFailedError(RuntimeError):
     """No client update of a round could be used: every reply was an error (or none came).
 
@@ -281,12 +287,13 @@ class Experiment:
         """This run's sinks: fresh ones for ``log_to``, then the caller's own."""
         return Sinks([*make_sinks(self.log_to, mlflow_uri=self.results.mlflow_uri), *self.sinks])
 
-    def _clock_json(self) -> dict[str, Any]:
-        """The clock's settings for config.json (read back by ``fededge.analysis.replay``)."""
+    def _clock_json(self, timeout: float) -> dict[str, Any]:
+        """The clock's settings for config.json (read back by ``fededge.analysis.replay``),
+        and the round timeout a dropout costs there."""
         c = self.clock_config
         return {"netem": c.netem, "netem-file": c.netem_file, "compute-speed": c.compute_speed, "seed": self.seed,
                 "sim-step-s": c.sim_step_s, "compute-s": c.compute_s, "message-overhead-s": c.message_overhead_s,
-                "nodes-pull": c.nodes_pull}
+                "nodes-pull": c.nodes_pull, "timeout": timeout}
 
     def run(
         self,
@@ -345,7 +352,7 @@ class Experiment:
                 self.results_dir, self.run_id or new_run_id(self.run_name), self.config,
                 target_accuracy=self.target_accuracy,
                 extra={**self.metadata, "strategy_class": strategy_class,
-                       "clock": self._clock_json()}, sinks=self._sinks())
+                       "clock": self._clock_json(timeout)}, sinks=self._sinks())
         progress = Progress(self.progress, num_rounds)
         try:  # from here on a failure leaves summary.json "failed", not "running"
             done = 0 if checkpoint is None else int(checkpoint["round"])
@@ -592,11 +599,14 @@ class _RoundCloser:
             extra["dropped"] = sorted(dropped)
         # What each client did, so that the run can be re-timed under another network
         # (fededge.analysis.replay) without training again.
-        extra["clients"] = [
-            {"partition": pid, "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None,
-                                                                        n.wall_s), 6),
-             "bytes_down": n.bytes_down, "bytes_up": n.bytes_up, "steps": n.steps}
-            for pid, n in sorted(self.placed(traffic), key=lambda x: x[0])]
+        for exchange, key in zip(EXCHANGES, EXCHANGE_RECORDS):
+            placed = sorted(self.placed(traffic, exchange=exchange), key=lambda x: x[0])
+            if placed or exchange == "nodes":
+                extra[key] = [
+                    {"partition": pid,
+                     "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None, n.wall_s), 6),
+                     "bytes_down": n.bytes_down, "bytes_up": n.bytes_up, "steps": n.steps}
+                    for pid, n in placed]
         rec = self.recorder.record_round(
             rnd, accuracy=acc, loss=loss,
             bytes_up=traffic.bytes_up - report.bytes_up_excluded, bytes_down=traffic.bytes_down,
@@ -628,11 +638,12 @@ class _RoundCloser:
             traffic.merge(self.metered.take(group))
         return traffic
 
-    def placed(self, traffic: RoundTraffic, *, followup: bool = False) -> list[tuple[int, Any]]:
-        """``(client index on the clock, node traffic)`` of every node that replied (to
-        the round's training; ``followup``: to its second exchange)."""
+    def placed(self, traffic: RoundTraffic, *, exchange: str = "nodes") -> list[tuple[int, Any]]:
+        """``(client index on the clock, node traffic)`` of every node that replied: to the
+        round's training (``nodes``), its second exchange (``followup``: norm-stats
+        queries) or the clients' evaluation (``evaluation``)."""
         out = []
-        for nid, n in (traffic.followup if followup else traffic.nodes).items():
+        for nid, n in getattr(traffic, exchange).items():
             pid = self.clock.place(nid, n.partition_id) if n.replied else None
             if pid is not None:
                 out.append((pid, n))
@@ -647,9 +658,10 @@ class _RoundCloser:
             self.clock.build(max(self.clock.num_clients(reported), 1 + max(pid for pid, _ in placed)))
         if self.clock.clock is None:
             return 0.0
-        # The training, then (norm-stats queries) a second exchange that starts when it ends.
+        # The training, then (norm-stats queries) a second exchange that starts when it ends,
+        # then the clients' evaluation (Flower's loop sends it after the training).
         duration = 0.0
-        for exchange in (placed, self.placed(traffic, followup=True)):
+        for exchange in (placed, *(self.placed(traffic, exchange=e) for e in EXCHANGES[1:])):
             work = [ClientRound(pid, n.bytes_down,
                                 self.clock.compute_s(n.compute_s if n.reported_compute else None, n.steps, n.wall_s),
                                 n.bytes_up)

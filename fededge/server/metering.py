@@ -73,6 +73,9 @@ class RoundTraffic:
     # A second exchange after the round's training, per node: the norm-stats queries of
     # NormCalibrated (norm-stats = global), timed by the clock after the training's.
     followup: dict[int, NodeTraffic] = field(default_factory=dict)
+    # Federated evaluation on the clients (``evaluate`` messages: Flower's loop sends them
+    # after the training, fraction-evaluate > 0), per node: timed after the above.
+    evaluation: dict[int, NodeTraffic] = field(default_factory=dict)
     # Nodes whose message got no answer: a simulated dropout, or no reply at all within
     # the timeout of send_and_receive (Flower's own round loop). Not in ``failures``.
     dropped: list[int] = field(default_factory=list)
@@ -84,7 +87,8 @@ class RoundTraffic:
         self.compute_s.extend(other.compute_s)
         self.errors.extend(other.errors)
         self.dropped.extend(other.dropped)
-        for mine_of, theirs in ((self.nodes, other.nodes), (self.followup, other.followup)):
+        for mine_of, theirs in ((self.nodes, other.nodes), (self.followup, other.followup),
+                                (self.evaluation, other.evaluation)):
             _merge_nodes(mine_of, theirs)
 
 
@@ -104,11 +108,14 @@ def _merge_nodes(into: dict[int, NodeTraffic], other: dict[int, NodeTraffic]) ->
 
 def _per_node(t: RoundTraffic, message_type: str) -> dict[int, NodeTraffic] | None:
     """Where a message of ``message_type`` is counted per node: the round's training
-    (``train*``), its second exchange (the norm-stats queries), or nowhere."""
+    (``train*``), its second exchange (the norm-stats queries), the clients' evaluation
+    (``evaluate*``), or nowhere."""
     if message_type.startswith("train"):
         return t.nodes
     if message_type == keys.NORM_STATS_QUERY:
         return t.followup
+    if message_type.startswith("evaluate"):
+        return t.evaluation
     return None
 
 
@@ -199,8 +206,10 @@ class MeteredGrid(Grid):
             with self._lock:
                 pushed = self._pushed_at.pop(r.metadata.reply_to_message_id, sent_at)
                 t = self._group(r)
-                t.bytes_up += n
-                t.replies += 1
+                metrics = r.content[keys.METRICS] if not r.has_error() and keys.METRICS in r.content else {}
+                if keys.DROPPED_OUT not in metrics:  # a simulated dropout never answers: no bytes, no reply
+                    t.bytes_up += n
+                    t.replies += 1
                 if r.has_error():
                     t.failures += 1
                     t.errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
@@ -209,7 +218,6 @@ class MeteredGrid(Grid):
                         config_errors.append(f"a client (node {r.metadata.src_node_id}) reports: {detail}")
                     out.append(r)
                     continue
-                metrics = r.content[keys.METRICS] if keys.METRICS in r.content else {}
                 if keys.REPLY_PARTITION_ID in metrics:
                     self.partition_of[r.metadata.src_node_id] = int(metrics[keys.REPLY_PARTITION_ID])
                 if keys.DROPPED_OUT in metrics:

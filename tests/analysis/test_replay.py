@@ -25,6 +25,31 @@ def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
         assert all(b > a for a, b in zip(again[1:], slow[1:]))
 
 
+@pytest.mark.parametrize("over", [
+    {"nodes-pull": True, "netem": "4g"},                                  # the run's links pull: replay's did not
+    {"dropout": 0.34, "round-timeout": 30.0, "sim-step-s": 0.01},         # the timeout a dropout costs
+    {"norm-stats": "global", "model": "cnn-bn", "netem": "3g", "compressor": "signsgd"},  # the second exchange
+    {"fraction-evaluate": 1.0, "netem": "3g"},                            # the clients' evaluation
+], ids=["nodes-pull", "dropout", "norm-stats-global", "client-evaluation"])
+def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over):
+    """Under its own setting a run replays to its own sim_s: replay left out nodes-pull's
+    polls (3x too short), a dropout's timeout, norm-stats=global's second exchange; and
+    the run's own clock left out the clients' evaluation (counted in bytes, not in time)."""
+    run_dir = run_inprocess({"num-rounds": 3, "local-steps": 2, "progress": "off", "results-dir": str(tmp_path),
+                             **over}, num_clients=3)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert replay_sim_s(run_dir) == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
+    if "dropout" in over:  # a dropped-out client never answers: no bytes up (its stand-in reply was counted)
+        assert all(r["dropped"] and r["bytes_up"] == sum(c["bytes_up"] for c in r["clients"]) for r in lines[1:])
+    if "fraction-evaluate" in over:  # timed: three clients' evaluation after the training, on 3g
+        assert all(len(r["clients_evaluate"]) == 3 for r in lines[1:])
+        alone = run_inprocess({"num-rounds": 3, "local-steps": 2, "progress": "off", "netem": "3g",
+                               "results-dir": str(tmp_path / "no-eval")}, num_clients=3)
+        without = [json.loads(x)["round_sim_s"] for x in (alone / "metrics.jsonl").read_text().splitlines()][1:]
+        # each round a second download of the model (and a small upload) on every client's 3g link
+        assert all(a > 1.3 * b for a, b in zip([r["round_sim_s"] for r in lines[1:]], without))
+
+
 def test_replay_reads_the_run_config_keys_of_a_run_dir_from_before_the_clock_entry(tmp_path):
     """Older run dirs have no ``clock`` / ``strategy_class`` in config.json and no
     per-client ``steps``: fededge's run-config keys still say how to replay them."""
