@@ -401,9 +401,10 @@ def _summary(run_dir: Path | None) -> dict[str, Any]:
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """Mean and sample sd; the sd None (not known) from one value: 0.0 read as 'no spread'."""
     if not values:
         return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def table(sweep: Sweep, *, baseline: str | None = None) -> dict[str, Any]:
@@ -450,6 +451,8 @@ def _fmt(stat: Mapping[str, Any] | None, digits: int = 4) -> str:
     if not stat or stat.get("mean") is None:
         return ""
     mean, sd = stat["mean"], stat["sd"]
+    if sd is None:  # one value: its spread is not known
+        return (f"{mean:.4g}" if abs(mean) >= 1000 else f"{mean:.{digits}f}") + " (n=1)"
     if abs(mean) >= 1000:
         return f"{mean:.4g} ± {sd:.2g}"
     return f"{mean:.{digits}f} ± {sd:.{digits}f}"

@@ -180,3 +180,39 @@ def test_the_command_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path, caps
     assert not (tmp_path / "s").exists()
     assert main(["plot", "--sweep", str(tmp_path / "nothing")]) == 2
     assert "has no sweep.json" in capsys.readouterr().err
+
+
+def _fake_runs(sweep, outcomes):
+    """Each run's directory as a finished run would leave it: summary.json (completed with
+    a final accuracy, or failed where ``outcomes`` gives None) and a short metrics.jsonl."""
+    for r in sweep.runs:
+        acc = outcomes[(r.cell["local-lr"], r.seed)]
+        d = r.directory / "run"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / "summary.json").write_text(json.dumps({
+            "status": "failed" if acc is None else "completed", "final_accuracy": acc, "best_accuracy": acc,
+            "rounds_to_target": None, "sim_s_to_target": None, "bytes_up_to_target": None, "total_bytes_up": 5000,
+            "sim_s": 3.0, "wall_s": 1.0}))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({
+            "round": i, "accuracy": (acc or 0.1) * i / 3, "loss": 1.0, "bytes_up": 1000 * bool(i), "bytes_down": 0,
+            "wall_s": i, "sim_s": i, "num_clients": 3}) + "\n" for i in range(4)))
+
+
+def test_one_seed_has_no_spread_and_a_cell_without_a_finished_run_no_bar(tmp_path):
+    """A figure over one seed (a cell with one completed seed, a paired difference over one
+    common seed) read '± 0.0000': no spread, where it is not known; a cell with no
+    completed run was drawn as accuracy 0."""
+    from fededge.analysis.plot import plot_sweep
+    from fededge.sweep import table
+
+    sweep = plan(tmp_path / "s", parse_grid("local-lr=0.05,0.1,0.2"), [0, 1], base=BASE, num_clients=NODES)
+    _fake_runs(sweep, {(0.05, 0): 0.9, (0.05, 1): 0.8, (0.1, 0): 0.85, (0.1, 1): None, (0.2, 0): None, (0.2, 1): None})
+    result = table(sweep)
+    one = result["cells"][1]
+    assert one["final_accuracy"] == {"mean": 0.85, "sd": None, "n": 1}
+    assert one["paired"]["final_accuracy"]["sd"] is None and one["paired"]["final_accuracy"]["n"] == 1
+    assert result["cells"][0]["final_accuracy"]["sd"] == pytest.approx(statistics.stdev([0.9, 0.8]))
+    assert "0.8500 (n=1)" in format_table(result) and "± 0.0000" not in format_table(result)
+    (tmp_path / "s" / "sweep.json").write_text(json.dumps(result))
+    assert plot_sweep(tmp_path / "s").stat().st_size > 10_000  # the cell with no run: named, not a bar at 0

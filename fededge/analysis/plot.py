@@ -452,13 +452,18 @@ def plot_sweep(sweep_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
     cells = result["cells"]
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     ax_bar, ax_round = fig.subplots(1, 2, width_ratios=[1, 1.6])
-    names = [row["cell"] for row in cells]
-    means = [row["final_accuracy"]["mean"] or 0.0 for row in cells]
+    # A cell with no completed seed has no bar (drawn at 0 it read as accuracy 0 and pulled
+    # the axis down); its name says so.
+    names = [row["cell"] + ("" if row["final_accuracy"]["mean"] is not None else "  (no completed run)")
+             for row in cells]
+    means = [row["final_accuracy"]["mean"] for row in cells]
     sds = [row["final_accuracy"]["sd"] or 0.0 for row in cells]
-    ax_bar.barh(range(len(cells)), means, xerr=sds, color=[f"C{i % 10}" for i in range(len(cells))], capsize=3)
+    drawn = [i for i, m in enumerate(means) if m is not None]
+    ax_bar.barh(drawn, [means[i] for i in drawn], xerr=[sds[i] for i in drawn],
+                color=[f"C{i % 10}" for i in drawn], capsize=3)
     ax_bar.set_yticks(range(len(cells)), names, fontsize=8)
-    ax_bar.invert_yaxis()
-    low = min((m - s for m, s in zip(means, sds)), default=0.0)
+    ax_bar.set_ylim(len(cells) - 0.5, -0.5)  # (inverted: the first cell on top)
+    low = min((means[i] - sds[i] for i in drawn), default=0.0)
     ax_bar.set_xlim(max(0.0, low - 0.05), 1.0)
     ax_bar.set_xlabel("final accuracy (mean ± sd over seeds)")
     ax_bar.set_title(f"baseline: {result['baseline']}", fontsize=9)
