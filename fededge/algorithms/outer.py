@@ -10,7 +10,9 @@ and takes an outer SGD step with momentum, Nesterov in DiLoCo (outer lr 0.7, mom
     x <- x - lr * step
 
 This is ``torch.optim.SGD(lr, momentum, nesterov)`` applied to the pseudo-gradient, which
-the tests check to the number. With ``lr = 1`` and ``mu = 0`` it is FedAvg, and then
+the tests check to the number, on the model's parameters: normalisation statistics
+(BatchNorm's running mean and variance) and counters take the clients' average, as buffers
+take no optimiser step. With ``lr = 1`` and ``mu = 0`` it is FedAvg, and then
 returns the average itself (bit for bit, not ``x - (x - x̄)``). Pure torch, no Flower.
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from fededge.algorithms.normstats import statistic_names
 
 __all__ = ["OuterSGD"]
 
@@ -47,9 +51,17 @@ class OuterSGD:
         if self.lr == 1.0 and self.momentum == 0.0:
             return {k: v.clone() for k, v in average.items()}
         out: Weights = {}
+        statistics = set(statistic_names(current))
         for k, x in current.items():
-            if not torch.is_floating_point(x):  # counters (BatchNorm's num_batches_tracked)
-                out[k] = average[k].to(x.dtype)
+            if not torch.is_floating_point(x):  # counters (BatchNorm's num_batches_tracked): the average,
+                out[k] = average[k].round().to(x.dtype)  # rounded (29.999999999999996 is 30, not 29)
+                continue
+            if k in statistics:
+                # Normalisation statistics are averages of activations, not parameters: the
+                # outer optimiser (torch's SGD over model.parameters()) never steps them.
+                # Stepped, a running variance went negative (lr 0.7 x 1.9 of its change)
+                # and the model evaluated to NaN from round 2.
+                out[k] = average[k].to(x.dtype).clone()
                 continue
             g = x - average[k].to(x.dtype)
             if self.momentum > 0:

@@ -27,6 +27,7 @@ from fededge.strategies.fedasync import FedAsync
 from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
+from fededge.strategies.plainbuffers import PlainBuffers
 from fededge.strategies.ssp import SSP
 
 __all__ = ["build_strategy", "sampling_kwargs"]  # and the built-in records' build_* functions
@@ -93,7 +94,7 @@ def build_fedavg(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
 
 
 def build_fedavgm(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
-    return fs.FedAvgM(**kw, server_learning_rate=cfg.server_lr or 1.0, server_momentum=cfg.server_momentum)
+    return PlainBuffers(fs.FedAvgM(**kw, server_learning_rate=cfg.server_lr or 1.0, server_momentum=cfg.server_momentum))  # its step on the parameters only
 
 
 def build_fedprox(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
@@ -101,15 +102,15 @@ def build_fedprox(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
 
 
 def build_fedadam(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
-    return fs.FedAdam(**kw, eta_l=cfg.local_lr, **_server_lr(cfg))
+    return PlainBuffers(fs.FedAdam(**kw, eta_l=cfg.local_lr, **_server_lr(cfg)))  # its step on the parameters only
 
 
 def build_fedadagrad(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
-    return fs.FedAdagrad(**kw, eta_l=cfg.local_lr, **_server_lr(cfg))
+    return PlainBuffers(fs.FedAdagrad(**kw, eta_l=cfg.local_lr, **_server_lr(cfg)))  # its step on the parameters only
 
 
 def build_fedyogi(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
-    return fs.FedYogi(**kw, eta_l=cfg.local_lr, **_server_lr(cfg))
+    return PlainBuffers(fs.FedYogi(**kw, eta_l=cfg.local_lr, **_server_lr(cfg)))  # its step on the parameters only
 
 
 def build_fedmedian(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:

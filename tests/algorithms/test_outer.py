@@ -54,3 +54,36 @@ def test_diloco_strategy_is_fedavg_at_unit_lr_and_zero_momentum(tmp_path):
     assert lines[-1]["loss"] < lines[0]["loss"]  # DiLoCo's defaults (0.7, Nesterov 0.9) learn
     mc = torch.load(c / "model.pt")
     assert any(not torch.equal(ma[k], mc[k]) for k in ma)
+
+
+def test_the_outer_step_leaves_normalisation_statistics_and_counters_to_the_average():
+    """DiLoCo's outer optimiser steps the model's parameters: stepped too, a BatchNorm
+    running variance went negative (lr 0.7 x 1.9 of its change) and the model evaluated
+    to NaN; a counter averaged to 29.999999999999996 came back as 29."""
+    opt = OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+    current = {"w": torch.ones(3), "bn.running_mean": torch.zeros(4), "bn.running_var": torch.ones(4),
+               "bn.num_batches_tracked": torch.tensor(20)}
+    average = {"w": torch.full((3,), 0.5), "bn.running_mean": torch.full((4,), 0.3),
+               "bn.running_var": torch.full((4,), 0.1), "bn.num_batches_tracked": torch.tensor(29.999999999999996,
+                                                                                       dtype=torch.float64)}
+    out = opt.step(current, average)
+    assert torch.equal(out["bn.running_var"], average["bn.running_var"]) and (out["bn.running_var"] > 0).all()
+    assert torch.equal(out["bn.running_mean"], average["bn.running_mean"])
+    assert out["bn.num_batches_tracked"].dtype == torch.int64 and int(out["bn.num_batches_tracked"]) == 30
+    assert torch.allclose(out["w"], torch.ones(3) - 0.7 * 1.9 * 0.5)  # the parameter: Nesterov's first step
+    assert set(opt.buffers) == {"w"}
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "fedavgm", "fedadam"])
+def test_a_server_optimiser_on_a_batchnorm_model_keeps_its_statistics_sane(tmp_path, strategy):
+    """fedavgm (server momentum 0.9 by default) and diloco stepped the running variance
+    below zero: NaN losses from round 2 (the reviewer's runs); the counters ran ahead of
+    the steps taken."""
+    run_dir = run_inprocess({"strategy": strategy, "model": "cnn-bn", "dataset": "digits", "num-rounds": 3,
+                             "local-steps": 10, "progress": "off", "results-dir": str(tmp_path)}, num_clients=4)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] for r in lines), [r["loss"] for r in lines]  # no NaN
+    model = torch.load(run_dir / "model.pt")
+    assert all((v > 0).all() for k, v in model.items() if k.endswith("running_var"))
+    counters = {int(v) for k, v in model.items() if k.endswith("num_batches_tracked")}
+    assert counters == {30}, counters  # 3 rounds x 10 steps on every client, averaged

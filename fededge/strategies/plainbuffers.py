@@ -1,0 +1,77 @@
+"""``PlainBuffers(strategy)``: a server optimiser's step on parameters only.
+
+Flower's server-optimiser strategies (FedAvgM, FedAdam, FedAdagrad, FedYogi) step every
+array of the model, its normalisation statistics and counters too. Those are buffers, not
+parameters (``torch.optim`` steps ``model.parameters()`` only): BatchNorm's running variance
+under FedAvgM's server momentum 0.9 went negative and the model evaluated to NaN from
+round 2, and its ``num_batches_tracked`` ran ahead of the steps taken. This wrapper gives
+the statistics and the integer counters the clients' weighted average (FedAvg's), as
+:class:`~fededge.algorithms.outer.OuterSGD` does for DiLoCo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from fededge.algorithms.normstats import statistic_names
+from fededge.strategies.delegate import DelegatesEvaluation
+from fededge.strategies.report import RoundReport, report_of
+
+__all__ = ["PlainBuffers"]
+
+_INTEGER_KINDS = frozenset("iub")
+
+
+class PlainBuffers(DelegatesEvaluation):
+    """Wrap a strategy whose aggregate steps every array so that the model's
+    normalisation statistics (``running_mean``/``running_var``) and integer buffers
+    (``num_batches_tracked``) are the clients' weighted average instead.
+
+    The record of the round's model is changed in place, so a strategy that keeps it as
+    its current model (FedAvgM) continues from the averaged buffers.
+    """
+
+    def __init__(self, inner: Strategy) -> None:
+        if not isinstance(inner, Strategy):
+            raise TypeError(f"PlainBuffers wraps a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
+        self.inner = inner
+        self._buffers: list[str] | None = None
+
+    def round_report(self, server_round: int) -> RoundReport:
+        return report_of(self.inner, server_round)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        if self._buffers is None:  # the model's buffers: by name (a resumed run's counters come averaged,
+            # as floats), and its integer arrays
+            self._buffers = [*statistic_names(dict(arrays.items())),
+                             *(k for k, a in arrays.items() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
+                               or str(a.dtype)[:1] in _INTEGER_KINDS or str(a.dtype) == "bool")]
+        return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
+        replies = list(replies)
+        arrays, metrics = self.inner.aggregate_train(server_round, replies)
+        if arrays is None or not self._buffers:
+            return arrays, metrics
+        key = getattr(self.inner, "arrayrecord_key", "arrays")
+        weight = getattr(self.inner, "weighted_by_key", "num-examples")
+        parts = []
+        for r in replies:
+            if r.has_error() or key not in r.content:
+                continue
+            rec = r.content[key]
+            names = [k for k in self._buffers if k in rec and k in arrays]
+            parts.append(RecordDict({"arrays": ArrayRecord({k: rec[k] for k in names}),
+                                     **{n: r.content[n] for n in r.content.metric_records.keys()}}))
+        if not parts or not len(parts[0]["arrays"]):
+            return arrays, metrics
+        averaged = aggregate_arrayrecords(parts, weight)
+        for k in averaged.keys():
+            arrays[k] = averaged[k]
+        return arrays, metrics
