@@ -76,10 +76,17 @@ class ModOrderError(RuntimeError):
 
 
 def _train_config(msg: Message) -> ConfigRecord | None:
-    """The config record of a train message; None for other messages."""
-    if not msg.metadata.message_type.startswith("train") or keys.CONFIG not in msg.content:
+    """The config record of a train message (the one that carries ``server-round``, under
+    whatever name its strategy gives it: Flower's ``configrecord_key``; else ``config``);
+    None for other messages. Read only under ``config``, a strategy's ``train-config`` left
+    every round round 1: random-k's coordinates the same each round, DGC's warm-up stuck."""
+    if not msg.metadata.message_type.startswith("train"):
         return None
-    return msg.content[keys.CONFIG]
+    records = msg.content.config_records
+    for name, record in records.items():
+        if keys.SERVER_ROUND in record:
+            return record
+    return records[keys.CONFIG] if keys.CONFIG in records else None
 
 
 def _with_arrays(content: RecordDict, arrays: Weights, *, drop: tuple[str, ...] = ()) -> RecordDict:
@@ -105,15 +112,28 @@ def _trained(reply: Message, mod: str) -> dict[str, torch.Tensor] | None:
     return dict(record_to_torch(reply.content[keys.ARRAYS]))
 
 
+def _reply_metrics(reply: Message) -> MetricRecord | None:
+    """The reply's MetricRecord: ``metrics``, else its one under another name (Flower's
+    strategies take a reply's first and want exactly one), else None."""
+    records = reply.content.metric_records
+    if keys.METRICS in records:
+        return records[keys.METRICS]
+    return next(iter(records.values()), None)
+
+
 def _metrics(reply: Message) -> MetricRecord:
-    if keys.METRICS not in reply.content:
-        reply.content[keys.METRICS] = MetricRecord()
-    return reply.content[keys.METRICS]
+    """The reply's MetricRecord (:func:`_reply_metrics`), made as ``metrics`` only where it
+    has none: a second one made Flower's FedAvg refuse every reply."""
+    found = _reply_metrics(reply)
+    if found is None:
+        found = reply.content[keys.METRICS] = MetricRecord()
+    return found
 
 
-def _add_compute(metrics: MetricRecord, seconds: float) -> None:
+def _add_compute(reply: Message, seconds: float) -> None:
     # A mod's encoding is the client's work too: it counts in the compute the clock sees.
-    if keys.COMPUTE_S in metrics:
+    metrics = _reply_metrics(reply)
+    if metrics is not None and keys.COMPUTE_S in metrics:
         metrics[keys.COMPUTE_S] = float(metrics[keys.COMPUTE_S]) + seconds
 
 
@@ -271,7 +291,7 @@ class CompressionMod:
             if name != keys.ARRAYS:
                 content[name] = reply.content[name]
         reply.content = content
-        _add_compute(_metrics(reply), time.perf_counter() - t0)
+        _add_compute(reply, time.perf_counter() - t0)
         return reply
 
     @staticmethod
@@ -315,7 +335,7 @@ class CompressionMod:
         update = self.update
         if update.compressor != "dgc" or update.dgc_warmup_epochs <= 0:
             return update
-        metrics = reply.content[keys.METRICS] if keys.METRICS in reply.content else {}
+        metrics = _reply_metrics(reply) or {}
         examples = _count(metrics.get(keys.NUM_EXAMPLES))
         steps = _count(conf.get(keys.LOCAL_STEPS)) if conf is not None else None
         batch = _count(conf.get(keys.BATCH_SIZE)) if conf is not None else None
@@ -569,7 +589,7 @@ class GossipMod:
             if name != keys.ARRAYS:
                 content[name] = reply.content[name]
         reply.content = content
-        _add_compute(_metrics(reply), time.perf_counter() - t0)
+        _add_compute(reply, time.perf_counter() - t0)
         context.state[keys.STATE_GOSSIP] = record_from_torch(state)
         return reply
 

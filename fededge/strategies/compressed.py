@@ -293,11 +293,12 @@ def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats:
     stats.payload_bytes += sum(len(p) for p in payloads.values())
     stats.dense_bytes += sum(4 * d.numel() for d in deltas.values())
     stats.decoded += 1
-    out = RecordDict({keys.ARRAYS: record_from_torch(full),
-                      keys.METRICS: content[keys.METRICS] if keys.METRICS in content else MetricRecord()})
-    for name in content.keys():  # anything else the client replied with, as it came
-        if name not in out and name not in (keys.COMPRESSED, keys.UNCOMPRESSED):
-            out[name] = content[name]
+    out = RecordDict({keys.ARRAYS: record_from_torch(full)})
+    for name in content.keys():  # anything else the client replied with, as it came (its metrics
+        if name not in out and name not in (keys.COMPRESSED, keys.UNCOMPRESSED):  # under its own name:
+            out[name] = content[name]  # an empty 'metrics' beside them made Flower's FedAvg refuse the reply)
+    if not out.metric_records:
+        out[keys.METRICS] = MetricRecord()
     return out
 
 

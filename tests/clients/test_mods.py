@@ -322,3 +322,79 @@ def test_dgc_warms_up_over_the_larger_of_its_rounds_and_epochs_of_the_clients_da
     want = DGCConfig(final_sparsity=update.dgc_sparsity, warmup_rounds=warmup)
     assert sent == keep_count(1 - want.sparsity_at(rnd - 1), 10_000)
     assert (sent > 100) == (warmup == 30)  # 1% of 10,000 once warmed up
+
+
+def _own_train(metrics_name: str):
+    """A user's train function: its MetricRecord under a name of its own (Flower takes a
+    reply's one MetricRecord whatever its name)."""
+    from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+    def train(msg, context):  # noqa: ANN001, ANN202
+        sd = msg.content["arrays"].to_torch_state_dict()
+        out = {k: v + 0.1 for k, v in sd.items()}
+        return Message(RecordDict({"arrays": ArrayRecord(out),
+                                   metrics_name: MetricRecord({"num-examples": 10, "loss": 0.5})}), reply_to=msg)
+    return train
+
+
+def _call_own(mods, content, train, rnd=1, node=7):
+    from flwr.app import RecordDict
+
+    from fededge import _flwr_internals as fi
+
+    app = ClientApp()
+    app.train(mods=mods)(train)
+    with fi.task_identity(run_id=1, node_id=1, task_id=rnd):
+        msg = Message(RecordDict(content), node, "train")
+    fi.set_message_id(msg, f"m{rnd}")
+    return app(msg, Context(run_id=1, node_id=node, node_config={"partition-id": 0}, state=RecordDict(),
+                            run_config={}))
+
+
+def test_the_mods_keep_a_reply_to_its_one_metric_record_under_its_own_name():
+    """CompressionMod and DGAMod added an empty 'metrics' beside a user's 'train_metrics':
+    two MetricRecords, and Flower's FedAvg behind Compressed refused every reply."""
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge import keys
+    from fededge.clients.mods import DGAMod
+    from fededge.strategies.compressed import Compressed
+
+    w = {"w": torch.ones(8, 8), "b": torch.zeros(8)}
+    upd = UpdateConfig(compressor="topk", topk_ratio=0.25, error_feedback=True)
+    r = _call_own([CompressionMod(upd)], {"arrays": ArrayRecord(w), "config": ConfigRecord({keys.SERVER_ROUND: 1})},
+              _own_train("train_metrics"))
+    assert list(r.content.metric_records) == ["train_metrics"]
+    r2 = _call_own([DGAMod()], {"arrays": ArrayRecord(w), "config": ConfigRecord(
+        {keys.SERVER_ROUND: 1, keys.DGA_GLOBAL_ROUND: 0, keys.DGA_CORRECTION: True})}, _own_train("train_metrics"))
+    assert list(r2.content.metric_records) == ["train_metrics"] and keys.DGA_STALENESS in r2.content["train_metrics"]
+    s = Compressed(FedAvg(), update=upd)
+    s._sent[1] = {k: v.clone() for k, v in w.items()}
+    arrays, _ = s.aggregate_train(1, [r])
+    assert arrays is not None and torch.allclose(torch.from_numpy(arrays["b"].numpy()).float(), torch.full((8,), 0.1))
+
+
+def test_compression_takes_the_round_from_the_config_record_that_carries_it():
+    """Read only from a record named 'config': under FedAvg(configrecord_key='train-config')
+    every round was round 1, so random-k sent the same coordinates every round."""
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    from fededge.compress.update import decode_update
+    from fededge.protocol import bundle_payloads
+
+    def train(msg, context):  # noqa: ANN001, ANN202
+        sd = msg.content["arrays"].to_torch_state_dict()
+        return Message(RecordDict({"arrays": ArrayRecord({k: v + 1 for k, v in sd.items()}),
+                                   "metrics": MetricRecord({"num-examples": 10})}), reply_to=msg)
+
+    mod = CompressionMod(UpdateConfig(compressor="randk", topk_ratio=0.05))
+    picked = []
+    for rnd in (1, 2, 3):
+        r = _call_own([mod], {"arrays": ArrayRecord({"w": torch.zeros(32, 32)}),
+                          "train-config": ConfigRecord({"server-round": rnd})}, train, rnd=rnd)
+        d = decode_update(bundle_payloads(r.content["compressed"]), max_elements=4096)["w"]
+        picked.append(tuple(torch.nonzero(d.flatten()).flatten().tolist()))
+    assert len(set(picked)) == 3
