@@ -607,6 +607,17 @@ def check_dga_keys(cfg: RunConfig) -> None:
         )
 
 
+def check_krum_keys(cfg: RunConfig) -> None:
+    """Krum tolerates ``f`` Byzantine clients of ``n`` a round only where ``n > 2f + 2``
+    (Blanchard et al. 2017); with fewer, Flower's Krum scores each reply by its
+    ``max(1, n - f - 2)`` nearest, and what it picks has no guarantee."""
+    f, cpr = cfg.krum_byzantine, cfg.clients_per_round
+    if f > 0 and isinstance(cpr, int) and not cpr > 2 * f + 2:
+        raise ConfigError(f"run-config key 'krum-byzantine' is {f} but clients-per-round is {cpr}: Krum tolerates "
+                          f"f Byzantine clients of n only where n > 2f + 2 (here {2 * f + 3} or more); raise "
+                          "clients-per-round or lower krum-byzantine")
+
+
 def check_gossip_keys(cfg: RunConfig) -> None:
     """What gossip asks of the keys of other domains (its own knobs: GossipConfig); the
     ``check`` of its :mod:`fededge.catalog` record."""

@@ -93,8 +93,14 @@ def test_every_strategy_maps_to_the_right_flower_class_and_knobs():
     expected.update({"dga": DGA, "diloco": FedAvgOuter, "gossip": Gossip, "fedasync": FedAsync,
                      "fedbuff": FedBuff, "ssp": SSP, "backup": BackupWorkers})
     assert set(expected) == set(STRATEGIES)
+    from fededge.strategies.plainbuffers import PlainBuffers
+
     for name, cls in expected.items():
-        assert type(build_strategy(RunConfig(strategy=name))) is cls, name
+        built = build_strategy(RunConfig(strategy=name))
+        if name in ("fedavgm", "fedadam", "fedadagrad", "fedyogi"):  # their step on parameters only
+            assert type(built) is PlainBuffers
+            built = built.inner
+        assert type(built) is cls, name
 
     cfg = RunConfig(strategy="fedavgm", server_lr=0.5, server_momentum=0.7)
     s = build_strategy(cfg)
@@ -135,3 +141,10 @@ def test_round_timeout_takes_inf_for_none_and_nothing_takes_nan():
     assert RunConfig.from_mapping({"round-timeout": float("inf")}).round_timeout == float("inf")
     with pytest.raises(ConfigError, match="'round-timeout' must be a finite number, got nan"):
         RunConfig.from_mapping({"round-timeout": float("nan")})
+
+
+def test_krum_needs_more_than_twice_its_byzantine_clients_plus_two_a_round():
+    with pytest.raises(ConfigError, match=r"'krum-byzantine' is 2 but clients-per-round is 6: .*n > 2f \+ 2 \(here 7"):
+        RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 2, "clients-per-round": 6})
+    RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 2, "clients-per-round": 7})
+    RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 0, "clients-per-round": 2})

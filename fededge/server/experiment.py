@@ -484,6 +484,10 @@ class _RoundCloser:
             "strategy": strategy_state(self.strategy),
             "random": random.getstate(),
             "torch_rng": torch.get_rng_state(),
+            # the CUDA generators too, where this process has used CUDA (a user's evaluate_fn
+            # or model drawing on the GPU: dropout); never initialising CUDA for it
+            "cuda_rng": (torch.cuda.get_rng_state_all()
+                         if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
             "numpy_rng": {"bit_generator": np_state["bit_generator"], "pos": int(np_state["state"]["pos"]),
                           "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
                           "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
@@ -535,6 +539,9 @@ class _RoundCloser:
             grid.load_state_dict(checkpoint["grid"], states_dir=self.recorder.run_dir / CHECKPOINT_DIR)
         random.setstate(_tuples(checkpoint["random"]))
         torch.set_rng_state(checkpoint["torch_rng"])
+        cuda_rng = checkpoint.get("cuda_rng")  # (absent from older checkpoints)
+        if cuda_rng is not None and torch.cuda.is_available() and len(cuda_rng) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_rng)
         npr = checkpoint["numpy_rng"]
         np.random.set_state((npr["bit_generator"], npr["key"].numpy().astype(np.uint32), npr["pos"],
                              npr["has_gauss"], npr["gauss"]))

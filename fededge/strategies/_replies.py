@@ -48,11 +48,13 @@ def fixed_participants(grid: Grid, *, fraction: float, min_nodes: int, min_avail
     All connected nodes, or a seeded sample of ``max(int(n * fraction), min_nodes)``
     (Flower's own sample size), drawn once with Flower's sampling.
     """
-    n_all = len(list(grid.get_node_ids()))
-    size = max(int(n_all * fraction), min_nodes)
-    if size >= n_all:
-        _, nodes = sample_nodes(grid, min_available, 0)  # waits, samples nothing
-        return list(nodes)
+    # Wait for min_available first, then size the sample from the nodes there then: sized
+    # before the wait, it took every node connected by the end of it (10 of 10 with
+    # fraction 0.5 where one node was connected at first, 5 where all were).
+    _, connected = sample_nodes(grid, min_available, 0)  # waits, samples nothing
+    size = max(int(len(connected) * fraction), min_nodes)
+    if size >= len(connected):
+        return list(connected)
     nodes, _ = sample_nodes(grid, min_available, size)
     return sorted(nodes)
 

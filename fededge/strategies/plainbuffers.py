@@ -42,6 +42,11 @@ class PlainBuffers(DelegatesEvaluation):
         self.inner = inner
         self._buffers: list[str] | None = None
 
+    def __getattr__(self, name: str):  # noqa: ANN204 - the inner strategy's settings (server_momentum, eta, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def round_report(self, server_round: int) -> RoundReport:
         return report_of(self.inner, server_round)
 

@@ -2,6 +2,7 @@
 in-process; dropouts and silent nodes for every strategy and for FedAvg."""
 
 import contextlib
+import random
 import json
 import time
 
@@ -403,3 +404,22 @@ def test_the_clock_uploads_each_reply_as_the_meter_counted_it_without_serialisin
         assert a["bytes_up"] == b["bytes_up"]
         if strategy != "dga":  # DGA's clock charges the measured compute seconds: two runs differ there
             assert (a["sim_s"], a["round_sim_s"]) == (b["sim_s"], b["round_sim_s"])
+
+
+def test_fixed_participants_are_sized_from_the_nodes_there_once_enough_connected():
+    """Sized before waiting for min_available: one node connected at first gave 10
+    participants of 10 at fraction 0.5, all connected gave 5."""
+    from fededge.strategies._replies import fixed_participants
+
+    class Joining:  # nodes connect as the grid is asked (a SuperLink's early seconds)
+        def __init__(self, first):
+            self.seen = first
+
+        def get_node_ids(self):
+            self.seen = min(10, self.seen + 3)
+            return list(range(1, self.seen + 1))
+
+    for first in (1, 10):
+        random.seed(0)
+        got = fixed_participants(Joining(first), fraction=0.5, min_nodes=2, min_available=10)
+        assert len(got) == 5, (first, got)
