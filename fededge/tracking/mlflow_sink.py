@@ -84,6 +84,8 @@ class MLflowSink(MetricSink):
             self._client.update_run(self.run_id, status="RUNNING")
             history = self._client.get_metric_history(self.run_id, _ALWAYS)
             self._skip_through = max((m.step for m in history), default=-1)
+            for line in kept:  # what MLflow has not got (a sink dropped mid-run before the run died)
+                self.log_round(line)
             return
         uri = self._uri(run_dir)
         self._client = MlflowClient(tracking_uri=uri)

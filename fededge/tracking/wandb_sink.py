@@ -76,9 +76,10 @@ class WandbSink(MetricSink):
             config=None if resumed else flat_config(config), mode=self.mode, resume="allow",
             reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
         self._save_state()
-        if not resumed:
-            for line in kept:  # a sink added on resume: the rounds before the checkpoint first
-                self.log_round(line)
+        # The rounds before the checkpoint that W&B has not got (a sink added on resume, or
+        # one dropped mid-run, a network blip, before the run died): log_round skips the rest.
+        for line in kept:
+            self.log_round(line)
 
     def _save_state(self) -> None:
         assert self._state_file is not None
