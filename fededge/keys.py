@@ -85,6 +85,9 @@ SERVER_RESULT_KEY = "fededge.result"
 STATE_KEY = "state-key"  # the run's id (the same after a resume)
 STATE_RESUMED_FROM = "state-resumed-from"  # the checkpoint round the run continues after (0: fresh)
 STATE_ATTEMPT = "state-attempt"  # a new id each time the server starts
+# the attempt that wrote the checkpoint a run continues from, and the round that one continued after
+STATE_BASE_ATTEMPT = "state-base-attempt"
+STATE_BASE_FROM = "state-base-from"
 STATE_EVERY = "state-every"  # checkpoint-every: which rounds the server may resume from
 
 # Normalisation statistics of the server's model (norm-stats = global):

@@ -12,16 +12,20 @@ gap on the node's side.
 the clients' states, :class:`fededge.server.experiment.Experiment` adds to every train
 message's config: ``state-key`` (the run's id, the same after a resume),
 ``state-resumed-from`` (the checkpoint round the run continues after; 0 for a fresh
-run), ``state-attempt`` (a new id each time the server starts) and ``state-every``
-(``checkpoint-every``). Without ``state-key`` the mod does nothing.
+run), ``state-attempt`` (a new id each time the server starts), ``state-base-attempt``
+and ``state-base-from`` (the attempt that wrote that checkpoint and the round it continued
+after; a fresh run's own and 0) and ``state-every`` (``checkpoint-every``). Without
+``state-key`` the mod does nothing.
 
 **What the node does.** After each train reply that is not an error, it writes its
 ``context.state`` as ``<root>/<state-key>/<node>/round-<t>.<attempt>.state``
 (:mod:`fededge.safefile`: atomic, checksummed). ``<node>`` is the node config's
 ``partition-id`` (stable across runs, unlike Ray's node ids), else the node id. On the
 first message of a run whose ``context.state`` does not carry this run and attempt (a
-new Flower run, a restarted process), it first drops what a killed attempt wrote after
-the checkpoint now resumed (rounds after ``state-resumed-from`` of another attempt), then
+new Flower run, a restarted process), it first drops what killed attempts wrote in
+rounds the run has redone (the checkpoint's writer's states after the checkpoint, any
+other attempt's after ``state-base-from``: so also a state of an attempt that died before
+the one that wrote the checkpoint, which never sampled this node), then
 loads the newest state left from before this message's round: the state the node held
 at the checkpoint. So a resumed run's clients continue with the residuals they had.
 
@@ -243,7 +247,9 @@ class StateStoreMod:
         mark = context.state.config_records.get(keys.STATE_STORE)
         if mark is None or mark.get("key") != key or mark.get("attempt") != attempt:
             _collect(root, d.parent, self.max_age_days, "client states", skip=(SPILL,))
-            self._take_up(d, t, resumed, attempt, context)
+            base = conf.get(keys.STATE_BASE_ATTEMPT)
+            self._take_up(d, t, resumed, attempt, context,
+                          None if base is None else (str(base), int(conf.get(keys.STATE_BASE_FROM, 0))))
             context.state[keys.STATE_STORE] = ConfigRecord({"key": key, "attempt": attempt})
         reply = call_next(msg, context)
         if not reply.has_error():
@@ -254,13 +260,31 @@ class StateStoreMod:
         return reply
 
     @staticmethod
-    def _take_up(d: Path, t: int, resumed: int, attempt: str, context: Context) -> None:
-        """Drop a killed attempt's states after the checkpoint resumed; load the newest
-        one from before round ``t`` into ``context.state`` (in place)."""
+    def _take_up(d: Path, t: int, resumed: int, attempt: str, context: Context,
+                 base: tuple[str, int] | None = None) -> None:
+        """Drop a killed attempt's states from rounds the run has redone; load the newest
+        one from before round ``t`` into ``context.state`` (in place).
+
+        ``base``: the attempt that wrote the checkpoint resumed, and the round it continued
+        after. Its states up to the checkpoint are the timeline's; another attempt's only up
+        to that round (after it, that attempt had died and been redone, whether this node
+        heard of it or not: with ``resumed`` alone, after two kills a node that the middle
+        attempt never sampled took up the first attempt's state of a round the middle one
+        redid). A node left out of two successive attempts could still hold such a state
+        from three attempts back. Without ``base`` (a server of a fededge before it), other
+        attempts' states after ``resumed`` are dropped, as before."""
+        mine = _SAFE.sub("_", attempt)
+        base_att = None if base is None else _SAFE.sub("_", base[0])
         files = []
         for rnd, att, path in _files(d):
-            if rnd > resumed and att != _SAFE.sub("_", attempt):
-                path.unlink(missing_ok=True)  # written after the checkpoint by a run that died
+            if att == mine:
+                dead = False
+            elif base_att is not None:
+                dead = rnd > (resumed if att == base_att else base[1])
+            else:
+                dead = rnd > resumed
+            if dead:
+                path.unlink(missing_ok=True)  # written by an attempt in rounds the timeline has redone
             else:
                 files.append((rnd, path))
         before = [(rnd, path) for rnd, path in files if rnd < t]

@@ -458,6 +458,12 @@ class _RoundCloser:
         self.resumed = 0  # the checkpoint's round: rounds up to it are recorded already
         self.uncheckpointable: str | None = None  # why no checkpoint can be written, if so
         self.checkpoints: list[dict[str, float]] = []  # each written: round, bytes, seconds
+        # The nodes' state stores (fededge.clients.statestore): this server's attempt, and
+        # the attempt that wrote the checkpoint it continues from with the round that one
+        # continued after (its own and 0 for a fresh run): a node drops what another attempt
+        # wrote after that round. A checkpoint keeps its writer's.
+        self.attempt = uuid.uuid4().hex[:12]
+        self.base: tuple[str, int] | None = (self.attempt, 0)
 
     # -- checkpoints (fededge.strategies.resume.CheckpointHook) ----------------------
     def due(self, server_round: int) -> bool:
@@ -497,6 +503,7 @@ class _RoundCloser:
             "partition_of": dict(self.metered.partition_of),
             "traffic": self.metered.state_dict(),
             "checkpoints": list(self.checkpoints),
+            "state_attempt": [self.attempt, self.resumed],
             # Disk states, and states in memory past INLINE_STATES_MAX, go to a side file of
             # the checkpoint, not into its body.
             "grid": grid.state_dict(states_file=states_file_for(self.recorder.run_dir, server_round))
@@ -517,14 +524,18 @@ class _RoundCloser:
         if self.exp.checkpoint_every <= 0 or self.uncheckpointable is not None \
                 or getattr(self._inner_grid(), "keeps_client_states", False):
             return train_config
+        # (the same bytes in a resumed run as in the uninterrupted one: ids of one length)
+        base = {} if self.base is None else {keys.STATE_BASE_ATTEMPT: self.base[0], keys.STATE_BASE_FROM: self.base[1]}
         return ConfigRecord({**(train_config or {}), keys.STATE_KEY: self.recorder.run_id,
-                             keys.STATE_RESUMED_FROM: self.resumed, keys.STATE_ATTEMPT: uuid.uuid4().hex[:12],
-                             keys.STATE_EVERY: self.exp.checkpoint_every})
+                             keys.STATE_RESUMED_FROM: self.resumed, keys.STATE_ATTEMPT: self.attempt,
+                             keys.STATE_EVERY: self.exp.checkpoint_every, **base})
 
     def restore(self, checkpoint: dict[str, Any]) -> ArrayRecord:
         """Put back what :meth:`save` wrote (inside the run's seeded sampling); return
         the checkpoint's global model."""
         self.resumed = int(checkpoint["round"])
+        saved = checkpoint.get("state_attempt")  # (absent from a fededge before it: the nodes' rule before)
+        self.base = None if saved is None else (str(saved[0]), int(saved[1]))
         # The clock first: a strategy rebuilds its timeline on it while it loads.
         self.clock.load_state_dict(checkpoint["clock"])
         # Nodes that report no partition id are placed by their index among this grid's

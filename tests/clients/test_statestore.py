@@ -22,9 +22,11 @@ def _ctx() -> Context:
     return Context(run_id=1, node_id=7, node_config={keys.PARTITION_ID: 2}, state=RecordDict(), run_config={})
 
 
-def _msg(t: int, attempt: str = "a1", resumed: int = 0, every: int = 2) -> Message:
+def _msg(t: int, attempt: str = "a1", resumed: int = 0, every: int = 2,
+         base: tuple[str, int] | None = None) -> Message:
     conf = ConfigRecord({keys.SERVER_ROUND: t, keys.STATE_KEY: "run/1", keys.STATE_ATTEMPT: attempt,
-                         keys.STATE_RESUMED_FROM: resumed, keys.STATE_EVERY: every})
+                         keys.STATE_RESUMED_FROM: resumed, keys.STATE_EVERY: every,
+                         **({keys.STATE_BASE_ATTEMPT: base[0], keys.STATE_BASE_FROM: base[1]} if base else {})})
     return Message(RecordDict({keys.CONFIG: conf}), dst_node_id=7, message_type="train")
 
 
@@ -70,6 +72,49 @@ def test_a_node_not_in_the_first_rounds_after_a_resume_takes_up_its_state_at_the
     reply = mod(_msg(5, "a2", resumed=3, every=3), ctx2, _count)
     assert reply.content[keys.METRICS]["n"] == 3  # rounds 1 and 3, not 4 or 6 of the dead attempt
     assert [r for r, _ in _rounds(tmp_path)] == [3, 5]
+
+
+def test_after_two_kills_a_node_takes_up_its_state_of_the_timeline_not_of_a_dead_attempt(tmp_path):
+    """a1 trains the node in rounds 1-3 and dies; a2 resumes after 2, never samples the node
+    (so it cannot drop a1's round 3), checkpoints 4 and dies; a3 resumes after 4. Told only
+    'resumed after 4', the node took up a1's round 3, a round a2 redid without it; told the
+    checkpoint's writer (a2) and where it started (2), it takes up its state of round 2."""
+    mod = StateStoreMod(tmp_path)
+    ctx = _ctx()
+    for t in (1, 2, 3):
+        mod(_msg(t, base=("a1", 0)), ctx, _count)
+    reply = mod(_msg(5, "a3", resumed=4, base=("a2", 2)), _ctx(), _count)
+    assert reply.content[keys.METRICS]["n"] == 3  # rounds 1 and 2 taken up (not a1's round 3), then round 5
+    assert _rounds(tmp_path) == [(2, "a1"), (5, "a3")]
+    # The checkpoint's writer's own states up to the checkpoint are the timeline's.
+    mod(_msg(6, "a3", resumed=4, base=("a2", 2)), _ctx(), _count)
+    ctx = _ctx()
+    assert mod(_msg(7, "a4", resumed=6, base=("a3", 4)), ctx, _count).content[keys.METRICS]["n"] == 5
+    # A server of a fededge before it (no base): the rule before, a1's round 3 kept.
+    old = StateStoreMod(tmp_path / "old")
+    ctx = _ctx()
+    for t in (1, 2, 3):
+        old(_msg(t), ctx, _count)
+    assert old(_msg(5, "a3", resumed=4), _ctx(), _count).content[keys.METRICS]["n"] == 4
+
+
+def test_a_resumed_servers_messages_name_the_checkpoints_writer_in_as_many_bytes():
+    """The base the nodes get: the checkpoint's writer and where it started; a fresh run
+    names itself and 0 (ids of one length: a resumed run's messages weigh what the
+    uninterrupted run's do)."""
+    from fededge.server.experiment import _RoundCloser
+
+    closer = _RoundCloser.__new__(_RoundCloser)
+    closer.attempt, closer.base, closer.resumed = "a" * 12, ("a" * 12, 0), 0
+    closer.exp = type("E", (), {"checkpoint_every": 2})()
+    closer.uncheckpointable = None
+    closer.recorder = type("R", (), {"run_id": "run"})()
+    closer._inner_grid = lambda: None
+    fresh = closer.client_state_config(None)
+    assert (fresh[keys.STATE_BASE_ATTEMPT], fresh[keys.STATE_BASE_FROM]) == ("a" * 12, 0)
+    closer.attempt, closer.base, closer.resumed = "b" * 12, ("a" * 12, 0), 4  # restore() of a1's checkpoint 4
+    resumed = closer.client_state_config(None)
+    assert (resumed[keys.STATE_BASE_ATTEMPT], resumed[keys.STATE_BASE_FROM]) == ("a" * 12, 0)
 
 
 def test_a_corrupt_state_is_refused_by_name_and_the_node_starts_afresh(tmp_path, caplog):
