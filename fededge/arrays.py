@@ -87,8 +87,9 @@ def to_numpy(arr: Array, *, copy: bool = True) -> np.ndarray:
 
 def from_numpy(nd: np.ndarray) -> Array:
     """``Array.from_numpy_ndarray(nd)``: the same dtype, shape, stype and bytes."""
-    if nd.dtype.hasobject or nd.dtype.names is not None or nd.dtype.subdtype is not None:
-        return Array.from_numpy_ndarray(nd)  # structured: dtype.str would not tell two apart
+    if nd.dtype.hasobject or nd.dtype.names is not None or nd.dtype.subdtype is not None or nd.dtype.kind in "mM":
+        # structured: dtype.str would not tell two apart; datetimes: no buffer protocol (memoryview fails)
+        return Array.from_numpy_ndarray(nd)
     fortran = bool(nd.flags.f_contiguous and not nd.flags.c_contiguous)
     key = (nd.dtype.str, tuple(nd.shape), fortran)
     header = _written.get(key, b"")

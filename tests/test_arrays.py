@@ -22,6 +22,8 @@ CASES = [
     np.frombuffer(bytes(range(16)), dtype=np.uint8),
     np.arange(10, dtype=np.complex64),
     np.zeros((2,), dtype=[("a", "<f4"), ("b", "<i2")]),  # structured
+    np.array(["2026-11-28", "2026-11-29"], dtype="datetime64[D]"),  # no buffer protocol: the second failed
+    np.array([5, 7], dtype="timedelta64[s]"),
 ]
 
 

@@ -54,8 +54,8 @@ from fededge import keys
 from fededge.safefile import bytes_from_tensor, tensor_of_bytes
 from fededge.server.nodestates import (INLINE_STATES_MAX, NodeStates, make_states, read_states_file,
                                       write_states_file)
-from fededge.server.workers import (SUPERLINK_NODE_ID, Job, WorkerPool, error_reply, load_client_app, over_the_wire,
-                                    received, run_message, run_message_direct)
+from fededge.server.workers import (SUPERLINK_NODE_ID, UNSTARTED, Job, WorkerPool, error_reply, load_client_app,
+                                    over_the_wire, received, run_message, run_message_direct)
 
 __all__ = ["InProcessGrid", "run_server", "SUPERLINK_NODE_ID"]
 
@@ -357,9 +357,13 @@ class InProcessGrid(Grid):
         # The SuperLink's id for a message is its object id (HttpGrid does the same), so
         # replies carry a 64-hex-char reply_to id, as on the real wire. A model the
         # messages share is serialised once for all of them.
-        for msg, (mid, objects) in zip(messages, fi.serialise_all(messages)):
-            if mid in self._pending or mid in self._replies:
+        serialised = fi.serialise_all(messages)
+        seen: set[str] = set()
+        for mid, _ in serialised:  # all or none, as the direct path: checked before any is queued
+            if mid in self._pending or mid in self._replies or mid in seen:
                 raise ValueError(f"message {mid} was pushed twice")
+            seen.add(mid)
+        for msg, (mid, objects) in zip(messages, serialised):
             self._pending[mid] = (msg.metadata.dst_node_id, mid, objects)
             fi.note_wire_size(msg, sum(map(len, objects.values())))  # for the meter
             ids.append(mid)
@@ -475,11 +479,16 @@ class InProcessGrid(Grid):
             item = next_job()
             if item is not None:
                 replies[item[0]] = self._execute(*item)
-                for job, result in pool.collect(timeout=0):
+                collected = pool.collect(timeout=0)
+            else:
+                collected = pool.collect(timeout=None)
+            for job, result in collected:
+                if result is UNSTARTED:  # held by a worker that died before it began: run it still
+                    running.discard(job[1])
+                    self.messages_run -= 1
+                    waiting.appendleft(tuple(job[:4]))
+                else:
                     replies[job[0]] = self._finish(job, result, running)
-                continue
-            for job, result in pool.collect(timeout=None):
-                replies[job[0]] = self._finish(job, result, running)
         return replies
 
     def _run_cohorts(self, batch: list[tuple[str, int, str, dict[str, bytes]]]) -> dict[str, Message]:

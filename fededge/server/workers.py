@@ -122,8 +122,13 @@ def run_message_direct(client_app: Any, run_id: int, run_config: Mapping[str, An
     fi.set_message_id(msg, mid)
     with replies_on_device():  # fededge's ClientApp keeps a GPU reply's model on the GPU: nothing needs its bytes
         reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, msg, node_config, state)
-    back = fi.detached_copy(reply)
-    size = fi.direct_wire_size(back)
+    try:
+        back = fi.detached_copy(reply)
+        size = fi.direct_wire_size(back)
+    except Exception as err:  # noqa: BLE001 - a reply Flower cannot send: an error reply, as in Flower
+        failure = (f"{type(err).__name__}: the ClientApp's reply cannot be sent: {err}", traceback.format_exc())
+        back = fi.detached_copy(error_reply(msg, failure[0]))
+        size = fi.direct_wire_size(back)
     fi.set_message_id(back, hashlib.sha256(f"reply:{mid}".encode()).hexdigest())
     fi.note_wire_size(back, size)
     return back, new_state, failure
@@ -135,9 +140,13 @@ def run_message_objects(client_app: Any, run_id: int, run_config: Mapping[str, A
     """:func:`run_message` with the reply as it travels: ``(its root object id, its
     serialised objects, state, failure)`` (a worker sends those; nothing rebuilds it
     on this side)."""
-    reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, received(root, objects, mid),
-                                          node_config, state)
-    return (*fi.serialise(reply), new_state, failure)
+    msg = received(root, objects, mid)
+    reply, new_state, failure = _call_app(client_app, run_id, run_config, node_id, msg, node_config, state)
+    try:
+        return (*fi.serialise(reply), new_state, failure)
+    except Exception as err:  # noqa: BLE001 - a reply Flower cannot send: an error reply, as in Flower
+        failure = (f"{type(err).__name__}: the ClientApp's reply cannot be sent: {err}", traceback.format_exc())
+        return (*fi.serialise(error_reply(msg, failure[0])), new_state, failure)
 
 
 def _call_app(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_id: int, msg: Any,
@@ -149,9 +158,13 @@ def _call_app(client_app: Any, run_id: int, run_config: Mapping[str, Any], node_
 
     ctx = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config), state=state,
                   run_config=dict(run_config))
+    from flwr.app import Message
+
     failure = None
     try:
         reply = client_app(msg, ctx)
+        if not isinstance(reply, Message):
+            raise TypeError(f"the ClientApp returned {type(reply).__name__}, not a flwr.app.Message")
     except Exception as err:  # noqa: BLE001 - becomes an error reply, as in Flower
         failure = (f"{type(err).__name__}: {err}", traceback.format_exc())
         reply = error_reply(msg, failure[0])
@@ -190,6 +203,9 @@ def _empty() -> Any:
 
     return RecordDict()
 
+
+#: A job's result where its worker died before beginning it (:meth:`WorkerPool.collect`).
+UNSTARTED = object()
 
 #: What the sending thread sends a worker to stop it (None, pickled: the worker's loop ends on it).
 _STOP = ForkingPickler.dumps(None)
@@ -280,12 +296,15 @@ class _Worker:
             try:
                 result = self.conn.recv_bytes()
             except (EOFError, OSError, ValueError):
-                with self._lock:  # the worker died (or was stopped): every job it held is lost
+                with self._lock:  # the worker died (or was stopped)
                     self._dead = True
                     lost = list(self._inflight)
                     self._inflight.clear()
-                for job in lost:
-                    self._results.put((self, job, None))
+                # The first job it held is lost (it was running it, or about to); the others
+                # never began (a worker reads its next job only once it has answered the
+                # last): they go back to run elsewhere, not as errors of nodes that never ran.
+                for k, job in enumerate(lost):
+                    self._results.put((self, job, None if k == 0 else UNSTARTED))
                 return
             with self._lock:
                 job = self._inflight.popleft()
@@ -303,7 +322,7 @@ class _Worker:
                 self._inflight.append(job)
                 self._outbox.put(data)
                 return
-        self._results.put((self, job, None))  # died meanwhile: the job is lost, as if it had started
+        self._results.put((self, job, UNSTARTED))  # died meanwhile: the job never began
 
     def _kill(self) -> None:
         self.proc.kill()
@@ -373,6 +392,9 @@ class WorkerPool:
         ``depth`` (1 to :attr:`_Worker.depth`): first one job for every idle worker, then
         a second for each that has one."""
         depth = max(1, min(depth, _Worker.depth))
+        for w in list(self._workers):
+            if w.load() is None:  # died, idle too: a fresh one in its place (the pool kept shrinking, unsaid)
+                self._replace(w)
         loads = [(w, w.load()) for w in self._workers]
         return [w for level in range(depth) for w, n in loads if n is not None and n <= level]
 
@@ -386,8 +408,9 @@ class WorkerPool:
 
     def collect(self, timeout: float | None = None) -> list[tuple[Job, JobResult | None]]:
         """Wait for at least one submitted job to finish (``timeout=0``: do not wait);
-        return ``(job, result)`` pairs, ``result`` None where the worker died (it is
-        replaced, once, whatever the number of jobs it held)."""
+        return ``(job, result)`` pairs, ``result`` None where the worker died running
+        it, :data:`UNSTARTED` where it died before beginning it (the worker is replaced,
+        once, whatever the number of jobs it held)."""
         if not self._outstanding:
             return []
         done = []
@@ -395,11 +418,11 @@ class WorkerPool:
             item = self._results.get(block=timeout != 0, timeout=timeout or None)
             while True:
                 worker, job, result = item
-                if result is not None:
+                if result is not None and result is not UNSTARTED:
                     result = ForkingPickler.loads(result)
                 self._outstanding -= 1
                 done.append((job, result))
-                if result is None and worker in self._workers:
+                if (result is None or result is UNSTARTED) and worker in self._workers:
                     self._replace(worker)
                 item = self._results.get_nowait()
         except queue.Empty:

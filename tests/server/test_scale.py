@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,8 @@ def test_a_worker_that_dies_mid_message_gives_an_error_reply_and_the_run_goes_on
             run_server(userapp.server_app(lambda _: FedAvg(fraction_evaluate=0.0, min_available_nodes=4), history),
                        grid)
         assert grid._pool is not None and grid._pool.restarts == 2  # node 1's second and third messages
+        # Only node 1 failed: a message a dying worker held next went back and ran.
+        assert grid.messages_run == 12
         calls = {int(ctx.node_config["partition-id"]): int(ctx.state["calls"]["n"])
                  for ctx in grid.contexts.values()}
         # Node 1's state is the one before the message that killed its worker.
@@ -309,12 +312,14 @@ def test_a_worker_that_dies_mid_message_gives_an_error_reply_and_the_run_goes_on
     assert _workers() == []
 
 
-def test_a_worker_holding_two_jobs_that_dies_loses_both_and_is_replaced_once():
-    """A worker holds the job it runs and the next one: when it dies, both come back
-    lost (the grid gives each an error reply) and one fresh worker takes its place."""
+def test_a_worker_holding_two_jobs_that_dies_loses_the_one_it_ran_and_is_replaced_once():
+    """A worker holds the job it runs and the next one: when it dies, the one it ran comes
+    back lost (the grid gives it an error reply), the next one unstarted (both came back
+    lost: another node's message failed for a node that never ran), and one fresh worker
+    takes its place and runs it."""
     from flwr.app import Message
 
-    from fededge.server.workers import WorkerPool
+    from fededge.server.workers import UNSTARTED, WorkerPool
 
     pool = WorkerPool("tests.server.dying_app:app", run_id=1, run_config=userapp.RUN_CONFIG, size=1)
     try:
@@ -334,14 +339,72 @@ def test_a_worker_holding_two_jobs_that_dies_loses_both_and_is_replaced_once():
         done = []
         while pool.busy():
             done += pool.collect(timeout=60)
-        assert [(job[1], result) for job, result in done] == [(100, None), (101, None)]
+        assert [(job[1], result) for job, result in done] == [(100, None), (101, UNSTARTED)]
         assert pool.restarts == 1
         (fresh,) = set(pool.free())
-        pool.submit(fresh, jobs[2])  # the new worker runs the next job
-        ((job, result),) = pool.collect(timeout=60)
-        assert job[1] == 102 and result is not None and result[4] is None  # a reply, no failure
+        pool.submit(fresh, jobs[1])  # the new worker runs the unstarted job, then the next
+        pool.submit(fresh, jobs[2])
+        done = []
+        while pool.busy():
+            done += pool.collect(timeout=60)
+        assert [job[1] for job, _ in done] == [101, 102]
+        assert all(result is not None and result is not UNSTARTED and result[4] is None for _, result in done)
+        # A worker that dies idle is replaced when the pool is next asked for workers
+        # (it was skipped for good: the pool shrank, unsaid).
+        (idle,) = set(pool.free())
+        idle.proc.kill()
+        idle.proc.wait()
+        deadline = time.monotonic() + 30
+        while idle.load() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool.free()) == 2 and pool.restarts == 2 and idle not in pool.free()
     finally:
         pool.close()
+    assert _workers() == []
+
+
+def _signalled_round(grid, **config):
+    from flwr.app import Message
+
+    nodes = list(grid.get_node_ids())
+    with fi.task_identity(run_id=1, node_id=1, task_id=1):
+        msgs = [Message(RecordDict({"config": ConfigRecord(config)}), n, "train") for n in nodes]
+    ids = list(grid.push_messages(msgs))
+    replies = {r.metadata.reply_to_message_id: r for r in grid.pull_messages(ids)}
+    return [replies[i] for i in ids]
+
+
+def test_a_dying_worker_fails_only_the_message_it_ran():
+    """A worker holds the message it runs and the next (another node's): both came back
+    as errors, so that node failed a message it never ran, depending on timing and on
+    the number of workers."""
+    grid = InProcessGrid("tests.server.signalled_app:app", num_nodes=4, run_config={}, workers=2)
+    try:
+        replies = _signalled_round(grid, die=0, sleep=0.3)
+        errors = [r for r in replies if r.has_error()]
+        assert len(errors) == 1 and "worker running this message died" in errors[0].error.reason
+        assert sorted(int(r.content["metrics"]["pid"]) for r in replies if not r.has_error()) == [1, 2, 3]
+        assert all(int(r.content["metrics"]["calls"]) == 1 for r in replies if not r.has_error())
+        replies = _signalled_round(grid, sleep=0.0)  # the next round: everyone, once more
+        assert not any(r.has_error() for r in replies)
+    finally:
+        grid.close()
+    assert _workers() == []
+
+
+@pytest.mark.parametrize(("workers", "direct"), [(1, False), (1, True), (2, False)])
+def test_a_client_app_that_returns_no_message_fails_its_node_only(workers, direct):
+    """It returned None: with one worker the whole batch was lost (an AttributeError out
+    of pull_messages); with workers, the worker died and took another node's message."""
+    grid = InProcessGrid("tests.server.signalled_app:app", num_nodes=4, run_config={}, workers=workers,
+                         direct=direct)
+    try:
+        replies = _signalled_round(grid, none=0)
+        assert [r.has_error() for r in replies] == [True, False, False, False]
+        assert "the ClientApp returned NoneType, not a flwr.app.Message" in replies[0].error.reason
+        assert grid._pool is None or grid._pool.restarts == 0
+    finally:
+        grid.close()
     assert _workers() == []
 
 
@@ -493,3 +556,22 @@ def test_a_batch_is_spread_over_this_process_and_every_worker_none_waiting_behin
     finally:
         grid.close()
     assert _workers() == []
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_push_refused_for_a_message_pushed_twice_queues_none_of_its_messages(direct):
+    """The serialised path checked each message as it queued it: those before the
+    duplicate stayed queued (run on the next pull, their bytes never metered)."""
+    from flwr.app import Message
+
+    grid = InProcessGrid("tests.server.signalled_app:app", num_nodes=2, run_config={}, direct=direct)
+    try:
+        a, b = list(grid.get_node_ids())
+        with fi.task_identity(run_id=1, node_id=1, task_id=1):
+            first = Message(RecordDict({"config": ConfigRecord({"x": 1})}), a, "train")
+            twice = Message(RecordDict({"config": ConfigRecord({"x": 2})}), b, "train")
+        with pytest.raises(ValueError, match="pushed twice"):
+            grid.push_messages([first, twice, twice])
+        assert not grid._pending
+    finally:
+        grid.close()
