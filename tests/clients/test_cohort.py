@@ -505,9 +505,12 @@ def test_both_coroutine_carriers_give_the_same_clients(monkeypatch, carrier):
         assert res.mean_loss == pytest.approx(ref.mean_loss, rel=1e-5)
 
 
-def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch, caplog):
+@pytest.mark.parametrize("schedule", [False, True], ids=["constant-lr", "lr-schedule"])
+def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch, caplog, schedule):
     """Judged on the group's second cohort: slower per client than one client alone, and
-    the group's clients train per client from then on (logged once, naming the times)."""
+    the group's clients train per client from then on (logged once, naming the times).
+    The timing and the verdict go by what the group's cost depends on: with a new lr every
+    round (a schedule) the group was timed alone again every round and never judged."""
     model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
     data = _clients([40, 40, 40], seed=6)
     real = cohort.cohort_sgd
@@ -520,12 +523,14 @@ def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch
 
     monkeypatch.setattr(cohort, "cohort_sgd", slow)
     start = _weights(model)
-    for _ in range(4):
-        out = run_together([_client_call(model, start, x, y, c, [], c) for c, (x, y) in enumerate(data)])
+    lr = 0.05
+    for r in range(4):
+        lr = 0.05 * 0.9**r if schedule else 0.05
+        out = run_together([_client_call(model, start, x, y, c, [], c, lr=lr) for c, (x, y) in enumerate(data)])
     assert sizes == [2, 3]  # first: one alone + two; second: three, judged slower; then none
-    assert "train one by one from now on" in caplog.text
+    assert "train one by one from now on" in caplog.text and len(cohort._alone_s) == 1
     for c, ((w, res, _), (x, y)) in enumerate(zip(out, data)):
-        ref_w, _ = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), steps=6, lr=0.05,
+        ref_w, _ = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), steps=6, lr=lr,
                                momentum=0.9)
         assert res.compute_s is not None and res.compute_s > 0  # its own training's seconds, timed alone
         for n in w:
@@ -589,28 +594,6 @@ def test_a_client_resumed_in_run_together_trains_with_its_own_threads(monkeypatc
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 1, 1] and after == [1, 1, 1]
-
-
-def test_an_lr_schedule_keeps_one_timing_and_verdict_per_group(monkeypatch, caplog):
-    """The timing of one client alone and the verdict on a group's cohorts go by what
-    its cost depends on: with a new lr every round (a schedule) the group was timed
-    alone again every round and never judged."""
-    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
-    data = _clients([40, 40, 40], seed=6)
-    real = cohort.cohort_sgd
-    sizes = []
-
-    def slow(jobs, **kw):
-        sizes.append(len(jobs))
-        real(jobs, **kw)
-        return 1e3
-
-    monkeypatch.setattr(cohort, "cohort_sgd", slow)
-    start = _weights(model)
-    for r in range(4):
-        run_together([_client_call(model, start, x, y, c, [], c, lr=0.05 * 0.9**r) for c, (x, y) in enumerate(data)])
-    assert sizes == [2, 3]  # as with a constant lr: one alone + two, then three judged slower, then none
-    assert len(cohort._alone_s) == 1 and "train one by one from now on" in caplog.text
 
 
 def test_a_cohort_that_fails_leaves_each_client_its_own_outcome(caplog):
