@@ -136,8 +136,9 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
                 # answered held the round until the timeout.
                 duration = 0.0
                 for key in ("clients", "clients_followup", "clients_evaluate"):
-                    work = [ClientRound(c["partition"], c["bytes_down"],
-                                        _compute_s(c, steps, step_s), c["bytes_up"])
+                    work = [ClientRound(c["partition"], c["bytes_down"],  # (no local steps after the training)
+                                        _compute_s(c if key == "clients" else {**c, "steps": 0}, steps, step_s),
+                                        c["bytes_up"])
                             for c in r.get(key, [])]
                     if work:
                         duration += synchronous_round(clock, work).duration

@@ -359,6 +359,12 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     if work.partition_id in dropped_partitions(work.num_partitions, work.cfg.dropout, seed=work.cfg.seed):
         return _dropped_reply(msg, work)
     work.model.load_state_dict(record_to_torch(_received_arrays(msg), copy=False))  # copies them
+    t0 = time.perf_counter()
     loss, acc = evaluate(work.model, work.x, work.y)
-    metrics = MetricRecord({keys.NUM_EXAMPLES: len(work.x), "eval-loss": loss, "eval-acc": acc})
+    # Where and how long, for the simulated clock (which times the evaluation after the
+    # training): without them the node was placed on another client's link and charged
+    # the round trip's real seconds.
+    metrics = MetricRecord({keys.NUM_EXAMPLES: len(work.x), "eval-loss": loss, "eval-acc": acc,
+                            keys.COMPUTE_S: time.perf_counter() - t0, keys.REPLY_PARTITION_ID: work.partition_id,
+                            keys.REPLY_NUM_PARTITIONS: work.num_partitions})
     return Message(content=RecordDict({keys.METRICS: metrics}), reply_to=msg)

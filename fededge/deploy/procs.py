@@ -252,7 +252,8 @@ def alive(pid: int) -> bool:
 
 def processes_of(marker: str, *, root: Callable[[str], bool] | None = None) -> list[int]:
     """Live processes whose command line names the path ``marker`` (itself, or a path
-    under it: ``/x/h`` matches ``/x/h`` and ``/x/h/db``, not ``/x/h2`` nor ``/y/x/h``) and
+    under it, quoted or not: ``/x/h`` matches ``/x/h``, ``/x/h/db`` and ``home="/x/h"``,
+    not ``/x/h2`` nor ``/y/x/h``) and
     passes ``root``, when given, and all their descendants; never this process nor its
     ancestors (a wrapper whose command line names the path, ``timeout ... /x/h``)."""
     me = os.getpid()
@@ -261,7 +262,8 @@ def processes_of(marker: str, *, root: Callable[[str], bool] | None = None) -> l
     while p and p not in mine:
         mine.add(p)
         p = parent_pid(p)
-    named = re.compile(r"(?:^|(?<=[\s=:]))" + re.escape(marker.rstrip("/")) + r"(?=/|\s|$)")
+    # (quoted too: a SuperNode names its home inside --node-config, deploy-home="/x/h")
+    named = re.compile(r"(?:^|(?<=[\s=:\"']))" + re.escape(marker.rstrip("/")) + r"(?=[/\s\"']|$)")
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     family = {p for p in pids if p not in mine and named.search(c := cmdline(p)) and (root is None or root(c))
               and alive(p)}

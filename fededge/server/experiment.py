@@ -342,7 +342,9 @@ class Experiment:
         checkpoint = None
         if resume_from is not None:
             path, checkpoint = latest_checkpoint(resume_from)
-            if checkpoint.get("strategy_class") != strategy_class:
+            also = ({f"{type(strategy.inner).__module__}.{type(strategy.inner).__qualname__}"}
+                    if getattr(type(strategy), "resumes_inner_checkpoints", False) else set())
+            if checkpoint.get("strategy_class") not in {strategy_class, *also}:
                 raise ResumeError(f"{path} was written by a run of {checkpoint.get('strategy_class')}, "
                                   f"not {strategy_class}: resume it with the strategy it was run with")
             recorder = RunRecorder.reopen(resume_from, checkpoint["recorder"], target_accuracy=self.target_accuracy,
@@ -662,7 +664,9 @@ class _RoundCloser:
         queries) or the clients' evaluation (``evaluation``)."""
         out = []
         for nid, n in getattr(traffic, exchange).items():
-            pid = self.clock.place(nid, n.partition_id) if n.replied else None
+            # (a reply that names no partition: the one this node's training replies named)
+            reported = n.partition_id if n.partition_id is not None else self.metered.partition_of.get(nid)
+            pid = self.clock.place(nid, reported) if n.replied else None
             if pid is not None:
                 out.append((pid, n))
         return out
@@ -679,9 +683,12 @@ class _RoundCloser:
         # The training, then (norm-stats queries) a second exchange that starts when it ends,
         # then the clients' evaluation (Flower's loop sends it after the training).
         duration = 0.0
-        for exchange in (placed, *(self.placed(traffic, exchange=e) for e in EXCHANGES[1:])):
+        for k, exchange in enumerate((placed, *(self.placed(traffic, exchange=e) for e in EXCHANGES[1:]))):
+            # The exchanges after the training take no local steps: with sim-step-s their
+            # compute is 0 on the clock (as measured it would make sim_s a run's own real time)
             work = [ClientRound(pid, n.bytes_down,
-                                self.clock.compute_s(n.compute_s if n.reported_compute else None, n.steps, n.wall_s),
+                                self.clock.compute_s(n.compute_s if n.reported_compute else None,
+                                                     n.steps if k == 0 else 0, n.wall_s),
                                 n.bytes_up)
                     for pid, n in exchange]
             if work:

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from fededge import _flwr_internals as fi
 
 from fededge.algorithms.normstats import statistic_names
 from fededge.strategies.delegate import DelegatesEvaluation
@@ -36,11 +37,16 @@ class PlainBuffers(DelegatesEvaluation):
     its current model (FedAvgM) continues from the averaged buffers.
     """
 
+    #: a checkpoint of a run of the inner strategy alone (before this wrapper) resumes here
+    resumes_inner_checkpoints = True
+
     def __init__(self, inner: Strategy) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(f"PlainBuffers wraps a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}")
         self.inner = inner
-        self._buffers: list[str] | None = None
+        # the model's buffers, found in the first arrays sent (public: a checkpoint keeps them,
+        # as a resumed run's arrays come averaged, its integers as floats)
+        self.buffer_names: list[str] | None = None
 
     def __getattr__(self, name: str):  # noqa: ANN204 - the inner strategy's settings (server_momentum, eta, ...)
         if name == "inner":
@@ -52,9 +58,9 @@ class PlainBuffers(DelegatesEvaluation):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        if self._buffers is None:  # the model's buffers: by name (a resumed run's counters come averaged,
+        if self.buffer_names is None:  # the model's buffers: by name (a resumed run's counters come averaged,
             # as floats), and its integer arrays
-            self._buffers = [*statistic_names(dict(arrays.items())),
+            self.buffer_names = [*statistic_names(dict(arrays.items())),
                              *(k for k, a in arrays.items() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
                                or str(a.dtype)[:1] in _INTEGER_KINDS or str(a.dtype) == "bool")]
         return self.inner.configure_train(server_round, arrays, config, grid)
@@ -62,7 +68,7 @@ class PlainBuffers(DelegatesEvaluation):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
         replies = list(replies)
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        if arrays is None or not self._buffers:
+        if arrays is None or not self.buffer_names:
             return arrays, metrics
         key = getattr(self.inner, "arrayrecord_key", "arrays")
         weight = getattr(self.inner, "weighted_by_key", "num-examples")
@@ -71,12 +77,12 @@ class PlainBuffers(DelegatesEvaluation):
             if r.has_error() or key not in r.content:
                 continue
             rec = r.content[key]
-            names = [k for k in self._buffers if k in rec and k in arrays]
+            names = [k for k in self.buffer_names if k in rec and k in arrays]
             parts.append(RecordDict({"arrays": ArrayRecord({k: rec[k] for k in names}),
                                      **{n: r.content[n] for n in r.content.metric_records.keys()}}))
         if not parts or not len(parts[0]["arrays"]):
             return arrays, metrics
-        averaged = aggregate_arrayrecords(parts, weight)
+        averaged = fi.aggregate_arrayrecords(parts, weight)  # FedAvg's own average
         for k in averaged.keys():
             arrays[k] = averaged[k]
         return arrays, metrics

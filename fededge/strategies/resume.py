@@ -232,8 +232,14 @@ def load_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:
             raise ResumeError(f"the checkpoint holds a state_dict but {type(strategy).__name__} cannot load one")
         strategy.load_state_dict(state["state_dict"])
         return
+    inner = vars(strategy).get("inner")
     for attr, value in state.get("attrs", {}).items():
-        setattr(strategy, attr, from_plain(value))
+        target = strategy
+        if attr not in vars(strategy) and isinstance(inner, Strategy) and attr in vars(inner):
+            # the state of a strategy a wrapper now holds (a checkpoint from before the wrapper
+            # was added: PlainBuffers around fedavgm, fedadam, ...): its own, not the wrapper's
+            target = inner
+        setattr(target, attr, from_plain(value))
     children = dict(state.get("strategies", {}))
     if "inner" in state:  # older checkpoints: the wrapped strategy under "inner"
         children["inner"] = state["inner"]

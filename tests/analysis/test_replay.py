@@ -30,7 +30,8 @@ def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
     {"dropout": 0.34, "round-timeout": 30.0, "sim-step-s": 0.01},         # the timeout a dropout costs
     {"norm-stats": "global", "model": "cnn-bn", "netem": "3g", "compressor": "signsgd"},  # the second exchange
     {"fraction-evaluate": 1.0, "netem": "3g"},                            # the clients' evaluation
-], ids=["nodes-pull", "dropout", "norm-stats-global", "client-evaluation"])
+    {"fraction-evaluate": 1.0, "netem": "wifi:0.34,3g:0.66", "sim-step-s": 0.01},  # on its own link, no real time
+], ids=["nodes-pull", "dropout", "norm-stats-global", "client-evaluation", "client-evaluation-steps"])
 def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over):
     """Under its own setting a run replays to its own sim_s: replay left out nodes-pull's
     polls (3x too short), a dropout's timeout, norm-stats=global's second exchange; and
@@ -41,7 +42,15 @@ def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over)
     assert replay_sim_s(run_dir) == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
     if "dropout" in over:  # a dropped-out client never answers: no bytes up (its stand-in reply was counted)
         assert all(r["dropped"] and r["bytes_up"] == sum(c["bytes_up"] for c in r["clients"]) for r in lines[1:])
-    if "fraction-evaluate" in over:  # timed: three clients' evaluation after the training, on 3g
+    if "sim-step-s" in over and "fraction-evaluate" in over:
+        # each client's evaluation on its own link, and no real seconds on the clock: a run
+        # of the same seed is the same, to the microsecond
+        assert all([c["partition"] for c in r["clients_evaluate"]] == [0, 1, 2] for r in lines[1:])
+        again = run_inprocess({"num-rounds": 3, "local-steps": 2, "progress": "off",
+                               "results-dir": str(tmp_path / "again"), **over}, num_clients=3)
+        assert [json.loads(x)["sim_s"] for x in (again / "metrics.jsonl").read_text().splitlines()] == \
+            [r["sim_s"] for r in lines]
+    elif "fraction-evaluate" in over:  # timed: three clients' evaluation after the training, on 3g
         assert all(len(r["clients_evaluate"]) == 3 for r in lines[1:])
         alone = run_inprocess({"num-rounds": 3, "local-steps": 2, "progress": "off", "netem": "3g",
                                "results-dir": str(tmp_path / "no-eval")}, num_clients=3)

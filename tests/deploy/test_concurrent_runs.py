@@ -81,15 +81,17 @@ def test_the_processes_of_a_home_are_those_naming_it_or_a_path_under_it(tmp_path
 
     sleeper = "import time; time.sleep(60)"
     args = {"under": [f"{tmp_path}/h/state.db"], "flag": [f"--home={tmp_path}/h"], "other": [f"{tmp_path}/h2/db"],
-            "inside": [f"/elsewhere{tmp_path}/h/db"]}
+            "inside": [f"/elsewhere{tmp_path}/h/db"],
+            "quoted": ["--node-config", f'partition-id=0 deploy-home="{tmp_path}/h"']}  # a SuperNode's
     procs = {k: subprocess.Popen([sys.executable, "-c", sleeper, *a]) for k, a in args.items()}
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(str(tmp_path) in (open(f"/proc/{p.pid}/cmdline").read())
                                                       for p in procs.values()):
             time.sleep(0.05)
-        assert set(processes_of(str(tmp_path / "h"))) == {procs["under"].pid, procs["flag"].pid}
-        assert set(processes_of(str(tmp_path / "h") + "/")) == {procs["under"].pid, procs["flag"].pid}
+        ours = {procs["under"].pid, procs["flag"].pid, procs["quoted"].pid}
+        assert set(processes_of(str(tmp_path / "h"))) == ours
+        assert set(processes_of(str(tmp_path / "h") + "/")) == ours
     finally:
         for p in procs.values():
             p.kill()

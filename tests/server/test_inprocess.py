@@ -405,7 +405,9 @@ def test_flower_strategies_plug_in(tmp_path, strategy):
         num_clients=4,
     )
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["strategy_class"].startswith("flwr.serverapp.strategy")
+    # (a server optimiser's inside PlainBuffers: its step on parameters only)
+    assert cfg["strategy_class"].startswith("flwr.serverapp.strategy") or (
+        strategy == "fedadam" and cfg["strategy_class"] == "fededge.strategies.plainbuffers.PlainBuffers")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4
     assert max(json.loads(line)["accuracy"] for line in lines) > 0.4  # chance is 0.1

@@ -327,6 +327,24 @@ def test_fedavgm_momentum_is_in_the_checkpoint_and_the_control_without_it_differ
     assert _lines(part)[:4] == _lines(whole)[:4] and _lines(part)[4:] != _lines(whole)[4:]
 
 
+def test_a_checkpoint_of_fedavgm_before_its_plainbuffers_wrapper_resumes_to_the_same_run(tmp_path):
+    """fedavgm is PlainBuffers(FedAvgM) now: a checkpoint written before (FedAvgM's class,
+    its state at the top) was refused by class, and under Compressed its state landed on
+    the wrapper, the optimiser silently restarted. It resumes into the inner strategy."""
+    conf = {**BASE, "strategy": "fedavgm", **FLOWER_LOOP["fedavgm"], "checkpoint-every": 3}
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4)
+    part = run_inprocess({**conf, "num-rounds": 3, "results-dir": str(tmp_path / "part")}, num_clients=4)
+    saved = read_checkpoint(checkpoint_files(part)[-1])
+    assert saved["strategy"]["attrs"]["buffer_names"] is not None  # the wrapper's own, kept
+    old = saved["strategy"]["strategies"]["inner"]
+    assert old["attrs"]["momentum_vector"] is not None
+    saved["strategy"] = old  # as fededge wrote it before the wrapper
+    saved["strategy_class"] = "flwr.serverapp.strategy.fedavgm.FedAvgM"
+    write_checkpoint(part, 3, saved)
+    assert cli_main(["resume", str(part), "--num-rounds", "6"]) == 0
+    assert _lines(part) == _lines(whole)
+
+
 def test_the_first_checkpoint_is_written_after_round_1_whatever_checkpoint_every_is(tmp_path):
     """A run killed before its first periodic checkpoint resumes from round 1."""
     conf = {**BASE, **RUNS["fedavg-ef"], "checkpoint-every": 5}
