@@ -225,7 +225,7 @@ def with_integers(arrays: ArrayRecord, dtypes: dict[str, torch.dtype]) -> ArrayR
     """``arrays`` with each tensor named in ``dtypes`` that came as a float (Flower's
     average of an integer buffer is a float64) rounded back to its integer dtype; the
     same record where there is none."""
-    floats = [n for n, d in dtypes.items() if n in arrays and str(arrays[n].dtype) not in _NAMES[d]]
+    floats = [n for n, d in dtypes.items() if n in arrays and _TORCH_DTYPES.get(str(arrays[n].dtype)) is not d]
     if not floats:
         return arrays
     out = ArrayRecord()
@@ -237,8 +237,6 @@ def with_integers(arrays: ArrayRecord, dtypes: dict[str, torch.dtype]) -> ArrayR
             out[name] = arrays[name]
     return out
 
-
-_NAMES = {d: (n,) for n, d in _TORCH_DTYPES.items()}
 
 
 def decode_compressed(content: RecordDict, sent: dict[str, torch.Tensor], stats: CompressionStats, *,

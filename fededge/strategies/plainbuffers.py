@@ -58,11 +58,13 @@ class PlainBuffers(DelegatesEvaluation):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        if self.buffer_names is None:  # the model's buffers: by name (a resumed run's counters come averaged,
-            # as floats), and its integer arrays
+        if self.buffer_names is None:
+            # The model's buffers: its statistics and counters by name (a resumed run's
+            # counters come averaged, as floats), and its integer and bool arrays (by their
+            # numpy dtype names: int*, uint*, bool).
             self.buffer_names = [*statistic_names(dict(arrays.items())),
-                             *(k for k, a in arrays.items() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
-                               or str(a.dtype)[:1] in _INTEGER_KINDS or str(a.dtype) == "bool")]
+                                 *(k for k, a in arrays.items() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
+                                   or str(a.dtype)[:1] in _INTEGER_KINDS)]
         return self.inner.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
