@@ -145,7 +145,9 @@ class Gossip(OwnLoop):
 
     label = "gossip"
     #: A checkpoint of another algorithm or topology is refused by name.
-    resume_settings = ("algorithm", "topology_name")
+    # (the graph, its weights and CHOCO's step: another seed or topology parameter makes
+    # another random graph, which the saved estimates and nodes do not belong to)
+    resume_settings = ("algorithm", "topology_name", "topology_params", "mixing_rule", "seed", "choco.gamma")
     #: Who holds a model (completed a round), who must be resynchronised (CHOCO), and
     #: each node index's partition on the clock.
     state_attrs = ("_synced", "_resync", "_partition")

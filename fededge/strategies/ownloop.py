@@ -191,7 +191,10 @@ class OwnLoop(FedAvg):
         (:class:`~fededge.strategies.resume.ResumeError`, naming both)."""
         if "settings" not in state:  # a checkpoint of fededge before OwnLoop
             state = self._upgrade(state)
-        saved, mine = dict(state["settings"]), self.settings()
+        # (a setting added to resume_settings since the checkpoint was made is not in it:
+        # compared where the checkpoint has it)
+        saved = dict(state["settings"])
+        mine = {k: v for k, v in self.settings().items() if k in saved}
         if saved != mine:
             raise ResumeError(f"{self.label}: the checkpoint ran with {saved}, this strategy with {mine}; "
                               "resume it with the run config it was made with")

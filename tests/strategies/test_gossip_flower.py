@@ -224,3 +224,21 @@ def test_one_peer_exponential_sends_one_message_per_node(tmp_path):
         assert r["num_clients"] == 4 and r["consensus_distance"] > 0
         assert r["bytes_p2p"] == pytest.approx(r["bytes_up"], rel=0.01)
         assert r["bytes_down"] == pytest.approx(r["bytes_p2p"], rel=0.01)
+
+
+def test_a_library_gossip_refuses_a_checkpoint_of_another_graph_or_step():
+    """Only the algorithm and the topology's name were compared: a library user resuming
+    with another seed (another random graph), topology parameters, mixing or gamma was
+    not refused (fededge's CLI compares the run config)."""
+    from fededge.strategies.gossip import Gossip
+    from fededge.strategies.resume import ResumeError
+
+    saved = Gossip(topology="erdos-renyi", seed=1).settings()
+    for other in (dict(seed=2), dict(mixing="max-degree"), dict(gamma=0.3, algorithm="choco"),
+                  dict(topology_params={"p": 0.9})):
+        mine = Gossip(**{"topology": "erdos-renyi", "seed": 1, **other})
+        with pytest.raises(ResumeError, match="the checkpoint ran with"):
+            mine.load_state_dict({"settings": dict(saved), "round": 1, "attrs": {}})
+    # A checkpoint from before these settings were compared (algorithm and topology only) loads.
+    old = {k: v for k, v in saved.items() if k in ("algorithm", "topology_name")}
+    Gossip(topology="erdos-renyi", seed=2).load_state_dict({"settings": old, "round": 1, "attrs": {}})
