@@ -15,6 +15,8 @@ client mod                server side                            what
 ``PreviewMod``            ``DGA(compute_ahead=True)``            next round's content sent early
 ``GossipMod``             ``Gossip``                             D-PSGD / CHOCO-SGD, server relays
 (none)                    ``FedAvgOuter``                        FedAvg + outer Nesterov step
+(none)                    ``PlainBuffers(strategy)``             a server optimiser's step on
+                                                                 parameters only (BatchNorm)
 (none)                    ``FedAsync``, ``FedBuff``, ``SSP``     asynchronous aggregation
 (none)                    ``BackupWorkers``                      first m of m + e replies
 ``config_error_mod``      (fededge's runner stops the run)       a named configuration error
@@ -59,6 +61,7 @@ from fededge.strategies.fedbuff import FedBuff
 from fededge.strategies.gossip import Gossip
 from fededge.strategies.outer import FedAvgOuter
 from fededge.strategies.ownloop import OwnLoop
+from fededge.strategies.plainbuffers import PlainBuffers
 from fededge.strategies.ssp import SSP
 from fededge.tracking import MetricSink, MissingExtraError
 from fededge.tracking.mlflow_sink import MLflowSink
@@ -71,7 +74,7 @@ __all__ = [
     "norm_stats_content",
     # server strategies, wrappers and the measurement
     "AsyncFL", "BackupWorkers", "Compressed", "DGA", "FedAsync", "FedAvgOuter", "FedBuff", "Gossip", "SSP",
-    "NormCalibrated", "Experiment", "ExperimentResult", "OwnLoop",
+    "NormCalibrated", "PlainBuffers", "Experiment", "ExperimentResult", "OwnLoop",
     # metric sinks (Experiment(sinks=[...]) or log_to=...)
     "MetricSink", "MLflowSink", "TensorBoardSink", "WandbSink",
     # config objects
