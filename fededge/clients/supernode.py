@@ -148,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if args.cache_dir is not None:
         env[ENV_CACHE_DIR] = args.cache_dir
+    # --cold: no worker, whatever the caller's environment names (an inherited socket sent
+    # a "cold" node's messages to another node's worker)
+    env.pop(ENV_SOCKET, None)
     own_dir: Path | None = None
     children = _Children(args.grace)
     stop_signal: list[int] = []
@@ -165,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sock = Path(args.worker_socket).resolve()
             else:
                 base = os.environ.get("XDG_RUNTIME_DIR") or None
-                own_dir = Path(tempfile.mkdtemp(prefix="fededge-worker-", dir=base))
+                try:
+                    own_dir = Path(tempfile.mkdtemp(prefix="fededge-worker-", dir=base))
+                except OSError:  # set but missing or another user's (after su, sudo -E; in containers)
+                    own_dir = Path(tempfile.mkdtemp(prefix="fededge-worker-"))
                 sock = own_dir / "worker.sock"
             try:
                 check_private_dir(sock.parent)
@@ -215,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 128 + stop_signal[0]
         rc = node.returncode
         children.stop()
-        return rc
+        return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, as on the stop path
     finally:
         children.stop()
         if own_dir is not None:

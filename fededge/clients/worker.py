@@ -126,6 +126,26 @@ def handle(header: dict[str, Any], blobs: list[bytes], app: Callable[..., Any],
             "state": encode_records(context.state, out)}, out
 
 
+def _remove_stale_socket(path: Path) -> None:
+    """Unlink ``path``, a socket a worker that died left; refuse (WorkerSecurityError) a
+    path that is not a socket or one a live worker answers on (two SuperNodes given one
+    --worker-socket: the second took the path and both nodes' messages went to it)."""
+    import stat
+
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise WorkerSecurityError(f"{path} exists and is not a socket: give --worker-socket a path of its own")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:  # nobody listens: stale
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise WorkerSecurityError(f"another worker is listening on {path}: give each SuperNode its own --worker-socket")
+
+
 def serve(socket_path: str | os.PathLike[str], *, app: Callable[..., Any] | None = None,
           ready: Callable[[], None] | None = None) -> None:
     """Listen on ``socket_path`` and run messages until SIGTERM/SIGINT.
@@ -136,7 +156,7 @@ def serve(socket_path: str | os.PathLike[str], *, app: Callable[..., Any] | None
     path = Path(socket_path)
     check_private_dir(path.parent)
     if path.exists() or path.is_symlink():
-        path.unlink()  # a stale socket of a worker that died: the directory is ours
+        _remove_stale_socket(path)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:

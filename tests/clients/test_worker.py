@@ -460,3 +460,87 @@ def test_warm_worker_computes_ahead_and_replies_as_cold_bit_for_bit(worker):
     proc.wait(10)
     log = proc.stdout.read().decode()
     assert log.count("the reply computed ahead") == 2, log
+
+
+def test_a_worker_takes_over_a_stale_socket_only(tmp_path):
+    """It unlinked whatever was at its path: a second SuperNode given the same
+    --worker-socket took over a live worker's socket (both nodes' messages went to the
+    second), and a regular file there was deleted."""
+    import socket as socketlib
+
+    from fededge.clients.worker import WorkerSecurityError, _remove_stale_socket
+
+    d = tmp_path / "w"
+    d.mkdir(mode=0o700)
+    plain = d / "file"
+    plain.write_text("mine")
+    with pytest.raises(WorkerSecurityError, match="is not a socket"):
+        _remove_stale_socket(plain)
+    assert plain.read_text() == "mine"
+    live = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        live.bind(str(d / "live.sock"))
+        live.listen(1)
+        with pytest.raises(WorkerSecurityError, match="another worker is listening on"):
+            _remove_stale_socket(d / "live.sock")
+        assert (d / "live.sock").exists()
+    finally:
+        live.close()
+    _remove_stale_socket(d / "live.sock")  # nobody listens now: stale, removed
+    assert not (d / "live.sock").exists()
+
+
+def test_a_cold_supernode_drops_an_inherited_worker_socket(tmp_path, monkeypatch):
+    """--cold kept a FEDEDGE_WORKER_SOCKET of the caller's environment: the node's
+    ClientApps sent their messages to that (another node's) worker."""
+    from fededge.clients import supernode
+    from fededge.clients.shim import ENV_SOCKET
+
+    seen = {}
+
+    class Started:
+        returncode = -9  # killed by SIGKILL: the shell's 137
+
+        def poll(self):
+            return self.returncode
+
+    def start(self, name, cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen[name] = dict(env)
+        self.procs[name] = Started()
+        return self.procs[name]
+
+    monkeypatch.setenv(ENV_SOCKET, str(tmp_path / "someone-elses.sock"))
+    monkeypatch.setattr(supernode._Children, "start", start)
+    monkeypatch.setattr(supernode._Children, "stop", lambda self: None)
+    monkeypatch.setattr(supernode, "_exe", lambda name: name)
+    assert supernode.main(["--cold", "--insecure"]) == 137
+    assert ENV_SOCKET not in seen["supernode"] and "worker" not in seen
+
+
+def test_a_missing_xdg_runtime_dir_falls_back_to_the_temporary_directory(tmp_path, monkeypatch):
+    """XDG_RUNTIME_DIR set but missing (after su, sudo -E; in containers) gave a traceback
+    where the docs promise the temporary directory."""
+    from fededge.clients import supernode
+    from fededge.clients.shim import ENV_SOCKET
+
+    seen = {}
+
+    class Done:
+        returncode, pid = 0, 1
+
+        def poll(self):
+            return 0
+
+    def start(self, name, cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen[name] = dict(env)
+        self.procs[name] = Done()
+        return self.procs[name]
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "gone"))
+    monkeypatch.setattr(supernode._Children, "start", start)
+    monkeypatch.setattr(supernode._Children, "stop", lambda self: None)
+    monkeypatch.setattr(supernode, "_exe", lambda name: name)
+    assert supernode.main(["--insecure"]) == 0
+    sock = Path(seen["supernode"][ENV_SOCKET])
+    assert sock.parent.name.startswith("fededge-worker-") and not str(sock).startswith(str(tmp_path / "gone"))
+    assert not sock.parent.exists()  # removed when the command ended
