@@ -182,7 +182,11 @@ def serve(socket_path: str | os.PathLike[str], *, app: Callable[..., Any] | None
         while True:
             conn, _ = srv.accept()
             with conn:
-                _serve_one(conn, app, ahead)
+                try:
+                    _serve_one(conn, app, ahead)
+                except Exception:  # noqa: BLE001 - one connection's trouble (a malformed frame, a peer
+                    # gone before its answer) is that connection's: the worker serves the next one
+                    _log.warning("fededge worker: a request failed; serving on", exc_info=True)
     except KeyboardInterrupt:
         pass
     finally:

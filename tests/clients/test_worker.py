@@ -544,3 +544,26 @@ def test_a_missing_xdg_runtime_dir_falls_back_to_the_temporary_directory(tmp_pat
     sock = Path(seen["supernode"][ENV_SOCKET])
     assert sock.parent.name.startswith("fededge-worker-") and not str(sock).startswith(str(tmp_path / "gone"))
     assert not sock.parent.exists()  # removed when the command ended
+
+
+def test_a_malformed_request_costs_its_connection_not_the_worker(worker):
+    """A frame whose header is not an object raised out of the serving loop: the worker
+    died (one of its restarts used, messages cold meanwhile)."""
+    import socket as socketlib
+    import struct
+
+    proc, sock = worker
+    head = b"[1, 2]"  # a header, but not an object
+    s = socketlib.socket(socketlib.AF_UNIX)
+    s.connect(str(sock))
+    s.sendall(struct.pack("!QI", 4 + len(head), len(head)) + head)
+    s.shutdown(socketlib.SHUT_WR)
+    s.settimeout(10)
+    while s.recv(65536):
+        pass
+    s.close()
+    time.sleep(0.5)
+    assert proc.poll() is None  # still serving
+    again = socketlib.socket(socketlib.AF_UNIX)
+    again.connect(str(sock))  # and it accepts the next one
+    again.close()
