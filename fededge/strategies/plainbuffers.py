@@ -20,13 +20,11 @@ from flwr.serverapp.strategy import Strategy
 from fededge import _flwr_internals as fi
 
 from fededge.algorithms.normstats import statistic_names
+from fededge.strategies.compressed import integer_dtypes
 from fededge.strategies.delegate import DelegatesEvaluation
 from fededge.strategies.report import RoundReport, report_of
 
 __all__ = ["PlainBuffers"]
-
-_INTEGER_KINDS = frozenset("iub")
-
 
 class PlainBuffers(DelegatesEvaluation):
     """Wrap a strategy whose aggregate steps every array so that the model's
@@ -60,11 +58,11 @@ class PlainBuffers(DelegatesEvaluation):
                         grid: Grid) -> Iterable[Message]:
         if self.buffer_names is None:
             # The model's buffers: its statistics and counters by name (a resumed run's
-            # counters come averaged, as floats), and its integer and bool arrays (by their
-            # numpy dtype names: int*, uint*, bool).
+            # counters come averaged, as floats), and its integer and bool arrays.
+            integers = integer_dtypes(arrays)
             self.buffer_names = [*statistic_names(dict(arrays.items())),
-                                 *(k for k, a in arrays.items() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
-                                   or str(a.dtype)[:1] in _INTEGER_KINDS)]
+                                 *(k for k in arrays.keys() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
+                                   or k in integers)]
         return self.inner.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
