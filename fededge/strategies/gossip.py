@@ -248,6 +248,7 @@ class Gossip(OwnLoop):
         tl = self._timeline
         return {
             "nodes": list(self.nodes), "initial": arrays_to_state(self._initial),
+            "graph": None if self.topology is None else self.topology.digest(),
             "result": arrays_to_state(self._result.arrays),
             "last": {int(i): arrays_to_state(a) for i, a in self._last.items()},
             "hats": [{k: v.detach().clone() for k, v in h.items()} for h in self._hats],
@@ -294,6 +295,13 @@ class Gossip(OwnLoop):
         n = len(self.nodes)
         # Before any training: a graph these nodes cannot form stops the run here.
         self.topology = build_topology(self.topology_name, n, seed=self.seed, **self.topology_params)
+        if resume is not None and resume.get("graph") not in (None, self.topology.digest()):
+            # The settings name a topology file, not what it holds: one edited since the
+            # checkpoint would mix other neighbours' models (CHOCO: from nodes whose
+            # estimates no one holds).
+            raise ResumeError(f"gossip: topology {self.topology_name!r} {self.topology_params or ''} now builds "
+                              "another graph than the checkpoint's (a topology file edited since?); resume "
+                              "with the graph the run was made with")
         if self.algorithm == "choco" and self.topology.time_varying:
             raise ValueError(f"topology {self.topology_name!r}: {TIME_VARYING_CHOCO}")
         for t in range(self.topology.period):

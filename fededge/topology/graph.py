@@ -106,8 +106,10 @@ def edges(adj: np.ndarray) -> list[tuple[int, int]]:
 def square_nonnegative(a: np.ndarray, what: str, fix: str) -> None:
     """Raise :class:`TopologyError` unless ``a`` is a square, numeric, finite matrix with
     no negative entry; ``fix`` ends the negative-entry message."""
-    if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] < 1:
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise TopologyError(f"{what} must be a square (n, n) matrix, got shape {a.shape}")
+    if a.shape[0] < 1:
+        raise TopologyError(f"{what} has no nodes (shape {a.shape}); give it n >= 2 nodes")
     if a.dtype != bool and not np.issubdtype(a.dtype, np.number):
         raise TopologyError(f"{what} must be numeric or bool, got dtype {a.dtype}")
     if not np.all(np.isfinite(a)):
@@ -186,8 +188,10 @@ def check_directed(adj: Any, *, what: str = "directed adjacency matrix",
                             f"it an out-neighbour")
     if connected and not is_connected(a):
         unreached = np.flatnonzero(~_reachable(a))
-        raise TopologyError(f"the {what} is not strongly connected: node 0's model never reaches "
-                            f"node(s) {unreached[:10].tolist()}; add edges so that every node "
+        # Node 0 may reach everyone while some node does not reach node 0: name those.
+        where = (f"node 0's model never reaches node(s) {unreached[:10].tolist()}" if unreached.size else
+                 f"node(s) {np.flatnonzero(~_reachable(a.T))[:10].tolist()} never reach node 0")
+        raise TopologyError(f"the {what} is not strongly connected: {where}; add edges so that every node "
                             f"reaches every other")
     return a
 
@@ -447,6 +451,10 @@ def from_edges(edge_list: Iterable[tuple[int, int]], n: int, *, check: bool = Tr
     a = np.zeros((n, n), dtype=bool)
     for u, v in edge_list:
         for node in (u, v):
+            # (a float indexes nothing; True would index a whole row)
+            if isinstance(node, bool) or not isinstance(node, (int, np.integer)):
+                raise TopologyError(f"edge ({u!r}, {v!r}) names node {node!r}, not an integer; number "
+                                    f"the nodes 0..n-1")
             if not 0 <= node < n:
                 raise TopologyError(f"edge ({u}, {v}) names node {node}, outside 0..{n - 1}; number "
                                     f"the nodes 0..n-1 or raise n")

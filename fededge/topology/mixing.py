@@ -132,7 +132,8 @@ def one_peer_exponential_mixing(n: int, t: int) -> np.ndarray:
     symmetric (except where the distance is n/2). The ``P_t`` are powers of one cyclic
     shift, so they commute, and for n a power of two the product over any tau consecutive
     rounds is ``prod_k (I + S^(2^k)) / 2 = (1/n) sum_m S^m = J / n``: the exact average.
-    Each round's own spectral gap is 0 (exact averaging needs all tau distances).
+    A round whose distance d shares a factor with n (every round when n is a power of two)
+    has spectral gap 0 on its own (exact averaging needs all tau distances).
     """
     return in_degree_uniform(one_peer_exponential(n, t))
 

@@ -242,3 +242,22 @@ def test_a_library_gossip_refuses_a_checkpoint_of_another_graph_or_step():
     # A checkpoint from before these settings were compared (algorithm and topology only) loads.
     old = {k: v for k, v in saved.items() if k in ("algorithm", "topology_name")}
     Gossip(topology="erdos-renyi", seed=2).load_state_dict({"settings": old, "round": 1, "attrs": {}})
+
+
+def test_a_topology_file_edited_since_the_checkpoint_is_refused_on_resume(tmp_path):
+    """The settings name the topology file, not what it holds: a file edited between the
+    checkpoint and the resume mixed other neighbours' models without a word."""
+    edges = tmp_path / "edges.txt"
+    edges.write_text("0 1\n1 2\n2 3\n")
+    conf = {**BASE, "num-rounds": 2, "topology": "file", "topology-file": str(edges), "checkpoint-every": 1,
+            "results-dir": str(tmp_path / "r")}
+    run_dir = run_inprocess(conf, num_clients=4)
+    edges.write_text("0 1\n1 2\n2 3\n3 0\n")  # a ring now
+    from fededge.strategies.resume import ResumeError
+
+    with pytest.raises(ResumeError, match="another graph than the checkpoint's"):
+        run_inprocess({**conf, "num-rounds": 3, "resume-from": str(run_dir)}, num_clients=4)
+    edges.write_text("0 1\n1 2\n2 3\n")  # the same graph again: it resumes
+    again = run_inprocess({**conf, "num-rounds": 3, "resume-from": str(run_dir)}, num_clients=4)
+    assert json.loads((again / "summary.json").read_text())["status"] == "completed"
+    assert [r["round"] for r in _lines(again)] == [0, 1, 2, 3]

@@ -250,3 +250,22 @@ def test_directed_checks():
     with pytest.raises(TopologyError, match="not strongly connected"):
         check_directed(two_cycles)
     assert check_directed(two_cycles, connected=False).shape == (4, 4)
+
+
+def test_bad_graphs_are_named_for_what_is_wrong():
+    """A graph where node 0 reaches everyone but not everyone reaches node 0 was reported
+    as "never reaches node(s) []"; a (0, 0) matrix as "must be square"; a float or bool
+    node in an edge list raised numpy's IndexError or set a whole row."""
+    from fededge.topology.graph import check_directed, from_edges
+
+    a = np.zeros((4, 4), dtype=bool)
+    for hears, speaks in ((1, 0), (0, 1), (2, 1), (3, 2), (2, 3)):  # 0 -> 1 -> 2 <-> 3, 1 -> 0
+        a[hears, speaks] = True
+    with pytest.raises(TopologyError, match=r"node\(s\) \[2, 3\] never reach node 0"):
+        check_directed(a)
+    with pytest.raises(TopologyError, match="has no nodes"):
+        check_directed(np.zeros((0, 0), dtype=bool))
+    for bad in ((0, 1.5), (True, 2)):
+        with pytest.raises(TopologyError, match="not an integer"):
+            from_edges([(0, 1), bad], 3)
+    assert from_edges([(np.int64(0), 1), (1, 2)], 3).sum() == 4

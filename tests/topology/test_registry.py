@@ -121,3 +121,28 @@ def test_from_networkx():
     nx = pytest.importorskip("networkx")
     topo = Topology.from_networkx(nx.cycle_graph(6))
     assert np.array_equal(topo.adjacency, ring(6)) and topo.name == "networkx"
+
+
+def test_a_topology_pickles_and_copies_and_builds_its_mixing_once():
+    """params is a read-only view, which pickle and deepcopy could not copy; mixing() was
+    rebuilt and re-checked on every call (a relay asks ~2n times a round: n^3 a round)."""
+    import copy
+    import pickle
+
+    from fededge.topology import mixing as mixing_module
+
+    topo = build_topology("erdos-renyi", 12, seed=3, p=0.5)
+    for twin in (copy.deepcopy(topo), pickle.loads(pickle.dumps(topo))):
+        assert twin.name == topo.name and dict(twin.params) == dict(topo.params)
+        assert np.array_equal(twin.adjacency, topo.adjacency) and twin.digest() == topo.digest()
+        assert np.array_equal(twin.mixing(0), topo.mixing(0))
+    calls = []
+    real = mixing_module.metropolis_hastings
+    mixing_module.metropolis_hastings = lambda a: calls.append(1) or real(a)
+    try:
+        fresh = build_topology("ring", 6)
+        w = [fresh.mixing(t) for t in range(5)]
+    finally:
+        mixing_module.metropolis_hastings = real
+    assert len(calls) == 1 and all(x is w[0] for x in w) and not w[0].flags.writeable
+    assert build_topology("ring", 6).digest() != build_topology("torus", 6).digest()
