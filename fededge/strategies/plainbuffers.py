@@ -6,20 +6,24 @@ parameters (``torch.optim`` steps ``model.parameters()`` only): BatchNorm's runn
 under FedAvgM's server momentum 0.9 went negative and the model evaluated to NaN from
 round 2, and its ``num_batches_tracked`` ran ahead of the steps taken. This wrapper gives
 the statistics and the integer counters the clients' weighted average (FedAvg's), as
-:class:`~fededge.algorithms.outer.OuterSGD` does for DiLoCo.
+:class:`~fededge.algorithms.outer.OuterSGD` does for DiLoCo, and returns every array in
+the dtype it was sent in: Flower's average is float64 (a counter came back 8.75, which
+the clients' ``load_state_dict`` truncated), and FedAdam's step by a float64 scalar made
+a float32 model float64, which doubled every downlink from round 2.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fededge import _flwr_internals as fi
-
 from fededge.algorithms.normstats import statistic_names
+from fededge.arrays import from_numpy, to_numpy
 from fededge.strategies.compressed import integer_dtypes
 from fededge.strategies.delegate import DelegatesEvaluation
 from fededge.strategies.report import RoundReport, report_of
@@ -45,6 +49,7 @@ class PlainBuffers(DelegatesEvaluation):
         # the model's buffers, found in the first arrays sent (public: a checkpoint keeps them,
         # as a resumed run's arrays come averaged, its integers as floats)
         self.buffer_names: list[str] | None = None
+        self._sent_dtypes: dict[str, str] = {}  # name -> dtype of the round's model, as sent
 
     def __getattr__(self, name: str):  # noqa: ANN204 - the inner strategy's settings (server_momentum, eta, ...)
         if name == "inner":
@@ -63,13 +68,30 @@ class PlainBuffers(DelegatesEvaluation):
             self.buffer_names = [*statistic_names(dict(arrays.items())),
                                  *(k for k in arrays.keys() if k.rsplit(".", 1)[-1] == "num_batches_tracked"
                                    or k in integers)]
+        self._sent_dtypes = {k: str(a.dtype) for k, a in arrays.items()}
         return self.inner.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):  # noqa: ANN201
         replies = list(replies)
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        if arrays is None or not self.buffer_names:
+        if arrays is None:
             return arrays, metrics
+        self._average_buffers(arrays, replies)
+        for k in arrays.keys():  # in place, as the buffers (FedAvgM keeps this record)
+            sent = self._sent_dtypes.get(k)
+            if sent is not None and str(arrays[k].dtype) != sent:
+                nd, want = to_numpy(arrays[k]), np.dtype(sent)
+                if want.kind == "b":
+                    nd = nd != 0
+                elif want.kind in "iu":
+                    nd = np.rint(nd)
+                arrays[k] = from_numpy(nd.astype(want))  # (a new C-ordered array, 0-d kept 0-d)
+        return arrays, metrics
+
+    def _average_buffers(self, arrays: ArrayRecord, replies: list[Message]) -> None:
+        """The buffers of ``arrays``, in place: the clients' weighted average."""
+        if not self.buffer_names:
+            return
         key = getattr(self.inner, "arrayrecord_key", "arrays")
         weight = getattr(self.inner, "weighted_by_key", "num-examples")
         parts = []
@@ -81,8 +103,7 @@ class PlainBuffers(DelegatesEvaluation):
             parts.append(RecordDict({"arrays": ArrayRecord({k: rec[k] for k in names}),
                                      **{n: r.content[n] for n in r.content.metric_records.keys()}}))
         if not parts or not len(parts[0]["arrays"]):
-            return arrays, metrics
+            return
         averaged = fi.aggregate_arrayrecords(parts, weight)  # FedAvg's own average
         for k in averaged.keys():
             arrays[k] = averaged[k]
-        return arrays, metrics

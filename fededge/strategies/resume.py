@@ -174,10 +174,13 @@ def to_plain(value: Any) -> Any:
         except TypeError:  # items of types that do not compare: named in a warning, as before
             raise _Unsaved(f"set of {', '.join(sorted({type(v).__name__ for v in value}))}") from None
         return {"__set__": [to_plain(v) for v in items]}
+    if isinstance(value, np.generic):
+        # A numpy scalar (first: np.float64 is a float, and pickled as numpy's own it made the
+        # checkpoint unreadable with weights_only): kept as a 0-d array, its dtype exact
+        # (FedAdam's moments of a 0-d BatchNorm counter are np.float64 scalars).
+        return {"__npscalar__": torch.from_numpy(np.asarray(value).copy())}
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.Tensor)):
         return value
-    if isinstance(value, np.generic):  # a numpy scalar: its Python value
-        return value.item()
     if isinstance(value, np.ndarray):
         return {"__ndarray__": torch.from_numpy(value.copy())}  # exact
     raise _Unsaved(type(value).__name__)
@@ -188,6 +191,8 @@ def from_plain(value: Any) -> Any:
         return arrays_from_state(value["__arrayrecord__"])
     if isinstance(value, dict) and set(value) == {"__ndarray__"}:
         return value["__ndarray__"].numpy()
+    if isinstance(value, dict) and set(value) == {"__npscalar__"}:
+        return value["__npscalar__"].numpy()[()]  # the numpy scalar, of its dtype
     if isinstance(value, dict) and set(value) == {"__tuple__"}:
         return tuple(from_plain(v) for v in value["__tuple__"])
     if isinstance(value, dict) and set(value) == {"__set__"}:

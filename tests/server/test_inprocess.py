@@ -413,6 +413,21 @@ def test_flower_strategies_plug_in(tmp_path, strategy):
     assert max(json.loads(line)["accuracy"] for line in lines) > 0.4  # chance is 0.1
 
 
+@pytest.mark.parametrize("strategy", ["fedadam", "fedavgm"])
+def test_a_server_optimiser_returns_the_model_in_its_own_dtypes(tmp_path, strategy):
+    """FedAdam's step by a float64 scalar made a float32 model float64 (every downlink
+    doubled from round 2), and Flower's average left BatchNorm's counter a float64 8.75
+    that the clients' load_state_dict truncated."""
+    run_dir = run_inprocess({"strategy": strategy, "model": "cnn-bn", "num-rounds": 3, "local-steps": 3,
+                             "results-dir": str(tmp_path), "progress": "off", "server-lr": 0.05}, num_clients=4)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    down = [r["bytes_down"] for r in lines[1:]]
+    assert down[1] == down[2] and down[1] < 1.02 * down[0], down  # (round 1's config is a little shorter)
+    model = torch.load(run_dir / "model.pt")
+    assert {str(v.dtype) for k, v in model.items() if not k.endswith("num_batches_tracked")} == {"torch.float32"}
+    assert all(v.dtype == torch.int64 and int(v) == 9 for k, v in model.items() if k.endswith("num_batches_tracked"))
+
+
 def test_run_fails_loudly_when_every_client_fails(tmp_path):
     # partition-id out of range on every node: each ClientApp call raises.
     bad = [{"partition-id": 99}] * 3

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -426,3 +427,28 @@ def test_every_flower_strategy_state_goes_through_a_checkpoint_file_whole(tmp_pa
     if any(hasattr(t, a) for t in (saved, getattr(saved, "strategy", None)) if t is not None
            for a in ("current_arrays", "momentum_vector", "m_t", "registered_nodes", "clipping_norm")):
         assert _plain(_flower_strategy(name, with_state=False)) != _plain(saved)  # there was state to carry
+
+
+@pytest.mark.parametrize("strategy", ["fedadam", "fedavgm"])
+def test_a_server_optimizer_of_a_batchnorm_model_resumes(tmp_path, strategy):
+    """Flower's FedAdam/FedAvgM keep a 0-d BatchNorm counter's moments as numpy float64
+    scalars; to_plain kept them as numpy objects (np.float64 is a float), which
+    torch.load(weights_only=True) refuses: the checkpoint was written and never read."""
+    from fededge.strategies.resume import from_plain, to_plain
+
+    conf = {**BASE, "model": "cnn-bn", "num-rounds": 3, "strategy": strategy, "server-lr": 0.05}
+    whole = run_inprocess({**conf, "results-dir": str(tmp_path / "whole")}, num_clients=4)
+    part = run_inprocess({**conf, "num-rounds": 2, "results-dir": str(tmp_path / "part")}, num_clients=4)
+    again = run_inprocess({**conf, "resume-from": str(part)}, num_clients=4)
+    _assert_same_run(again, whole)
+    back = from_plain(torch.load(_buffer(to_plain({"m": [np.float64(0.25), np.int64(3)]})), weights_only=True))
+    assert back["m"] == [0.25, 3] and [type(x) for x in back["m"]] == [np.float64, np.int64]
+
+
+def _buffer(obj):  # noqa: ANN001, ANN202
+    import io
+
+    b = io.BytesIO()
+    torch.save(obj, b)
+    b.seek(0)
+    return b
