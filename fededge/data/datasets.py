@@ -437,11 +437,13 @@ def _find_mnist_file(data_dir: Path, stem: str) -> Path:
 
 
 def _read_bytes(path: Path) -> bytes:
-    if path.suffix != ".gz":
-        return path.read_bytes()
+    """The file's bytes, gunzipped where they are gzip's (by its magic bytes, not the name:
+    a browser unpacks a download and keeps its ``.gz``, and a gzip file may lack one)."""
+    raw = path.read_bytes()
+    if raw[:2] != b"\x1f\x8b":
+        return raw
     try:
-        with gzip.open(path, "rb") as fh:
-            return fh.read()
+        return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
         raise ValueError(f"{path} is not a readable gzip file: {exc}") from exc
 
@@ -619,6 +621,15 @@ def _get(batch: dict[Any, Any], key: str) -> Any:
     return batch.get(key)
 
 
+def _plain_array(value: Any, kinds: str) -> bool:
+    """Whether ``value`` is a numpy array of a plain dtype of one of ``kinds``: the dtype a
+    string builds (no fields, no subarray, no flags set through a pickle's state)."""
+    if type(value) is not np.ndarray:
+        return False
+    dt = value.dtype
+    return dt.kind in kinds and dt.__reduce__() == np.dtype(dt.str).__reduce__()
+
+
 def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     with path.open("rb") as fh:
         try:
@@ -635,6 +646,8 @@ def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             IndexError,
             KeyError,
             AttributeError,
+            OverflowError,  # a corrupt frame length
+            MemoryError,  # a corrupt length that asks for more than there is
         ) as exc:
             # Corrupt or truncated, not hostile: the forbidden-global check above is
             # the security boundary; this is an ordinary bad-file error.
@@ -646,8 +659,12 @@ def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(
             f"{path} must hold keys b'data' and b'labels', got {list(batch)}"
         )
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
-        raise ValueError(f"{path}: b'data' must be a uint8 numpy array")
+    # Before any element is read: a dtype a pickle builds through its state can hold
+    # object fields (pointers of the file's choosing) and still compare equal to uint8.
+    if not _plain_array(data, "u") or data.dtype != np.uint8:
+        raise ValueError(f"{path}: b'data' must be a plain uint8 numpy array")
+    if not (_plain_array(labels, "iu") or isinstance(labels, list) and all(type(v) is int for v in labels)):
+        raise ValueError(f"{path}: b'labels' must be a list of ints or a plain integer numpy array")
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise ValueError(f"{path}: b'data' must be N x 3072, got {data.shape}")
     try:

@@ -9,6 +9,8 @@ import gzip
 import os
 import pickle
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -498,3 +500,68 @@ def test_synthetic_images_amplitude_sets_the_difficulty():
             load_dataset("synthetic-images", synthetic_samples=100, synthetic_amplitude=bad)
     with pytest.raises(ConfigError, match="synthetic-amplitude"):
         RunConfig(synthetic_amplitude=0.0)
+
+
+class _ObjectFieldDtype:
+    """A dtype whose pickled state gives it an object field and clears its flags: the
+    array then reads 8 bytes of the file as an object pointer."""
+
+    def __init__(self, base: str, size: int) -> None:
+        self.base, self.size = base, size
+
+    def __reduce__(self):  # noqa: ANN204
+        return (np.dtype, (self.base, False, True),
+                (3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, self.size, 1, 0))
+
+
+class _ArrayOf:
+    def __init__(self, shape: tuple[int, ...], dtype: _ObjectFieldDtype, data: bytes) -> None:
+        self.shape, self.dtype, self.data = shape, dtype, data
+
+    def __reduce__(self):  # noqa: ANN204
+        from numpy._core.multiarray import _reconstruct
+
+        return (_reconstruct, (np.ndarray, (0,), b"b"), (1, self.shape, self.dtype, False, self.data))
+
+
+@pytest.mark.parametrize("which", ["labels", "data"])
+def test_cifar10_refuses_a_dtype_with_object_fields_before_reading_it(tmp_path, which):
+    """numpy.dtype is allowed (arrays need it), and the pickle's BUILD step sets any state
+    on it: object fields read the file's bytes as pointers, and reading the labels
+    crashed the process (a segfault), past the forbidden-global check. Run in a child
+    process, so that a regression fails the test instead of killing pytest."""
+    write_cifar(tmp_path, protocol=2)
+    if which == "labels":
+        batch = {b"data": np.zeros((1, 3072), np.uint8), b"labels": _ArrayOf((1,), _ObjectFieldDtype("V8", 8), b"A" * 8)}
+    else:  # an object field on a dtype that still compares equal to uint8
+        batch = {b"data": _ArrayOf((1, 3072), _ObjectFieldDtype("u1", 1), b"A" * 3072), b"labels": [0]}
+    (tmp_path / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=2))
+    code = ("import sys\nfrom fededge.data.datasets import load_dataset\n"
+            f"try:\n    load_dataset('cifar10', data_dir={str(tmp_path)!r})\n"
+            "except ValueError as e:\n    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "REFUSED" in proc.stdout and "data_batch_2" in proc.stdout and "plain" in proc.stdout
+
+
+def test_cifar10_a_corrupt_length_is_a_bad_file_not_a_crash(tmp_path):
+    write_cifar(tmp_path, protocol=4)
+    raw = bytearray((tmp_path / "data_batch_3").read_bytes())
+    for i, b in ((10, 0xFF), (9, 0x7F)):  # the protocol-4 frame's length
+        bad = bytearray(raw)
+        bad[i] = b
+        (tmp_path / "data_batch_3").write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match="data_batch_3 is not a valid CIFAR-10 batch"):
+            load_dataset("cifar10", data_dir=str(tmp_path))
+
+
+def test_mnist_gzip_is_told_by_its_bytes_not_its_name(tmp_path):
+    """A browser unpacks a download and keeps its .gz; a gzip file may lack the suffix."""
+    arrays = write_mnist(tmp_path)
+    plain = tmp_path / MNIST_FILES["test_images"]
+    plain.rename(plain.with_name(plain.name + ".gz"))  # plain IDX bytes under a .gz name
+    labels = tmp_path / MNIST_FILES["test_labels"]
+    labels.write_bytes(gzip.compress(labels.read_bytes()))  # gzip bytes without the suffix
+    ds = load_dataset("mnist", data_dir=str(tmp_path))
+    assert len(ds.y_test) == len(arrays["test_labels"])
+    assert np.array_equal(ds.y_test.numpy(), arrays["test_labels"])
