@@ -37,7 +37,7 @@ from fededge.data.datasets import DATASETS
 from fededge.catalog import BUILTIN_NAMES, strategy_names, strategy_record
 from fededge.errors import ConfigError  # raised here for the run config; defined apart for the library
 from fededge.data.partition import PARTITIONS
-from fededge.models.zoo import MODELS, is_model_name
+from fededge.models.zoo import MODELS, is_model_name, resnet_width
 from fededge.netem.runclock import ClockConfig
 from fededge.results_config import ResultsConfig
 
@@ -425,9 +425,10 @@ class RunConfig:
             raise ConfigError(f"run-config key 'client-states-memory-mb' must be a finite number >= 0 (MiB), "
                               f"got {self.client_states_memory_mb!r}")
         _choice("lr-schedule", self.lr_schedule, LR_SCHEDULES)
-        if self.model == "cnn-bn" and min(self.batch_size, self.min_partition_size) < 2:
+        why = self.trains_on_two_examples()
+        if why is not None and min(self.batch_size, self.min_partition_size) < 2:
             raise ConfigError(
-                f"model 'cnn-bn' needs batches of at least 2 examples (its BatchNorm1d cannot train on one), got "
+                f"model {self.model!r} needs batches of at least 2 examples ({why}), got "
                 f"batch-size={self.batch_size}, min-partition-size={self.min_partition_size}; set both >= 2")
         for key, value in (("device", self.device), ("server-device", self.server_device)):
             if not _DEVICE_RE.match(value):
@@ -549,6 +550,16 @@ class RunConfig:
                 )
             kwargs[name] = _coerce(key, value, fields[name].default)
         return cls(**kwargs)
+
+    def trains_on_two_examples(self) -> str | None:
+        """Why this run's model cannot train on a batch of one example (BatchNorm sees one
+        value per channel), or None where it can: cnn-bn's BatchNorm1d, and a ResNet-18's
+        last stage on digits (three stride-2 stages shrink 8x8 to 1x1)."""
+        if self.model == "cnn-bn":
+            return "its BatchNorm1d cannot train on one"
+        if resnet_width(self.model) is not None and self.dataset == "digits":
+            return "on 8x8 digits its last stage is 1x1, where BatchNorm cannot train on one"
+        return None
 
     def to_mapping(self) -> dict[str, Any]:
         """The config as kebab-case keys, the form Flower and ``config.json`` use."""

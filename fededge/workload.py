@@ -147,13 +147,14 @@ def check_partition(cfg: RunConfig, num_partitions: int, data_dir: str | None = 
     fededge.errors.ConfigError: partition='dirichlet' cannot give each of the 1000 clients ...
     """
     parts = partition_indices(cfg, num_partitions, data_dir)
-    if cfg.model == "cnn-bn":  # min-partition-size bounds Dirichlet's splits only
+    why = cfg.trains_on_two_examples()
+    if why is not None:  # min-partition-size bounds Dirichlet's splits only
         smallest = min((len(p) for p in parts), default=2)
         if smallest < 2:
             ones = sum(len(p) < 2 for p in parts)
             raise ConfigError(
-                f"model 'cnn-bn' needs at least 2 training examples on every client (its BatchNorm1d cannot "
-                f"train on one); partition={cfg.partition!r} gives {ones} of the {num_partitions} clients "
+                f"model {cfg.model!r} needs at least 2 training examples on every client ({why}); "
+                f"partition={cfg.partition!r} gives {ones} of the {num_partitions} clients "
                 f"{smallest}: use fewer clients, more data, or partition='dirichlet' with min-partition-size >= 2")
 
 

@@ -273,3 +273,23 @@ def test_cnn_bn_refuses_batches_of_one_by_name():
     with pytest.raises(ConfigError, match="min-partition-size=1"):
         RunConfig.from_mapping({"model": "cnn-bn", "min-partition-size": 1})
     RunConfig.from_mapping({"model": "cnn", "batch-size": 1})
+    # a ResNet-18's last stage is 1x1 on 8x8 digits: the same (it failed in round 1)
+    with pytest.raises(ConfigError, match="'resnet18-w4' needs batches of at least 2 .*8x8 digits.*batch-size=1"):
+        RunConfig.from_mapping({"model": "resnet18-w4", "dataset": "digits", "batch-size": 1})
+    RunConfig.from_mapping({"model": "resnet18-w4", "dataset": "synthetic-images", "batch-size": 1})
+
+
+def test_a_resnet_on_digits_cannot_train_on_one_example_which_is_why_it_is_refused():
+    """The property the refusal rests on: on 8x8 inputs the last stage is 1x1 and
+    BatchNorm2d fails on one example; on 32x32 it trains."""
+    from fededge.models.zoo import build_model
+
+    for side, fails in ((8, True), (32, False)):
+        model = build_model("resnet18-w4", input_shape=(1 if side == 8 else 3, side, side), num_classes=10, seed=0)
+        model.train()
+        x = torch.zeros(1, 1 if side == 8 else 3, side, side)
+        if fails:
+            with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+                model(x)
+        else:
+            model(x)
