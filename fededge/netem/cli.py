@@ -50,9 +50,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
+    mtu = args.mtu
+    if mtu is None:  # the interface's own: tbf drops every packet larger than its burst
+        try:
+            mtu = kernel.device_mtu(args.dev, netns=args.netns)
+        except kernel.KernelShapingError as err:
+            if not args.dry_run:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            mtu = 1500
     try:
         profile = get_profile(args.profile, load_profiles(args.profiles_file))
-        plan = kernel.plan_apply(args.dev, profile, args.direction, side=args.side, mtu=args.mtu)
+        plan = kernel.plan_apply(args.dev, profile, args.direction, side=args.side, mtu=mtu)
     except (ProfileError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -106,7 +115,9 @@ def _register_kernel(netem_subparsers: Any) -> None:
                     help="egress (uplink on a client), ingress (downlink, via an IFB) or both")
     ap.add_argument("--side", choices=("client", "server"), default="client",
                     help="client: egress is the uplink; server: egress is the downlink")
-    ap.add_argument("--mtu", type=int, default=1500, help="interface MTU, for tbf's burst (default 1500)")
+    ap.add_argument("--mtu", type=int, default=None,
+                    help="interface MTU, for tbf's burst (default: the interface's own; 1500 with --dry-run "
+                         "where it cannot be read)")
     ap.add_argument("--netns", default=None, help="network namespace (as in `ip netns`) of the interface")
     ap.add_argument("--dry-run", action="store_true", help="print the plan as tc commands; apply nothing")
     ap.set_defaults(func=_cmd_apply)

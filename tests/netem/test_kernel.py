@@ -227,9 +227,17 @@ class FakeNetlinkError(Exception):
 class FakeIPR:
     """Records link/tc calls; raises on the call numbered ``fail_at`` (0-based)."""
 
-    def __init__(self, fail_at=None, code=errno.ENOENT, links=("eth0",)):
-        self.calls, self.fail_at, self.code = [], fail_at, code
+    def __init__(self, fail_at=None, code=errno.ENOENT, links=("eth0",), mtu=1500):
+        self.calls, self.fail_at, self.code, self.mtu = [], fail_at, code, mtu
         self.links = {name: i + 1 for i, name in enumerate(links)}
+
+    def get_links(self, index):
+        mtu = self.mtu
+
+        class _Link:
+            def get_attr(self, name):
+                return mtu if name == "IFLA_MTU" else None
+        return [_Link()]
 
     def link_lookup(self, ifname):
         return [self.links[ifname]] if ifname in self.links else []
@@ -248,8 +256,9 @@ class FakeIPR:
     def tc(self, cmd, kind=None, index=None, **kw):
         self._record(("tc", cmd, kind, index, kw.get("handle"), kw.get("parent")))
 
-    def nlm_request_batch(self, msgs):
-        self._record(("netem", msgs[0]["index"]))
+    def nlm_request_batch(self, msgs):  # the qdiscs fededge encodes itself (tbf, netem)
+        m = msgs[0]
+        self._record(("tc", "add", m["attrs"][0][1], m["index"], m["handle"], m["parent"]))
         return []
 
 
@@ -267,7 +276,7 @@ def test_failure_rolls_back_in_reverse_and_names_sch_netem():
         ("tc", "add", "tbf", 1, ROOT_HANDLE, TC_H_ROOT),
         ("link", "add", "ifb-eth0"),
         ("link", "set", 2),
-        ("FAILED", "netem", 2),
+        ("FAILED", "tc", "add", "netem", 2, ROOT_HANDLE, TC_H_ROOT),
         ("link", "del", 2),  # reverse order: the IFB, then eth0's tbf
         ("tc", "del", None, 1, ROOT_HANDLE, TC_H_ROOT),
     ]
@@ -282,6 +291,60 @@ def test_netlink_errors_become_named_exceptions(code, exc, needle):
     plan = k.plan_apply("eth0", prof(Direction(rate_bps=1e6)), "egress")
     with pytest.raises(exc, match=needle):
         k.apply(plan, _ipr=FakeIPR(fail_at=0, code=code))
+
+
+def test_a_tbf_whose_burst_cannot_hold_a_frame_of_the_mtu_is_refused_before_anything():
+    """The plan sized for 1500 bytes on a 9000-byte (or loopback's 65536) interface: tbf
+    dropped every full-size packet (a 2 MB transfer on lo delivered nothing)."""
+    plan = k.plan_apply("eth0", prof(Direction(rate_bps=1e6), Direction(rate_bps=1e6)), "both")
+    fake = FakeIPR(mtu=9000)
+    with pytest.raises(k.ApplyFailed, match=r"smaller than a frame of eth0's MTU \(9000 \+ 14 bytes\).*mtu=9000"):
+        k.apply(plan, _ipr=fake)
+    assert fake.calls == []  # nothing applied, nothing to roll back
+    k.apply(k.plan_apply("eth0", prof(Direction(rate_bps=1e6), Direction(rate_bps=1e6)), "both", mtu=9000),
+            _ipr=FakeIPR(mtu=9000))
+
+
+def test_tbf_message_carries_the_burst_in_bytes():
+    """pyroute2 sent the bucket only as a u32 tick count, capped by the kernel at 4.3 s:
+    below ~2.8 kbit/s tbf then dropped every full-size frame (nb-iot passed nothing over
+    141 bytes). TCA_TBF_BURST gives the kernel the bytes."""
+    from fededge.netem.kernel.netlink import _tbf_msg_class
+
+    for rate in (264, 10e6):
+        params = k.tbf_params(rate)
+        msg = k.encode_tbf(5, ROOT_HANDLE, TC_H_ROOT, params)
+        msg.encode()
+        back = _tbf_msg_class()(msg.data)
+        back.decode()
+        assert back.get_attr("TCA_KIND") == "tbf" and (back["index"], back["handle"]) == (5, ROOT_HANDLE)
+        opts = back.get_attr("TCA_OPTIONS")
+        assert opts.get_attr("TCA_TBF_BURST") == params.burst_bytes >= 2 * 1514
+        parms = opts.get_attr("TCA_TBF_PARMS")
+        assert parms["rate"] == int(rate / 8) and parms["limit"] == params.limit_bytes
+
+
+def test_ctrl_c_halfway_rolls_back_and_propagates():
+    """Only Exception was caught: a KeyboardInterrupt (or SIGTERM turned into one) while
+    applying left the interface half-shaped."""
+    plan = k.plan_apply("eth0", prof(Direction(rate_bps=1e6), Direction(rate_bps=1e6)), "both")
+
+    class Interrupted(FakeIPR):
+        def nlm_request_batch(self, msgs):
+            if len(self.calls) == 3:  # the IFB's tbf, after eth0's tbf, the IFB and its link up
+                raise KeyboardInterrupt
+            return super().nlm_request_batch(msgs)
+
+    fake = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        k.apply(plan, _ipr=fake)
+    assert fake.calls[3:] == [("link", "del", 2), ("tc", "del", None, 1, ROOT_HANDLE, TC_H_ROOT)]
+
+
+def test_a_conflict_names_the_interface_and_namespace_to_clear():
+    plan = k.plan_apply("eth0", prof(Direction(rate_bps=1e6)), "egress")
+    with pytest.raises(k.ShapingConflict, match=r"fededge netem clear --dev eth0 --netns ns1`"):
+        k.apply(plan, netns="ns1", _ipr=FakeIPR(fail_at=0, code=errno.EEXIST))
 
 
 def test_unknown_device_is_named():
@@ -579,3 +642,64 @@ def test_netem_message_is_right_after_other_tc_messages_were_encoded():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) > 0
+
+
+UDP_RECEIVER = textwrap.dedent("""
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("10.99.0.2", 5202)); s.settimeout(3)
+    print("ready", flush=True)
+    try:
+        print(len(s.recv(65536)), flush=True)
+    except socket.timeout:
+        print("nothing", flush=True)
+""")
+
+
+@pytest.mark.root
+def test_a_very_slow_tbf_still_passes_a_full_size_frame(ns_pair):
+    """At 2 kbit/s the bucket pyroute2 sent as ticks was capped at 4.3 s of rate (1,073
+    bytes): a 1,442-byte frame never passed. With the burst in bytes it does (the bucket
+    starts full: two frames)."""
+    a, b = ns_pair
+    k.apply(k.plan_apply("va", prof(Direction(rate_bps=2000)), "egress"), netns=a)
+    rx = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c", UDP_RECEIVER],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        send = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                "s.sendto(b'x' * 1400, ('10.99.0.2', 5202))")
+        subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", send], check=True, timeout=30)
+        out, _ = rx.communicate(timeout=30)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    assert out.strip().splitlines()[-1] == "1400"
+    k.clear("va", netns=a)
+
+
+@pytest.mark.root
+def test_the_cli_sizes_tbf_for_the_interfaces_own_mtu(ns_pair, capsys):
+    """--mtu defaulted to 1500: on loopback (MTU 65536) tbf's burst held no packet."""
+    a, _ = ns_pair
+    assert _cli(["apply", "--dev", "lo", "--netns", a, "--profile", "android-lte"]) == 0
+    out = capsys.readouterr().out
+    burst = int(out.split(" burst ")[1].split()[0])
+    assert burst >= 65536 + 14, out
+    assert _cli(["clear", "--dev", "lo", "--netns", a]) == 0
+
+
+@pytest.mark.root
+def test_clear_removes_the_ifb_of_an_interface_that_is_gone(ns_pair):
+    """read_state raised DeviceNotFound before looking for the IFB: a veth deleted under
+    an ingress shaping left its ifb-* behind for good."""
+    _, b = ns_pair
+    k.apply(k.plan_apply("vb", prof(Direction(), Direction(rate_bps=10e6)), "ingress"), netns=b)
+    ifb = k.default_ifb_name("vb")
+    _ip("-n", b, "link", "del", "vb")
+    done = k.clear("vb", netns=b)
+    assert [op.describe() for op in done] == [k.DelLink(ifb).describe()]
+    links = subprocess.run(["ip", "-n", b, "link"], capture_output=True, text=True, timeout=10).stdout
+    assert ifb not in links
+    with pytest.raises(k.DeviceNotFound, match="vb"):  # nothing of fededge's left: the missing interface is named
+        k.clear("vb", netns=b)

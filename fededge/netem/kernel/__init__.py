@@ -28,7 +28,7 @@ Example
 
 from fededge.netem.kernel.netlink import (
     ApplyFailed, DeviceNotFound, KernelFeatureMissing, KernelShapingError, NeedsRootError,
-    ShapingConflict, apply, clear, encode_netem, read_state,
+    ShapingConflict, apply, clear, device_mtu, encode_netem, encode_tbf, read_state,
 )
 from fededge.netem.kernel.plan import (
     CHILD_HANDLE, INGRESS_HANDLE, ROOT_HANDLE, AddFilter, AddIfb, AddQdisc, DelFilter, DelLink,
@@ -43,5 +43,5 @@ __all__ = [
     "ShapingConflict", "ApplyFailed", "TraceNotSupported",
     "ROOT_HANDLE", "CHILD_HANDLE", "INGRESS_HANDLE",
     "default_ifb_name", "tbf_params", "netem_params", "plan_apply", "plan_clear",
-    "read_state", "apply", "clear", "encode_netem",
+    "read_state", "apply", "clear", "encode_netem", "encode_tbf", "device_mtu",
 ]

@@ -22,7 +22,7 @@ from fededge.netem.kernel.plan import (
 
 __all__ = [
     "KernelShapingError", "KernelFeatureMissing", "NeedsRootError", "DeviceNotFound",
-    "ShapingConflict", "ApplyFailed", "encode_netem", "read_state", "apply", "clear",
+    "ShapingConflict", "ApplyFailed", "encode_netem", "encode_tbf", "device_mtu", "read_state", "apply", "clear",
 ]
 
 #: The logger of the kernel backend, named as when it was one module.
@@ -142,6 +142,68 @@ def _netem_msg_class():
     return netem_tcmsg
 
 
+@lru_cache(maxsize=1)
+def _tbf_msg_class():
+    """A tcmsg whose tbf options also carry ``TCA_TBF_BURST`` (the bucket in bytes).
+
+    pyroute2's tbf plugin sends the bucket only as ``buffer``, a u32 count of ticks that
+    the kernel caps at 2**32 - 1 ns (4.3 s): below about 2.8 kbit/s the bucket then holds
+    less than a 1500-byte frame, and tbf drops every full-size frame (nb-iot's 264 bit/s
+    passed nothing over 141 bytes). With ``TCA_TBF_BURST`` the kernel derives the bucket
+    time from the bytes (a u64), as ``tc`` does.
+    """
+    from pyroute2.netlink.rtnl.tcmsg import sched_tbf, tcmsg
+
+    class tbf_tcmsg(tcmsg):
+        nla_map = tuple(
+            (name, "tbf_options") if name == "TCA_OPTIONS" else (name, fmt)
+            for name, fmt in ((x[0], x[1]) for x in tcmsg.nla_map)
+        )
+        _nlmsg_base__compiled_nla = False  # (see _netem_msg_class)
+
+        class tbf_options(sched_tbf.options):
+            _nlmsg_base__compiled_nla = False
+            nla_map = (
+                *sched_tbf.options.nla_map,
+                ("TCA_TBF_RATE64", "uint64"),
+                ("TCA_TBF_PRATE64", "uint64"),
+                ("TCA_TBF_BURST", "uint32"),
+            )
+
+    return tbf_tcmsg
+
+
+def encode_tbf(index: int, handle: int, parent: int, p: TbfParams):
+    """The RTM_NEWQDISC message for a tbf qdisc (built, not sent): pyroute2's encoding of
+    rate, buffer and limit, plus ``TCA_TBF_BURST`` (:func:`_tbf_msg_class`)."""
+    from pyroute2.netlink.rtnl.tcmsg import sched_tbf
+
+    options = sched_tbf.get_parameters({"rate": int(p.rate_bps / 8), "burst": p.burst_bytes,
+                                        "limit": p.limit_bytes})
+    parms = dict(options["attrs"][0][1])
+    parms["buffer"] = min(U32_MAX, int(parms["buffer"]))  # (the kernel uses TCA_TBF_BURST)
+    options["attrs"][0] = ["TCA_TBF_PARMS", parms]
+    options["attrs"].append(["TCA_TBF_BURST", int(p.burst_bytes)])
+    msg = _tbf_msg_class()()
+    msg["family"] = 0  # AF_UNSPEC
+    msg["index"] = index
+    msg["handle"] = handle
+    msg["parent"] = parent
+    msg["attrs"] = [["TCA_KIND", "tbf"], ["TCA_OPTIONS", options]]
+    return msg
+
+
+def _send_new_qdisc(ipr, msg) -> None:
+    from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
+    from pyroute2.netlink.rtnl import RTM_NEWQDISC
+
+    msg["header"]["type"] = RTM_NEWQDISC
+    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+    # nlm_request_batch: pyroute2 0.9's sync nlm_request trips on a missing
+    # 'nlm_generator' status key; the batch call sends the same single message.
+    ipr.nlm_request_batch([msg])
+
+
 def _prob_u32(x: float) -> int:
     """A probability as netem's u32 fraction of 2**32 - 1 (iproute2's get_percent)."""
     return min(U32_MAX, max(0, int(round(x * U32_MAX))))
@@ -184,7 +246,12 @@ def _open(netns: str | None):
             return IPRoute()
         return IPRoute(netns=netns, flags=0)  # flags=0: never create a namespace by accident
     except PermissionError as err:
-        raise NeedsRootError(_needs_root_message(f"entering network namespace {netns!r}")) from err
+        # (entering a namespace takes CAP_SYS_ADMIN, which NET_ADMIN alone does not give)
+        raise NeedsRootError(
+            f"entering network namespace {netns!r}: operation not permitted. Entering a namespace needs root or "
+            f"CAP_SYS_ADMIN (CAP_NET_ADMIN is not enough): run with sudo, or run the command inside it "
+            f"(`ip netns exec {netns} fededge netem ...`, without --netns). No privileges? Use the userspace "
+            f"proxy: `{PROXY_HINT}`.") from err
     except FileNotFoundError as err:
         raise DeviceNotFound(f"network namespace {netns!r} does not exist (see `ip netns list`)") from err
 
@@ -197,10 +264,40 @@ def _index(ipr, name: str, netns: str | None) -> int:
     return int(found[0])
 
 
-def _execute(ipr, op: Op, netns: str | None) -> None:
-    from pyroute2.netlink.rtnl import RTM_NEWQDISC
-    from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
+def device_mtu(dev: str, *, netns: str | None = None, _ipr: Any = None) -> int:
+    """The MTU of interface ``dev`` (for :func:`~fededge.netem.kernel.plan.plan_apply`'s ``mtu``)."""
+    ipr = _ipr if _ipr is not None else _open(netns)
+    try:
+        return _mtu(ipr, _index(ipr, dev, netns))
+    finally:
+        if _ipr is None:
+            ipr.close()
 
+
+def _mtu(ipr, idx: int) -> int:
+    return int(ipr.get_links(idx)[0].get_attr("IFLA_MTU"))
+
+
+def _check_bursts_fit(ipr, plan: Sequence[Op], netns: str | None) -> None:
+    """tbf drops every packet larger than its bucket: a plan sized for a 1500-byte MTU on
+    loopback (65536) or a jumbo-frame interface passed nothing of a bulk transfer. Each
+    tbf's burst must hold a frame of the largest MTU of the plan's interfaces (an IFB
+    carries what its interface redirects to it), checked before anything is applied."""
+    created = {op.name for op in plan if isinstance(op, AddIfb)}
+    devs = sorted({op.dev for op in plan if isinstance(op, (AddQdisc, AddFilter)) and op.dev not in created})
+    mtus = {dev: _mtu(ipr, _index(ipr, dev, netns)) for dev in devs}
+    if not mtus:
+        return
+    dev, mtu = max(mtus.items(), key=lambda x: x[1])
+    for op in plan:
+        if isinstance(op, AddQdisc) and isinstance(op.params, TbfParams) and op.params.burst_bytes < mtu + 14:
+            raise ApplyFailed(f"{op.describe()!r}: its burst ({op.params.burst_bytes} bytes) is smaller than a frame "
+                              f"of {dev}'s MTU ({mtu} + 14 bytes), so tbf would drop every full-size packet; plan "
+                              f"with mtu={mtu} (`fededge netem apply` reads it from the interface unless --mtu "
+                              "is given)")
+
+
+def _execute(ipr, op: Op, netns: str | None) -> None:
     if isinstance(op, AddIfb):
         ipr.link("add", ifname=op.name, kind="ifb")
     elif isinstance(op, LinkUp):
@@ -210,18 +307,11 @@ def _execute(ipr, op: Op, netns: str | None) -> None:
     elif isinstance(op, AddQdisc):
         idx = _index(ipr, op.dev, netns)
         if op.kind == "tbf":
-            p = op.params
-            assert isinstance(p, TbfParams)
-            ipr.tc("add", "tbf", idx, handle=op.handle, parent=op.parent,
-                   rate=int(p.rate_bps / 8), burst=p.burst_bytes, limit=p.limit_bytes)
+            assert isinstance(op.params, TbfParams)
+            _send_new_qdisc(ipr, encode_tbf(idx, op.handle, op.parent, op.params))
         elif op.kind == "netem":
             assert isinstance(op.params, NetemParams)
-            msg = encode_netem(idx, op.handle, op.parent, op.params)
-            msg["header"]["type"] = RTM_NEWQDISC
-            msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
-            # nlm_request_batch: pyroute2 0.9's sync nlm_request trips on a missing
-            # 'nlm_generator' status key; the batch call sends the same single message.
-            ipr.nlm_request_batch([msg])
+            _send_new_qdisc(ipr, encode_netem(idx, op.handle, op.parent, op.params))
         elif op.kind == "ingress":
             ipr.tc("add", "ingress", idx, handle=op.handle)
         else:  # pragma: no cover - the dataclass admits only the kinds above
@@ -248,7 +338,7 @@ _FEATURES = {
 }
 
 
-def _translate(op: Op, err: BaseException) -> KernelShapingError:
+def _translate(op: Op, err: BaseException, netns: str | None = None) -> KernelShapingError:
     """A netlink error on ``op`` -> the named exception that explains it."""
     if isinstance(err, KernelShapingError):
         return err
@@ -267,11 +357,16 @@ def _translate(op: Op, err: BaseException) -> KernelShapingError:
                                     f"the ingress redirect filter failed ({err})")
     if isinstance(op, AddIfb) and code in (errno.EOPNOTSUPP, errno.ENOENT, errno.ENODEV):
         return KernelFeatureMissing("ifb", "CONFIG_IFB", f"creating the IFB {op.name!r} failed ({err})")
+    ns = f" --netns {netns}" if netns else ""
     if code == errno.EEXIST:
         if isinstance(op, AddIfb):
-            return ShapingConflict(f"{text}: a link named {op.name!r} exists; pick another ifb_name or clear it")
+            return ShapingConflict(
+                f"{text}: a link named {op.name!r} exists. An IFB fededge left behind is removed by `fededge netem "
+                f"clear --dev DEV{ns}` (DEV: the interface it served); any other link of that name must be "
+                f"renamed or removed (`ip link del {op.name}`)")
+        dev = getattr(op, "dev", "DEV")
         return ShapingConflict(
-            f"{text}: the interface already has a qdisc there; run `fededge netem clear --dev DEV` first "
+            f"{text}: the interface already has a qdisc there; run `fededge netem clear --dev {dev}{ns}` first "
             "(it removes fededge's own shaping only)"
         )
     return ApplyFailed(text)
@@ -301,11 +396,15 @@ def apply(plan: Sequence[Op], *, netns: str | None = None, _ipr: Any = None) -> 
     ipr = _ipr if _ipr is not None else _open(netns)
     applied: list[Op] = []
     try:
+        _check_bursts_fit(ipr, plan, netns)
         for op in plan:
             try:
                 _execute(ipr, op, netns)
-            except Exception as err:  # noqa: BLE001 - translated and re-raised below
-                failure = _translate(op, err)
+            except BaseException as err:  # noqa: BLE001 - translated and re-raised below
+                if not isinstance(err, Exception):  # Ctrl-C, SIGTERM: nothing left half-shaped either
+                    _rollback(ipr, applied, netns)
+                    raise
+                failure = _translate(op, err, netns)
                 rollback_errors = _rollback(ipr, applied, netns)
                 failure.rollback_errors = rollback_errors  # type: ignore[attr-defined]
                 failure.applied = []  # type: ignore[attr-defined]
@@ -353,12 +452,7 @@ def read_state(dev: str, *, ifb_name: str | None = None, netns: str | None = Non
                 has_ingress = kind == "ingress"
             elif q["parent"] == TC_H_ROOT and q["handle"] != 0:
                 root_handle, root_kind = int(q["handle"]), kind
-        ifb = ifb_name or default_ifb_name(dev)
-        links = ipr.link_lookup(ifname=ifb)
-        ifb_exists = False
-        if links:
-            info = ipr.get_links(links[0])[0].get_attr("IFLA_LINKINFO")
-            ifb_exists = info is not None and info.get_attr("IFLA_INFO_KIND") == "ifb"
+        ifb_exists = _is_ifb(ipr, ifb_name or default_ifb_name(dev))
         return ShapingState(root_handle=root_handle, root_kind=root_kind, has_ingress=has_ingress, ifb_exists=ifb_exists)
     except Exception as err:
         if isinstance(err, KernelShapingError):
@@ -372,6 +466,15 @@ def read_state(dev: str, *, ifb_name: str | None = None, netns: str | None = Non
             ipr.close()
 
 
+def _is_ifb(ipr, name: str) -> bool:
+    """Whether a link named ``name`` exists and is an IFB."""
+    links = ipr.link_lookup(ifname=name)
+    if not links:
+        return False
+    info = ipr.get_links(links[0])[0].get_attr("IFLA_LINKINFO")
+    return info is not None and info.get_attr("IFLA_INFO_KIND") == "ifb"
+
+
 def clear(dev: str, *, ifb_name: str | None = None, netns: str | None = None) -> list[Op]:
     """Remove fededge's shaping from ``dev``; a clean interface is left as it is.
 
@@ -379,7 +482,15 @@ def clear(dev: str, *, ifb_name: str | None = None, netns: str | None = None) ->
     fededge's IFB. Returns the operations applied (empty when there was nothing).
     """
     with _open(netns) as ipr:
-        state = read_state(dev, ifb_name=ifb_name, netns=netns, _ipr=ipr)
+        try:
+            state = read_state(dev, ifb_name=ifb_name, netns=netns, _ipr=ipr)
+        except DeviceNotFound:
+            # The interface is gone (a container's veth, a USB modem), its IFB may not be.
+            ifb = ifb_name or default_ifb_name(dev)
+            if not _is_ifb(ipr, ifb):
+                raise
+            log.warning("%s is gone; removing the IFB %s fededge made for it", dev, ifb)
+            return apply([DelLink(ifb)], netns=netns, _ipr=ipr)
         if state.root_handle is not None and state.root_handle != ROOT_HANDLE:
             log.warning("%s: root qdisc %s %s is not fededge's; left in place", dev,
                         state.root_kind, hex_handle(state.root_handle))
