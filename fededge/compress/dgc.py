@@ -43,8 +43,9 @@ class DGCConfig:
         Fraction of elements *not* sent once warmed up, in [0, 1). 0.999 sends 0.1 %,
         the paper's, for per-step gradients; fededge's run default for model deltas over
         tens of rounds is 0.99 (``dgc-sparsity``, docs/compression.md).
-    initial_sparsity : float
-        Sparsity of round 0, in [0, final_sparsity]. The paper uses 0.75.
+    initial_sparsity : float, optional
+        Sparsity of round 0, in [0, final_sparsity]. The paper uses 0.75, the default;
+        for a ``final_sparsity`` below it, that (no warm-up to do).
     warmup_rounds : int
         Rounds over which the density decays exponentially to its final value; 0 starts
         at ``final_sparsity``. The paper warms up over the first epochs (a few rounds).
@@ -62,7 +63,7 @@ class DGCConfig:
     """
 
     final_sparsity: float = 0.999
-    initial_sparsity: float = 0.75
+    initial_sparsity: float | None = None
     warmup_rounds: int = 4
     momentum: float = 0.9
     clip_norm: float | None = None
@@ -71,6 +72,8 @@ class DGCConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.final_sparsity < 1:
             raise ValueError(f"final_sparsity must be in [0, 1), got {self.final_sparsity!r}")
+        if self.initial_sparsity is None:  # the paper's 0.75 (dgc-sparsity=0.5 was refused by it)
+            object.__setattr__(self, "initial_sparsity", min(0.75, self.final_sparsity))
         if not 0 <= self.initial_sparsity <= self.final_sparsity:
             raise ValueError(f"initial_sparsity must be in [0, final_sparsity={self.final_sparsity}], "
                              f"got {self.initial_sparsity!r}")
@@ -136,6 +139,9 @@ class DGCEncoder:
         d = f.numel()
         density = 1 - self.sparsity_at(round)
         k = keep_count(density, d)
+        if not bool(torch.isfinite(v).all()):  # (state unchanged: u and v are new tensors)
+            raise ValueError(f"cannot encode tensor {name!r}: its accumulated update overflows (NaN or Inf); "
+                             "its payload would be refused at the server")
         idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
         payload = topk_payload(delta, v, idx, v[idx], float(density), cfg.lossless)
         u[idx] = 0

@@ -191,7 +191,7 @@ class PowerSGD(ConfiguredCodec):
         n, m = _matrix(tuple(x.shape))
         mat = flat32(x).view(n, m)
         r = min(self.config.rank, n, m)
-        q = torch.randn(m, r, generator=local_generator(generator))
+        q = torch.randn(m, r, generator=local_generator(generator), dtype=torch.float32)
         p, q = power_step(mat, q)
         return _payload(x, p, q, self.config.lossless)
 
@@ -311,13 +311,15 @@ class PowerSGDEncoder:
             if res.shape != mat.shape:
                 raise ValueError(f"tensor {name!r} changed shape from {tuple(res.shape)} to {(n, m)}; "
                                  "reset() the encoder when the model changes")
-            mat = res.add_(mat)  # M = x + residual, in the residual's own buffer
+            # M = x + residual, in a buffer of its own: added into the residual in place, an
+            # update refused below (NaN/Inf) stayed in it, and every later one was refused
+            mat = res + mat
             owned = True
         q = self.q.get(name)
         fresh = q is None or q.shape != (m, r)
         if fresh:
             g = torch.Generator().manual_seed(_derived_seed(self.config.seed, name))
-            q = torch.randn(m, r, generator=g)
+            q = torch.randn(m, r, generator=g, dtype=torch.float32)
         for i in range(self.config.iters):
             if i or not fresh:
                 q = _unit_columns(q)
@@ -390,7 +392,8 @@ def encode_many(encoders: list[PowerSGDEncoder], name: str, xs: list[torch.Tenso
         mat = torch.stack([mat[j] if k is None else k + mat[j] for j, k in enumerate(kept)])
     warm = [e.q.get(name) for e in encoders]
     fresh = [q is None or tuple(q.shape) != (m, r) for q in warm]
-    q = torch.stack([torch.randn(m, r, generator=torch.Generator().manual_seed(_derived_seed(e.config.seed, name)))
+    q = torch.stack([torch.randn(m, r, generator=torch.Generator().manual_seed(_derived_seed(e.config.seed, name)),
+                                  dtype=torch.float32)
                      if f else w for e, w, f in zip(encoders, warm, fresh)])
     is_fresh = torch.tensor(fresh)[:, None, None]
     for i in range(iters):

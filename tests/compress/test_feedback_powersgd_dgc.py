@@ -306,3 +306,51 @@ def test_dgc_state_round_trip_and_validation():
                           ({"warmup_rounds": -1}, "warmup_rounds")):
         with pytest.raises(ValueError, match=match):
             DGCConfig(**kwargs)
+
+
+def test_powersgd_refusing_an_update_leaves_its_state_as_it_was():
+    """x was added into the residual in place before the NaN/Inf check: a refused update
+    stayed in the residual and every later update of that tensor was refused too."""
+    from fededge.compress.powersgd import PowerSGDConfig, PowerSGDEncoder
+
+    enc, twin = PowerSGDEncoder(PowerSGDConfig(rank=2)), PowerSGDEncoder(PowerSGDConfig(rank=2))
+    g = torch.Generator().manual_seed(0)
+    first, later = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    assert enc.encode("w", first) == twin.encode("w", first)
+    bad = first.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        enc.encode("w", bad)
+    assert enc.encode("w", later) == twin.encode("w", later)  # as if the bad one never came
+    assert torch.equal(enc.residual["w"], twin.residual["w"])
+
+
+def test_powersgd_works_whatever_torchs_default_dtype():
+    from fededge.compress.powersgd import PowerSGDConfig, PowerSGDEncoder
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        payload = PowerSGDEncoder(PowerSGDConfig(rank=2)).encode("w", torch.ones(8, 6, dtype=torch.float32))
+    finally:
+        torch.set_default_dtype(before)
+    assert payload == PowerSGDEncoder(PowerSGDConfig(rank=2)).encode("w", torch.ones(8, 6))
+
+
+def test_dgc_below_the_papers_initial_sparsity_and_an_overflowing_accumulation():
+    """dgc-sparsity < 0.75 was refused by the warm-up's fixed start (0.75), a setting the
+    user cannot change; an accumulation that overflows built a payload the server refuses."""
+    from fededge.compress.dgc import DGCConfig, DGCEncoder
+    from fededge.compress.update import UpdateConfig
+
+    assert DGCConfig(final_sparsity=0.5).initial_sparsity == 0.5
+    assert DGCConfig(final_sparsity=0.99).initial_sparsity == 0.75
+    UpdateConfig(compressor="dgc", dgc_sparsity=0.5).build_codec()
+    enc = DGCEncoder(DGCConfig(final_sparsity=0.5, warmup_rounds=0, momentum=0.0))
+    big = torch.full((4,), 2e38)
+    enc.encode("w", big, round=0)
+    u, v = enc.u["w"].clone(), enc.v["w"].clone()
+    with pytest.raises(ValueError, match="overflows"):
+        enc.encode("w", big, round=1)
+    assert torch.equal(enc.u["w"], u) and torch.equal(enc.v["w"], v)  # unchanged
+    enc.encode("w", torch.ones(4), round=1)
