@@ -229,9 +229,10 @@ class RunConfig:
         A real device training a large model may want all its cores.
     server_lr : float
         Server learning rate of ``fedavgm`` / ``fedadam`` / ``fedadagrad`` / ``fedyogi``
-        (Reddi et al., 2021) / ``diloco``. 0 keeps the strategy's own default (Flower's:
-        1.0 for FedAvgM, 0.1 for the adaptive ones; 0.7 for ``diloco``, as in Douillard
-        et al., 2023). Ignored by ``fedavg``.
+        (Reddi et al., 2021, as Flower implements them: docs/algorithms.md) / ``diloco``. 0
+        keeps the strategy's own default (Flower's: 1.0 for FedAvgM, 0.1 for FedAdam and
+        FedAdagrad, 0.01 for FedYogi; 0.7 for ``diloco``, as in Douillard et al., 2023).
+        Ignored by ``fedavg``.
     server_momentum : float
         Server momentum of ``fedavgm`` (heavy ball, Hsu et al., 2019) and ``diloco``
         (Nesterov).
@@ -760,3 +761,13 @@ def check_clients_available(cfg: RunConfig, num_clients: int, *, where: str = "t
         if want > num_clients:
             raise ConfigError(f"run-config key '{key}' is {want} but {where} has only {num_clients} clients; "
                               f"lower it or raise {flag}")
+    f = cfg.krum_byzantine
+    if cfg.strategy == "krum" and f > 0 and not isinstance(cpr, int):
+        # A fraction: Flower samples int(n * fraction) (at least one); check_krum_keys
+        # checks a count, this the count the fraction gives here.
+        n = max(1, int(cpr * num_clients))
+        if not n > 2 * f + 2:
+            raise ConfigError(f"run-config key 'krum-byzantine' is {f} but clients-per-round={cpr} of "
+                              f"{num_clients} clients is {n} a round: Krum tolerates f Byzantine clients of n "
+                              f"only where n > 2f + 2 (here {2 * f + 3} or more); raise clients-per-round or "
+                              "the clients, or lower krum-byzantine")

@@ -148,3 +148,13 @@ def test_krum_needs_more_than_twice_its_byzantine_clients_plus_two_a_round():
         RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 2, "clients-per-round": 6})
     RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 2, "clients-per-round": 7})
     RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 0, "clients-per-round": 2})
+    # a fraction (the default 1.0) was not checked: Flower then scored by max(1, n - f - 2)
+    from fededge.config import check_clients_available
+
+    frac = RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 2})
+    with pytest.raises(ConfigError, match=r"clients-per-round=1.0 of 6 clients is 6 a round: .*here 7 or more"):
+        check_clients_available(frac, 6)
+    check_clients_available(frac, 7)
+    with pytest.raises(ConfigError, match="is 5 a round"):
+        check_clients_available(RunConfig.from_mapping({"strategy": "krum", "krum-byzantine": 2,
+                                                        "clients-per-round": 0.5}), 10)
