@@ -476,6 +476,9 @@ class RunConfig:
             )
         _positive("local-lr", self.local_lr)
         _positive("alpha", self.alpha)
+        if self.alpha > 1e100:  # numpy's Dirichlet sampler overflows near float64's max
+            raise ConfigError(f"run-config key 'alpha' must be <= 1e100, got {self.alpha}; alpha = 1e6 already "
+                              "splits every class evenly (or use partition='iid')")
         _positive("round-timeout", self.round_timeout)
         _in_range("momentum", self.momentum, 0.0, 1.0, hi_open=True)
         _in_range("server-momentum", self.server_momentum, 0.0, 1.0, hi_open=True)

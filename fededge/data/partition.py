@@ -217,6 +217,13 @@ def _dirichlet(
     for _ in range(max_retries):
         # Row c: how class c is shared among the k clients.
         proportions = rng.dirichlet(np.full(k, alpha), size=len(by_class))
+        if not np.allclose(proportions.sum(axis=1), 1.0):
+            # numpy's sampler overflows for alpha near float64's max: every row was zeros,
+            # every sample went to the last client, and the message said "raise alpha"
+            raise PartitionError(
+                f"alpha={alpha} is too large for numpy's Dirichlet sampler (its draws are not proportions); "
+                "use alpha <= 1e6, already a practically even split, or partition='iid'",
+                scheme="dirichlet", num_partitions=k, num_samples=n)
         # Cut points floor(cumsum(p) * n_c), as np.split on the class's samples would
         # use them; the last cut is pinned to n_c so rounding loses nothing.
         cuts = np.floor(np.cumsum(proportions, axis=1) * class_sizes[:, None])

@@ -276,3 +276,16 @@ def test_data_package_never_imports_flower():
                 names = [node.module]
             assert not any(n.split(".")[0] in {"flwr", "flwr_datasets", "datasets"}
                            for n in names), f"{path.name} imports {names}"
+
+
+def test_an_alpha_numpys_sampler_cannot_draw_is_refused_by_name():
+    """alpha near float64's max: numpy's Dirichlet draws were all zeros, every sample went
+    to the last client, and the message said "raise alpha"."""
+    from fededge.config import ConfigError, RunConfig
+
+    y = np.arange(500) % 5
+    with pytest.raises(PartitionError, match="too large for numpy's Dirichlet sampler"):
+        partition(y, 5, scheme="dirichlet", alpha=1e308, seed=0)
+    assert sorted(len(p) for p in partition(y, 5, scheme="dirichlet", alpha=1e100, seed=0))[0] >= 95
+    with pytest.raises(ConfigError, match="'alpha' must be <= 1e100"):
+        RunConfig.from_mapping({"alpha": 1e308})
