@@ -41,7 +41,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ from fededge.strategies.report import RoundReport, attach_clock, report_of
 from fededge.settings import whole_or_keywords
 from fededge.tracking import MetricSink, Sinks, check_installed, make_sinks, parse_log_to
 from fededge.tracking.base import check_sinks
-from fededge.wrapping import innermost
+from fededge.wrapping import first_with, innermost
 from fededge.strategies.resume import (
     FromRound, ResumeError, arrays_from_state, arrays_to_state, attach_checkpoint, load_strategy_state,
     strategy_state,
@@ -367,6 +367,13 @@ class Experiment:
             rounds.final = initial_arrays
             attach_clock(strategy, clock)
             own_loop = attach_checkpoint(strategy, rounds)
+            if not own_loop and type(strategy).start is Strategy.start:
+                # Flower's round loop aggregates whatever comes: a NaN or misshapen update
+                # went into the model, a reply with other metric names stopped the run.
+                # Those replies are rejected and left out instead (MeteredGrid.screen).
+                keyed = first_with(strategy, "weighted_by_key")
+                rounds.metered.screen = (str(getattr(keyed, "arrayrecord_key", keys.ARRAYS)),
+                                         str(getattr(keyed, "weighted_by_key", "num-examples")))
             if not own_loop and type(strategy).start is not Strategy.start:
                 # Its own round loop, and no way to stop it at a round boundary: a checkpoint
                 # written from outside would not hold its state. Say so, write none.
@@ -596,8 +603,11 @@ class _RoundCloser:
         traffic = self.traffic(report)
         for err in traffic.errors:  # error replies: the ClientApp raised (dropouts are not errors)
             self.report(f"round {rnd}: a client failed: {err}")
-        for reason in report.reasons:
+        for reason in [*traffic.reasons, *report.reasons]:
             self.report(f"round {rnd}: {reason}")
+        if traffic.rejected:  # replies the metering screened out (Flower's round loop)
+            report = replace(report, rejected=report.rejected + traffic.rejected,
+                             reasons=[*traffic.reasons, *report.reasons])
         for note in report.notes:
             self.progress.note(note)
         num_clients = report.num_clients if report.num_clients is not None else traffic.train_replies - report.rejected

@@ -9,6 +9,14 @@ experiment can turn them into ``bytes_up``, ``bytes_down`` and ``sim_s``
 (:class:`fededge.server.experiment.Experiment`). It works on any Grid and with any
 ClientApp; what a ClientApp does not report is simply not collected.
 
+With :attr:`MeteredGrid.screen` set (the experiment sets it for strategies on Flower's
+round loop), a train or evaluate reply that those strategies cannot aggregate (NaN or Inf
+in its arrays, another shape, no finite weight, other metric names than the round's
+other replies: :func:`fededge.strategies._replies.screen_replies`) is counted as
+rejected, logged, and handed on as an error reply, which Flower's strategies leave out:
+the round goes on with the rest (unchecked, one NaN made the model NaN, and a reply with
+other metric names stopped the run).
+
 A reply that carries a client's configuration error (:func:`fededge.protocol.config_error_reason`,
 from :func:`fededge.clients.mods.config_error_mod`) is counted like any failure and then
 stops the run: the grid raises :class:`~fededge.errors.ConfigError` with the client's
@@ -23,9 +31,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 from dataclasses import asdict, dataclass, field
 
 from flwr.app import Error, Message
@@ -35,7 +45,7 @@ from fededge import keys
 from fededge._flwr_internals import remember_counted_size, take_noted_wire_size, wire_size, wire_sizes
 from fededge.errors import ConfigError
 from fededge.protocol import config_error_detail
-from fededge.strategies._replies import dropout_reason
+from fededge.strategies._replies import dropout_reason, screen_replies
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
 
@@ -67,6 +77,8 @@ class RoundTraffic:
     replies: int = 0
     failures: int = 0
     train_replies: int = 0
+    rejected: int = 0  # train replies screened out (:attr:`MeteredGrid.screen`): arrived, not usable
+    reasons: list[str] = field(default_factory=list)  # one line per screened-out reply
     compute_s: list[float] = field(default_factory=list)  # per train reply
     errors: list[str] = field(default_factory=list)
     nodes: dict[int, NodeTraffic] = field(default_factory=dict)  # train traffic per node
@@ -82,8 +94,9 @@ class RoundTraffic:
 
     def merge(self, other: "RoundTraffic") -> None:
         """Add ``other``'s traffic to this one."""
-        for name in ("bytes_down", "bytes_up", "messages_down", "replies", "failures", "train_replies"):
+        for name in ("bytes_down", "bytes_up", "messages_down", "replies", "failures", "train_replies", "rejected"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.reasons.extend(other.reasons)
         self.compute_s.extend(other.compute_s)
         self.errors.extend(other.errors)
         self.dropped.extend(other.dropped)
@@ -143,6 +156,10 @@ class MeteredGrid(Grid):
         self._traffic: dict[str, RoundTraffic] = {}
         self._pushed_at: dict[str, float] = {}  # message id -> when it was pushed (monotonic)
         self.partition_of: dict[int, int] = {}  # node id -> partition id, from its replies
+        #: ``(arrays_key, weight_key)`` of a strategy on Flower's round loop: its train and
+        #: evaluate replies are screened (module docstring); None: none are.
+        self.screen: tuple[str, str] | None = None
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # group -> the model's shapes sent
 
     # -- accounting ----------------------------------------------------------------
     def take(self, group_id: str | None = None) -> RoundTraffic:
@@ -182,6 +199,14 @@ class MeteredGrid(Grid):
     def _count_down(self, messages: list[Message]) -> None:
         sizes = _sizes(messages)
         with self._lock:
+            if self.screen is not None:
+                key = self.screen[0]
+                for m in messages:  # a round's model, once (every train message carries the same)
+                    g = m.metadata.group_id
+                    if m.metadata.message_type.startswith("train") and g not in self._shapes and key in m.content:
+                        self._shapes[g] = {k: tuple(int(d) for d in a.shape) for k, a in m.content[key].items()}
+                        while len(self._shapes) > 8:  # the rounds in flight, at most
+                            del self._shapes[next(iter(self._shapes))]
             for m, n in zip(messages, sizes):
                 t = self._group(m)
                 t.bytes_down += n
@@ -218,13 +243,18 @@ class MeteredGrid(Grid):
                         config_errors.append(f"a client (node {r.metadata.src_node_id}) reports: {detail}")
                     out.append(r)
                     continue
-                if keys.REPLY_PARTITION_ID in metrics:
-                    self.partition_of[r.metadata.src_node_id] = int(metrics[keys.REPLY_PARTITION_ID])
+                # fededge's own metrics, where a reply holds them as numbers (a ClientApp of
+                # one's own may send anything under these names: a list stopped the run here)
+                pid, num_partitions, compute_s, steps = (
+                    _number(metrics, k) for k in (keys.REPLY_PARTITION_ID, keys.REPLY_NUM_PARTITIONS,
+                                                  keys.COMPUTE_S, keys.LOCAL_STEPS_DONE))
+                if pid is not None:
+                    self.partition_of[r.metadata.src_node_id] = int(pid)
                 if keys.DROPPED_OUT in metrics:
                     t.dropped.append(r.metadata.src_node_id)
                     out.append(Message(error=Error(0, dropout_reason(
-                        int(metrics.get(keys.REPLY_PARTITION_ID, -1)),
-                        int(metrics.get(keys.REPLY_NUM_PARTITIONS, 0)))), metadata=copy.copy(r.metadata)))
+                        -1 if pid is None else int(pid), 0 if num_partitions is None else int(num_partitions))),
+                        metadata=copy.copy(r.metadata)))
                     continue
                 out.append(r)
                 per_node = _per_node(t, r.metadata.message_type)
@@ -237,21 +267,50 @@ class MeteredGrid(Grid):
                 node.wall_s += 0.0 if pushed is None else now - pushed
                 if train:
                     t.train_replies += 1
-                if keys.COMPUTE_S in metrics:
+                if compute_s is not None:
                     if train:
-                        t.compute_s.append(float(metrics[keys.COMPUTE_S]))
-                    node.compute_s += float(metrics[keys.COMPUTE_S])
+                        t.compute_s.append(compute_s)
+                    node.compute_s += compute_s
                     node.reported_compute = True
-                if train and keys.LOCAL_STEPS_DONE in metrics:
-                    node.steps = (node.steps or 0) + int(metrics[keys.LOCAL_STEPS_DONE])
-                if keys.REPLY_PARTITION_ID in metrics:
-                    node.partition_id = int(metrics[keys.REPLY_PARTITION_ID])
-                if keys.REPLY_NUM_PARTITIONS in metrics:
-                    node.num_partitions = int(metrics[keys.REPLY_NUM_PARTITIONS])
+                if train and steps is not None:
+                    node.steps = (node.steps or 0) + int(steps)
+                if pid is not None:
+                    node.partition_id = int(pid)
+                if num_partitions is not None:
+                    node.num_partitions = int(num_partitions)
+        if self.screen is not None:
+            out = self._screened(out)
         if config_errors:
             more = len(config_errors) - 1
             raise ConfigError(config_errors[0] + (f" ({more} more of the {len(replies)} replies "
                                                   "reported a configuration error)" if more else ""))
+        return out
+
+    def _screened(self, replies: list[Message]) -> list[Message]:
+        """``replies`` with those :func:`~fededge.strategies._replies.screen_replies` refuses
+        turned into error replies, counted and logged (see :attr:`screen`)."""
+        assert self.screen is not None
+        arrays_key, weight_key = self.screen
+        out = list(replies)
+        for kind in ("train", "evaluate"):
+            at = [i for i, r in enumerate(out) if r.metadata.message_type.startswith(kind)]
+            if not at:
+                continue
+            batch = [out[i] for i in at]
+            with self._lock:
+                shapes = self._shapes.get(batch[0].metadata.group_id) if kind == "train" else None
+            why = screen_replies(batch, weight_key=weight_key, arrays_key=arrays_key if kind == "train" else None,
+                                 shapes=shapes)
+            for i, r, problem in zip(at, batch, why):
+                if problem is None:
+                    continue
+                reason = f"node {r.metadata.src_node_id}'s {kind} reply was rejected and left out: {problem}"
+                log.debug("%s", reason)  # reported once, with the round (the experiment)
+                with self._lock:
+                    t = self._group(r)
+                    t.rejected += kind == "train"
+                    t.reasons.append(reason)
+                out[i] = Message(error=Error(0, f"rejected: {problem}"), metadata=copy.copy(r.metadata))
         return out
 
     # -- Grid ----------------------------------------------------------------------
@@ -311,3 +370,11 @@ class MeteredGrid(Grid):
                 if m.metadata.dst_node_id not in answered:
                     self._group(m).dropped.append(m.metadata.dst_node_id)
         return replies
+
+
+def _number(metrics: Any, key: str) -> float | None:
+    """``metrics[key]`` where it is a finite number, else None (absent or not a number)."""
+    v = metrics.get(key) if hasattr(metrics, "get") else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)

@@ -1,18 +1,25 @@
-"""Helpers the fededge strategies with their own round loops share (DGA, async, backup)."""
+"""Helpers the fededge strategies with their own round loops share (DGA, async, backup),
+and the checks of a reply before it is aggregated (:func:`usable_reply`,
+:func:`screen_replies`: the metering applies the latter to Flower's round loop)."""
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import Message
+import numpy as np
+from flwr.app import Array, Message
 from flwr.serverapp import Grid
 
 from fededge import keys
 from fededge._flwr_internals import sample_nodes
 
-__all__ = ["DROPOUT_REASON", "dropout_partition", "dropout_reason", "fixed_participants", "is_dropout",
-           "reply_metrics", "reported_partition", "usable_reply"]
+__all__ = ["DROPOUT_REASON", "array_problem", "dropout_partition", "dropout_reason", "fixed_participants",
+           "is_dropout", "metrics_problem", "reply_metrics", "reported_partition", "screen_replies",
+           "usable_reply"]
 
 #: Start of the error reason of a reply the client marked as a simulated dropout
 #: (``dropout`` in the run config); :class:`fededge.server.metering.MeteredGrid` turns
@@ -75,16 +82,121 @@ def reported_partition(reply: Message) -> int | None:
     return int(metrics[keys.REPLY_PARTITION_ID]) if keys.REPLY_PARTITION_ID in metrics else None
 
 
-def usable_reply(reply: Message, *, arrays_key: str, model_keys: set[str], weight_key: str) -> str | None:
-    """Why a (non-error) train reply cannot be aggregated, or None."""
+def usable_reply(reply: Message, *, arrays_key: str, model_keys: set[str], weight_key: str,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> str | None:
+    """Why a (non-error) train reply cannot be aggregated, or None: no ``arrays_key``
+    record, arrays other than the model's (names; ``shapes`` where given), an array not
+    numeric or holding NaN/Inf, or no finite weight > 0 (:func:`metrics_problem`)."""
     c = reply.content
     if arrays_key not in c.array_records:
         return f"reply has no '{arrays_key}' ArrayRecord (has {list(c.keys())})"
     if set(c[arrays_key].keys()) != model_keys:
         return f"reply's arrays {sorted(c[arrays_key].keys())} are not the model's {sorted(model_keys)}"
-    metrics = next(iter(c.metric_records.values()), None)
-    if metrics is None or weight_key not in metrics:
-        return f"reply has no '{weight_key}' metric to weight it by"
-    if not float(metrics[weight_key]) > 0:
-        return f"reply's '{weight_key}' is {metrics[weight_key]}, not > 0"
+    for name, arr in c[arrays_key].items():
+        why = array_problem(name, arr, None if shapes is None else shapes.get(name))
+        if why is not None:
+            return why
+    return metrics_problem(reply, weight_key)
+
+
+def array_problem(name: str, arr: Array, shape: tuple[int, ...] | None = None) -> str | None:
+    """Why a reply's array cannot be averaged into the model, or None: another ``shape``
+    than the model's (Flower's average broadcast a (1,) array into a (2,) one), not a
+    number, or NaN/Inf in it (one NaN made the model NaN, and FedAdam's moments for good)."""
+    got = tuple(int(d) for d in arr.shape)
+    if shape is not None and got != tuple(shape):
+        return f"array '{name}' has shape {got}, the model's {tuple(shape)}"
+    dtype = str(arr.dtype)
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:  # (a torch dtype numpy lacks: bfloat16)
+        kind = "f" if "float" in dtype else "?"
+    if kind not in "fiub":
+        return f"array '{name}' has dtype {dtype}, not a number"
+    if kind == "f" and not _finite(arr):
+        return f"array '{name}' holds NaN or Inf"
     return None
+
+
+def _finite(arr: Array) -> bool:
+    """Whether every element is finite: its float64 sum first (no copy, and NaN/Inf carry
+    through a sum), confirmed element by element where the sum is not."""
+    from fededge.arrays import TensorArray, to_numpy
+
+    tensor = arr.tensor if isinstance(arr, TensorArray) else None
+    if tensor is not None:  # a reply kept on its device: checked there
+        import torch
+
+        return bool(torch.isfinite(tensor.sum(dtype=torch.float64))) or bool(torch.isfinite(tensor).all())
+    nd = to_numpy(arr, copy=False)
+    return math.isfinite(float(nd.sum(dtype=np.float64))) or bool(np.isfinite(nd).all())
+
+
+def metrics_problem(reply: Message, weight_key: str) -> str | None:
+    """Why a reply's metrics cannot be aggregated, or None: not one MetricRecord (Flower
+    refuses the whole round then), or its ``weight_key`` missing or not a finite number > 0."""
+    records = reply.content.metric_records
+    if len(records) != 1:
+        return f"reply has {len(records)} MetricRecords ({sorted(records)}), not one"
+    metrics = next(iter(records.values()))
+    if weight_key not in metrics:
+        return f"reply has no '{weight_key}' metric to weight it by"
+    w = metrics[weight_key]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not w > 0:
+        return f"reply's '{weight_key}' is {w!r}, not a finite number > 0"
+    return None
+
+
+def screen_replies(replies: list[Message], *, weight_key: str, arrays_key: str | None = None,
+                   shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[str | None]:
+    """Why each of one round's replies cannot be aggregated by Flower's strategies (None:
+    it can; an error reply is left to the strategy).
+
+    Each reply alone: its metrics (:func:`metrics_problem`) and, where ``arrays_key`` is
+    given (train replies), its ``arrays_key`` record: present unless the reply is
+    compressed (:class:`~fededge.strategies.compressed.Compressed` decodes and checks
+    those), with the model's names and ``shapes`` (where given) and finite numbers
+    (:func:`array_problem`). Then together: Flower refuses a whole round whose replies'
+    metric names differ, so the replies whose names differ from most replies' are
+    refused (on a tie, from the first usable reply's).
+    """
+    why: list[str | None] = []
+    for r in replies:
+        if r.has_error():
+            why.append(None)
+            continue
+        problem = metrics_problem(r, weight_key)
+        if problem is None and arrays_key is not None:
+            c = r.content
+            if arrays_key in c.array_records:
+                rec = c[arrays_key]
+                if shapes is not None and set(rec.keys()) != set(shapes):
+                    problem = (f"reply's arrays {sorted(rec.keys())[:8]} are not the model's "
+                               f"{sorted(shapes)[:8]}")
+                for name, arr in rec.items():
+                    if problem is None:
+                        problem = array_problem(name, arr, None if shapes is None else shapes.get(name))
+            elif keys.COMPRESSED not in c:
+                problem = f"reply has no '{arrays_key}' ArrayRecord (has {sorted(c.keys())})"
+        why.append(problem)
+    names = {i: _metric_kinds(next(iter(r.content.metric_records.values())))
+             for i, r in enumerate(replies) if not r.has_error() and why[i] is None}
+    if len(set(names.values())) > 1:
+        counts = Counter(names.values())
+        top = max(counts.values())
+        common = next(n for n in names.values() if counts[n] == top)  # (dicts keep the replies' order)
+        for i, n in names.items():
+            if n != common:
+                why[i] = (f"reply's metrics {_kinds_text(n)} are not the round's other replies' "
+                          f"{_kinds_text(common)} (Flower averages replies whose metrics have the same "
+                          "names, each a number or a list of one length)")
+    return why
+
+
+def _metric_kinds(metrics: Any) -> tuple[tuple[str, int], ...]:
+    """Each metric's name and kind (-1: a number; n: a list of n numbers), sorted."""
+    return tuple(sorted((k, len(v) if isinstance(v, list) else -1) for k, v in metrics.items()))
+
+
+def _kinds_text(kinds: tuple[tuple[str, int], ...]) -> str:
+    return "[" + ", ".join(k if n < 0 else f"{k} (a list of {n})" for k, n in kinds) + "]"
