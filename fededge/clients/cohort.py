@@ -114,7 +114,7 @@ class CohortJob:
         """Jobs with equal keys train as one cohort."""
         return (id(self.model), self.steps, self.sampler.batch_size, self.lr, self.momentum, self.weight_decay,
                 self.proximal_mu, self.x.device, self.x.dtype, tuple(self.x.shape[1:]),
-                self.momentum_buffers is not None)
+                self.momentum_buffers is not None, tuple(self.weights))
 
     def cost_key(self) -> tuple:
         """What a group's seconds depend on: its key without the values of its rates (an
@@ -122,7 +122,7 @@ class CohortJob:
         The timing of one client alone and the verdict on the group's cohorts go by it."""
         return (id(self.model), self.steps, self.sampler.batch_size, self.momentum != 0, self.weight_decay != 0,
                 self.proximal_mu != 0, self.x.device, self.x.dtype, tuple(self.x.shape[1:]),
-                self.momentum_buffers is not None)
+                self.momentum_buffers is not None, tuple(self.weights), self.threads)
 
 
 def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> float:
@@ -206,12 +206,15 @@ def cohort_sgd(jobs: Sequence[CohortJob], *, charge_s: float | None = None) -> f
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     losses = [t / first.steps for t in total.tolist()]  # as float(total) / steps per client
+    # Every client's kept buffers copied before any is written: a copy that failed halfway
+    # (memory) left the first clients' buffers a round ahead of their weights.
+    kept = [None if bufs is None or j.momentum_buffers is None else {n: bufs[n][c].clone() for n in names}
+            for c, j in enumerate(jobs)]
     for c, j in enumerate(jobs):
         j.trained = {n: params[n][c] for n in names}
         j.trained_buffers = {n: t[c] for n, t in stats.items()}
-        if bufs is not None and j.momentum_buffers is not None:
-            for n in names:
-                j.momentum_buffers[n] = bufs[n][c].clone()
+        if kept[c] is not None:
+            j.momentum_buffers.update(kept[c])
         j.result = LocalResult(mean_loss=losses[c], steps=first.steps,
                                examples_seen=first.steps * first.sampler.batch_size,
                                compute_s=seconds / len(jobs) if charge_s is None else charge_s)
@@ -403,9 +406,9 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int,
     The effects are the per-client path's: ``model`` holds the trained weights,
     ``sampler`` has advanced ``steps`` batches, ``momentum_buffers`` (when given) holds
     the buffers after the last step. In a cohort the result's ``compute_s`` is the
-    seconds one client of the cohort's group took training on its own (measured once
-    per process, :func:`run_together`), so the simulated clock charges what a device
-    would, whichever path trained it."""
+    seconds one client of the cohort's group took training on its own (the least of its
+    first :data:`TIMING_SAMPLES` timings, :func:`run_together`), so the simulated clock
+    charges what a device would, whichever path trained it."""
     kwargs = dict(steps=steps, lr=lr, momentum=momentum, weight_decay=weight_decay, sampler=sampler,
                   proximal_mu=proximal_mu, momentum_buffers=momentum_buffers)
     slot = _SLOT.get()
@@ -440,23 +443,59 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int,
     return job.result
 
 
-#: group key -> the seconds one client of that group took training on its own (its
-#: ``compute_s`` in every cohort of the group; measured once per process).
+#: How many times a group's first client trains (or uplink is encoded) alone, timed, in
+#: the group's first cohorts: the least of them is what every client of the group is
+#: charged (one sample made one outlier, 30x the usual once, every client's seconds for
+#: the whole run).
+TIMING_SAMPLES = 3
+
+#: group key -> the least seconds one client of that group took training on its own (its
+#: ``compute_s`` in every cohort of the group), and how many times it was timed.
 _alone_s: dict[tuple, float] = {}
+_alone_n: dict[tuple, int] = {}
 
 
 #: group key -> whether its cohorts train faster per client than one client alone, judged
-#: on the group's second cohort (the first also traces the model). False sends the group
-#: to the per-client path for the rest of the process (a CNN on a CPU: vmap's batched
-#: convolutions there ran at half the per-client speed, benchmarks/bench_cohort.py).
+#: once its alone timings are in (:data:`TIMING_SAMPLES`), on the best of its cohorts
+#: after the first (which also traces the model). False sends the group to the
+#: per-client path for the rest of the run (a CNN on a CPU: vmap's batched convolutions
+#: there ran at half the per-client speed, benchmarks/bench_cohort.py).
 _faster: dict[tuple, bool] = {}
 _seen: dict[tuple, int] = {}
+_cohort_best: dict[tuple, float] = {}  # group key -> the least per-client seconds of its cohorts after the first
+
+#: The most bytes one cohort's stacks may take: about :data:`COHORT_COPIES` copies of the
+#: model per client (weights, FedProx's anchor, momentum, gradients, the paused calls'
+#: snapshots). A larger group trains as several cohorts (a CUDA device: half its free memory).
+COHORT_MAX_BYTES = 2 * 2**30
+COHORT_COPIES = 10
+
+
+def reset_measurements() -> None:
+    """Forget every group's timings and verdicts (a new run: its own settings, threads and
+    model objects; :class:`~fededge.server.grid.InProcessGrid` calls it)."""
+    for table in (_alone_s, _alone_n, _faster, _seen, _cohort_best, _encode_alone_s, _encode_alone_n):
+        table.clear()
+
+
+def _cohort_size_cap(job: CohortJob) -> int:
+    """The most clients of ``job``'s group that train as one cohort (:data:`COHORT_MAX_BYTES`)."""
+    per_client = COHORT_COPIES * sum(w.numel() * w.element_size() for w in job.weights.values())
+    budget = COHORT_MAX_BYTES
+    if job.x.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(job.x.device)
+        budget = free // 2
+    return max(2, int(budget // max(1, per_client)))
 
 
 def _judge(key: tuple, per_client_s: float, alone_s: float, model: nn.Module) -> None:
     _seen[key] = _seen.get(key, 0) + 1
     if key in _faster or _seen[key] < 2:
         return
+    best = _cohort_best[key] = min(per_client_s, _cohort_best.get(key, per_client_s))
+    if _alone_n.get(key, 0) < TIMING_SAMPLES:
+        return
+    per_client_s = best
     _faster[key] = per_client_s < alone_s
     device = next(model.parameters()).device
     if _faster[key]:
@@ -513,38 +552,55 @@ def _train_cohorts(waiting: list[CohortJob], threads_before: int) -> None:
                 for j in jobs:
                     j.per_client = True
                 continue
-            alone = _alone_s.get(key)
-            if alone is None:  # the group's first cohort: its first client trains alone, timed
+            if _alone_n.get(key, 0) < TIMING_SAMPLES:  # its first cohorts: the first client alone, timed
                 try:
-                    alone = _alone_s[key] = _train_alone(jobs[0])
+                    took = _train_alone(jobs[0])
                 except Exception as err:  # noqa: BLE001 - that client's own failure, as on its own
                     jobs[0].error = err
                     for j in jobs[1:]:
                         j.per_client = True
                     continue
+                _alone_s[key] = min(took, _alone_s.get(key, took))
+                _alone_n[key] = _alone_n.get(key, 0) + 1
                 jobs = jobs[1:]
                 if len(jobs) == 1:
                     jobs[0].per_client = True
                     continue
+            alone = _alone_s[key]
             torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
-            drawn = [j.sampler.state_dict() for j in jobs]
-            try:
-                seconds = cohort_sgd(jobs, charge_s=alone)
-            except Exception as err:  # noqa: BLE001 - one client's (a buffer of another model) or the stack's (memory)
-                # Each client trains on its own instead, from where its sampler stood, and
-                # fails with its own error if it has one; the group does not try again.
-                for j, state in zip(jobs, drawn):
-                    j.sampler.load_state_dict(state)
-                    j.trained = j.trained_buffers = j.result = None
-                    j.per_client = True
-                _faster[key] = False
-                log.warning("cohort training: a cohort of %d %s clients failed (%s: %s); its group's clients "
-                            "train one by one from now on", len(jobs), type(jobs[0].model).__name__,
-                            type(err).__name__, err)
-                continue
-            _judge(key, seconds / len(jobs), alone, jobs[0].model)
+            cap = _cohort_size_cap(jobs[0])
+            for start in range(0, len(jobs), cap):
+                chunk = jobs[start:start + cap]
+                if len(chunk) == 1 or _faster.get(key) is False:
+                    for j in chunk:
+                        j.per_client = True
+                    continue
+                _train_one_cohort(chunk, key, alone)
     finally:
         torch.set_num_threads(threads_now)
+
+
+def _train_one_cohort(jobs: list[CohortJob], key: tuple, alone: float) -> None:
+    drawn = [j.sampler.state_dict() for j in jobs]
+    kept = [None if j.momentum_buffers is None else dict(j.momentum_buffers) for j in jobs]
+    try:
+        seconds = cohort_sgd(jobs, charge_s=alone)
+    except Exception as err:  # noqa: BLE001 - one client's (a buffer of another model) or the stack's (memory)
+        # Each client trains on its own instead, from where its sampler and kept momentum
+        # stood, and fails with its own error if it has one; the group does not try again.
+        for j, state, buffers in zip(jobs, drawn, kept):
+            j.sampler.load_state_dict(state)
+            if buffers is not None:
+                j.momentum_buffers.clear()
+                j.momentum_buffers.update(buffers)
+            j.trained = j.trained_buffers = j.result = None
+            j.per_client = True
+        _faster[key] = False
+        log.warning("cohort training: a cohort of %d %s clients failed (%s: %s); its group's clients "
+                    "train one by one from now on", len(jobs), type(jobs[0].model).__name__,
+                    type(err).__name__, err)
+        return
+    _judge(key, seconds / len(jobs), alone, jobs[0].model)
 
 
 # -- the clients' uplinks, encoded as one batch (fededge.compress.batch) -------------------
@@ -570,9 +626,11 @@ class EncodeJob:
 
 _batch_failed_logged: list[bool] = []
 
-#: group key (less the round) -> the seconds one client of that group took to encode
-#: on its own (every batched client's charge; measured once per process).
+#: group key (less the round) -> the least seconds one client of that group took to
+#: encode on its own (every batched client's charge), and how many times it was timed
+#: (:data:`TIMING_SAMPLES`).
 _encode_alone_s: dict[tuple, float] = {}
+_encode_alone_n: dict[tuple, int] = {}
 
 
 def encode_update(encoder: UpdateEncoder, delta: dict[str, torch.Tensor], *,
@@ -584,7 +642,7 @@ def encode_update(encoder: UpdateEncoder, delta: dict[str, torch.Tensor], *,
 
     Returns the payloads and the seconds of this call that were not this client's
     encoding (the other clients' work while it waited, less its share as the simulated
-    clock charges it: the seconds one client took on its own, measured once per process),
+    clock charges it: the least seconds one client took on its own, :data:`TIMING_SAMPLES`),
     which the caller takes off the compute seconds it charges."""
     slot = _SLOT.get()
     if slot is None or not batchable(encoder):
@@ -611,24 +669,29 @@ def _encode_batches(waiting: list[EncodeJob]) -> None:
         if len(jobs) == 1:
             continue  # encoded per client, after it resumes
         per_process = (key[0], key[2])
-        alone = _encode_alone_s.get(per_process)
-        if alone is None:  # the group's first batch: its first client is encoded alone, timed
+        samples = _encode_alone_n.get(per_process, 0)
+        if samples < TIMING_SAMPLES:  # the group's first batches: the first client encoded alone, timed
             first, jobs = jobs[0], jobs[1:]
             try:
-                # Once untimed on a copy (the process's first encoding pays for cold caches
-                # and library start-up, which no later client would), then timed.
-                copy.deepcopy(first.encoder).encode(first.delta, round=first.round)
+                if samples == 0:
+                    # Once untimed on a copy (the process's first encoding pays for cold
+                    # caches and library start-up, which no later client would), then timed.
+                    copy.deepcopy(first.encoder).encode(first.delta, round=first.round)
                 t0 = time.perf_counter()
                 first.payloads = first.encoder.encode(first.delta, round=first.round)
             except Exception as err:  # noqa: BLE001 - raised by its own call when it resumes
                 first.error = err
-                continue  # no measure yet: the others are encoded alone too
-            alone = first.charge_s = _encode_alone_s[per_process] = time.perf_counter() - t0
-            log.info("cohort encoding: the %s uplinks of a cohort are encoded as one batch (%d clients; "
-                     "charged %.1f ms each, one client's alone)", first.encoder.config.compressor,
-                     len(jobs) + 1, 1e3 * alone)
+                continue  # no measure: the others are encoded alone too
+            took = first.charge_s = time.perf_counter() - t0
+            _encode_alone_s[per_process] = min(took, _encode_alone_s.get(per_process, took))
+            _encode_alone_n[per_process] = samples + 1
+            if samples == 0:
+                log.info("cohort encoding: the %s uplinks of a cohort are encoded as one batch (%d clients; "
+                         "charged %.1f ms each, one client's alone, the least of %d timings)",
+                         first.encoder.config.compressor, len(jobs) + 1, 1e3 * took, TIMING_SAMPLES)
             if len(jobs) == 1:
                 continue
+        alone = _encode_alone_s[per_process]
         try:
             payloads = encode_batch([j.encoder for j in jobs], [j.delta for j in jobs], round=jobs[0].round)
         except Exception as err:  # noqa: BLE001 - each client is then encoded alone (its own error, if any)
@@ -668,13 +731,14 @@ def run_together(calls: Sequence[Callable[[], T]]) -> list[T]:
     one per :meth:`EncodeJob.group_key`) or its end; and so on until every call has
     ended. An exception a call raises is raised here (after every call has ended).
 
-    The first time a group's settings are seen in this process, its first client trains
-    on its own (the per-client path, timed with the client's own threads) and the rest as
-    the cohort; that client's seconds are every cohort client's ``compute_s`` from then
-    on (a cohort's own seconds shared out would make the simulated clock depend on how
-    many clients trained together). On the group's second cohort its seconds per client
-    are set against that: where the cohort is slower, the group trains per client for the
-    rest of the process (logged once, as is the verdict either way)."""
+    In the first :data:`TIMING_SAMPLES` cohorts of a group (its settings: :meth:`CohortJob.cost_key`),
+    its first client trains on its own (the per-client path, timed with the client's own
+    threads) and the rest as the cohort; the least of those seconds is every cohort
+    client's ``compute_s`` (a cohort's own seconds shared out would make the simulated
+    clock depend on how many clients trained together). Then the best per-client seconds
+    of its cohorts after the first are set against that: where the cohort is slower, the
+    group trains per client for the rest of the run (logged once, as is the verdict either
+    way). A group larger than :data:`COHORT_MAX_BYTES` allows trains as several cohorts."""
     n = len(calls)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n

@@ -197,6 +197,10 @@ class InProcessGrid(Grid):
         self.workers = workers
         self.worker_threads = worker_threads
         self.cohort = cohort
+        if cohort:  # this run's cohorts are timed and judged afresh (its threads, its models)
+            from fededge.clients.cohort import reset_measurements
+
+            reset_measurements()
         self.client_device = client_device
         self.direct = direct
         # direct delivery: messages pushed (for their ids, with this grid's salt), and the

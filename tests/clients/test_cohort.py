@@ -10,6 +10,7 @@ step of lr 0.05 moves weights by ~1e-3).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 
@@ -53,11 +54,9 @@ def _no_strict_determinism():
 def _fresh_timings():
     """Each test sees its groups for the first time (run_together times a group's first
     client alone, once per process)."""
-    for table in (cohort._alone_s, cohort._faster, cohort._seen, cohort._encode_alone_s):
-        table.clear()
+    cohort.reset_measurements()
     yield
-    for table in (cohort._alone_s, cohort._faster, cohort._seen, cohort._encode_alone_s):
-        table.clear()
+    cohort.reset_measurements()
 
 
 def _clients(sizes, seed=0, shape=(1, 8, 8)):
@@ -346,10 +345,13 @@ def test_run_together_runs_calls_in_order_and_trains_them_as_cohorts():
     finally:
         cohort.cohort_sgd = real
     # The 10-example client (batch 10) trains on its own; of the other three, the first
-    # trains alone the first time (timed: every cohort client's compute_s), then none.
-    assert sizes == [2, 3]
+    # trains alone in the group's first TIMING_SAMPLES cohorts (timed: the least of those
+    # timings is every cohort client's compute_s).
+    assert cohort.TIMING_SAMPLES == 3 and sizes == [2, 2]
     key = next(iter(cohort._alone_s))
-    assert all(res.compute_s == cohort._alone_s[key] for c, (_, res, _) in enumerate(again) if c != 2)
+    assert cohort._alone_n[key] == 2
+    assert all(res.compute_s == cohort._alone_s[key] for c, (_, res, _) in enumerate(again) if c not in (0, 2))
+    assert again[0][1].compute_s >= cohort._alone_s[key]
     assert [(e, i) for e, i, _ in log] == [("start", i) for i in range(4)] + [("end", i) for i in range(4)]
     for c, ((w, res, pos), s, (x, y)) in enumerate(zip(out, starts, data)):
         sampler = BatchSampler(len(x), 16, seed=3, stream=c)
@@ -453,7 +455,9 @@ def test_run_together_encodes_the_clients_uplinks_as_one_batch():
         if poisoned is None:
             assert batches == [4]  # client 0 alone (its seconds: every batched client's charge)
         else:
-            assert batches == [5]  # measured already: all five; the batch refused, each client encoded alone
+            # client 0 alone again (the second of the TIMING_SAMPLES timings); the batch
+            # of the other four refused, each of them encoded alone
+            assert batches == [4] and cohort._encode_alone_n[next(iter(cohort._encode_alone_n))] == 2
             assert isinstance(out[poisoned], ValueError) and "NaN" in str(out[poisoned])
             assert ("refused", poisoned) in log
         for c, got in enumerate(out):
@@ -507,7 +511,7 @@ def test_both_coroutine_carriers_give_the_same_clients(monkeypatch, carrier):
 
 @pytest.mark.parametrize("schedule", [False, True], ids=["constant-lr", "lr-schedule"])
 def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch, caplog, schedule):
-    """Judged on the group's second cohort: slower per client than one client alone, and
+    """Judged once its alone timings are in: slower per client than one client alone, and
     the group's clients train per client from then on (logged once, naming the times).
     The timing and the verdict go by what the group's cost depends on: with a new lr every
     round (a schedule) the group was timed alone again every round and never judged."""
@@ -524,10 +528,11 @@ def test_a_group_whose_cohort_is_slower_than_alone_trains_per_client(monkeypatch
     monkeypatch.setattr(cohort, "cohort_sgd", slow)
     start = _weights(model)
     lr = 0.05
-    for r in range(4):
+    for r in range(5):
         lr = 0.05 * 0.9**r if schedule else 0.05
         out = run_together([_client_call(model, start, x, y, c, [], c, lr=lr) for c, (x, y) in enumerate(data)])
-    assert sizes == [2, 3]  # first: one alone + two; second: three, judged slower; then none
+    # one alone + two, three times (the alone timings); judged slower on the third; then none
+    assert sizes == [2, 2, 2]
     assert "train one by one from now on" in caplog.text and len(cohort._alone_s) == 1
     for c, ((w, res, _), (x, y)) in enumerate(zip(out, data)):
         ref_w, _ = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), steps=6, lr=lr,
@@ -649,3 +654,107 @@ def test_a_cohort_that_fails_after_drawing_its_batches_trains_each_client_from_i
         assert drawn == sampler.state_dict()
         assert all(torch.equal(w[n], ref_w[n]) for n in w)
         assert res.mean_loss == ref.mean_loss
+
+
+def _momentum_call(model, start, x, y, stream, kept):
+    """A client with keep-momentum: its buffers dict is its state across rounds."""
+    def call():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        sampler = BatchSampler(len(x), 16, seed=3, stream=stream)
+        res = local_sgd(model, x, y, steps=4, lr=0.05, momentum=0.9, sampler=sampler, momentum_buffers=kept)
+        return _weights(model), res
+    return call
+
+
+def _reference(model, start, data, kept_before):
+    out = []
+    for c, (x, y) in enumerate(data):
+        kept = {n: t.clone() for n, t in kept_before[c].items()}
+        w, _ = _per_client(model, start, x, y, BatchSampler(len(x), 16, seed=3, stream=c), buffers=kept, steps=4,
+                           lr=0.05, momentum=0.9)
+        out.append((w, kept))
+    return out
+
+
+def test_a_group_larger_than_the_memory_budget_trains_as_several_cohorts(monkeypatch):
+    """A group was stacked whole: about ten copies of the model a client (1.6 GB for 64
+    clients of a 2.5 MB MLP). Now at most COHORT_MAX_BYTES a cohort; the same results."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=4)
+    per_client = cohort.COHORT_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(cohort, "COHORT_MAX_BYTES", 2 * per_client)  # two clients a cohort
+    data = _clients([40] * 6, seed=4)
+    start = _weights(model)
+    sizes = []
+    real = cohort.cohort_sgd
+    monkeypatch.setattr(cohort, "cohort_sgd", lambda jobs, **kw: sizes.append(len(jobs)) or real(jobs, **kw))
+    kept = [{} for _ in data]
+    out = run_together([_momentum_call(model, start, x, y, c, kept[c]) for c, (x, y) in enumerate(data)])
+    assert sizes == [2, 2]  # one client alone (timed), five left: 2 + 2 + one on its own
+    for (w, _), (ref_w, ref_kept), mine in zip(out, _reference(model, start, data, [{}] * len(data)), kept):
+        for n in w:
+            torch.testing.assert_close(w[n], ref_w[n], atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(mine[n], ref_kept[n], atol=ATOL, rtol=ATOL)
+
+
+def test_a_failed_cohort_puts_back_the_kept_momentum_before_the_clients_train_alone(monkeypatch, caplog):
+    """The fallback restored the samplers only: buffers a failing cohort had already
+    written (a clone that ran out of memory halfway) were a round ahead of the weights."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=5)
+    data = _clients([40] * 4, seed=5)
+    start = _weights(model)
+    before = [{n: 0.01 * (c + 1) * torch.ones_like(t) for n, t in start.items()} for c in range(len(data))]
+    kept = [{n: t.clone() for n, t in b.items()} for b in before]
+
+    def failing(jobs, **kw):
+        for j in jobs[:2]:  # written, then the failure
+            for n in j.momentum_buffers:
+                j.momentum_buffers[n] = torch.full_like(j.momentum_buffers[n], 7.0)
+        raise MemoryError("a clone of the kept buffers")
+
+    monkeypatch.setattr(cohort, "cohort_sgd", failing)
+    out = run_together([_momentum_call(model, start, x, y, c, kept[c]) for c, (x, y) in enumerate(data)])
+    assert "a cohort of 3 MLP clients failed (MemoryError" in caplog.text
+    for (w, _), (ref_w, ref_kept), mine in zip(out, _reference(model, start, data, before), kept):
+        for n in w:
+            torch.testing.assert_close(w[n], ref_w[n], atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(mine[n], ref_kept[n], atol=ATOL, rtol=ATOL)
+
+
+def test_every_client_is_charged_the_least_of_the_first_alone_timings(monkeypatch):
+    """One timing of a client alone was every client's compute_s for the whole run (one
+    outlier, 30x the usual, became every client's seconds)."""
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=6)
+    data = _clients([40] * 3, seed=6)
+    start = _weights(model)
+    real = cohort._train_alone
+    timings = iter([5.0, 1.0, 3.0])
+
+    def alone(job):
+        real(job)
+        job.result = dataclasses.replace(job.result, compute_s=next(timings))
+        return job.result.compute_s
+
+    monkeypatch.setattr(cohort, "_train_alone", alone)
+    charged = []
+    for _ in range(4):
+        out = run_together([_client_call(model, start, x, y, c, [], c) for c, (x, y) in enumerate(data)])
+        charged.append([res.compute_s for _, res, _ in out])
+    assert charged[0] == [5.0, 5.0, 5.0] and charged[1] == [1.0, 1.0, 1.0] and charged[2] == [3.0, 1.0, 1.0]
+    assert charged[3] == [1.0, 1.0, 1.0]  # no more timings alone: the least of three
+
+
+def test_cohort_keys_tell_apart_the_trainable_tensors_and_the_threads():
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    x, y = _clients([40], seed=0)[0]
+
+    def job(weights, threads=1):  # noqa: ANN001, ANN202
+        return CohortJob(model=model, weights=weights, x=x, y=y, sampler=BatchSampler(40, 16, seed=0), steps=2,
+                         lr=0.1, momentum=0.0, weight_decay=0.0, proximal_mu=0.0, momentum_buffers=None,
+                         threads=threads)
+
+    w = _weights(model)
+    fewer = {n: t for n, t in w.items() if n != next(iter(w))}
+    assert job(w).group_key() != job(fewer).group_key()
+    assert job(w).cost_key() != job(w, threads=2).cost_key()
