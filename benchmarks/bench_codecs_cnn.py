@@ -275,6 +275,11 @@ def main() -> int:
         return 0
     base = {**TASKS[args.task], "num-rounds": args.rounds, **parse_run_config(" ".join(args.set))}
     cases = [c for c in STUDIES[args.study] if not args.only or c[0] in args.only]
+    unknown = sorted(set(args.only or ()) - {c[0] for c in STUDIES[args.study]})
+    if unknown:  # (a typo ran nothing, then failed on an empty table)
+        print(f"error: --only {unknown}: not labels of --study {args.study}; its labels: "
+              f"{[c[0] for c in STUDIES[args.study]]}", file=sys.stderr)
+        return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, over in cases:

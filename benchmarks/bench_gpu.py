@@ -312,15 +312,20 @@ def main() -> int:
             r for r in (next((r for r in rows if r["workload"] == w and r["path"] == "per-client"), None)
                         for w in ("resnet", "mlp")) if r is not None]
         for row in rows:
+            t0 = time.perf_counter()
             proc = _in_a_process(row, args, env)
+            took = time.perf_counter() - t0
             if proc is None:
                 continue
             if proc.returncode != 0:
-                print(f"{row}: failed\n{proc.stderr[-2000:]}", flush=True)
+                print(f"{row}: failed after {took:.0f} s\n{proc.stderr[-2000:]}", flush=True)
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r["row_wall_s"] = round(took, 1)  # the row's whole process: what --row-timeout must allow
             results.append(r)
-            print(_line(r, results), flush=True)
+            print(f"{_line(r, results)}   ({took:.0f} s)", flush=True)
+            if args.json:  # after each row: a bench cut short by its timeout keeps the rows done
+                Path(args.json).write_text(json.dumps(results, indent=1))
         print("\nthe same rows, with every ratio against the finished table:")
         for r in results:
             print(_line(r, results))
@@ -353,8 +358,10 @@ def _in_a_process(row: dict, args: argparse.Namespace, env: dict, extra: list[st
            + (["--phases"] if args.phases and not extra else []))
     try:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=args.row_timeout)
-    except subprocess.TimeoutExpired:
-        print(f"{row}: gave up after {args.row_timeout:.0f} s (--row-timeout)", flush=True)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        print(f"{row}: gave up after {args.row_timeout:.0f} s (--row-timeout); its last output:\n{tail[-1500:]}",
+              flush=True)
         return None
 
 
