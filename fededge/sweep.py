@@ -232,6 +232,12 @@ def plan(out: str | os.PathLike[str], grid: Mapping[str, Sequence[Any]], seeds: 
         grid = {}
     combos = cells if cells is not None else [dict(zip(grid, values)) for values in
                                               (itertools.product(*grid.values()) if grid else [()])]
+    # Keys the sweep sets for each run: in a cell they were overridden without a word.
+    theirs = sorted({k for c in combos for k in c} & {"seed", "results-dir", "resume-from", "progress"})
+    if theirs:
+        raise SweepError(f"the {'cells' if cells is not None else 'grid'} must not set {', '.join(map(repr, theirs))}: "
+                         "the sweep sets it for each run (seeds: --seeds 0 1 2; the sweep's directory: --out; "
+                         "progress: --run-config progress=...)")
     clash = sorted(set(base) & {k for c in combos for k in c})
     if clash:
         raise SweepError(f"{', '.join(clash)} in both the {'cells' if cells is not None else 'grid'} and "

@@ -52,6 +52,12 @@ def test_every_invalid_cell_is_named_before_anything_runs(tmp_path):
         plan(tmp_path / "s", grid, [0], base={**BASE, "seed": 3})
     with pytest.raises(SweepError, match="both the grid and --run-config"):
         plan(tmp_path / "s", parse_grid("local-lr=0.1,0.2"), [0], base={**BASE, "local-lr": 0.3})
+    # keys the sweep sets for each run were overridden without a word in a grid or cell
+    for key, values in (("results-dir", "a,b"), ("progress", "bar,off"), ("resume-from", "x")):
+        with pytest.raises(SweepError, match=f"the grid must not set '{key}': the sweep sets it"):
+            plan(tmp_path / "s", parse_grid(f"{key}={values}"), [0], base=BASE)
+    with pytest.raises(SweepError, match="the cells must not set 'results-dir'"):
+        plan(tmp_path / "s", {}, [0], base=BASE, cells=[{"results-dir": "x"}])
 
 
 def test_cells_that_differ_past_the_directory_names_cut_get_directories_of_their_own(tmp_path):
