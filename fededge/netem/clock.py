@@ -117,6 +117,8 @@ class LinkDirection:
             last = first + math.ceil(nbytes / PACKET_BYTES) - 1
             self.next_opportunity = last + 1
             left = max(start, self.trace.time_of(last))
+            if d.loss > 0:  # TCP's loss ceiling holds on a trace too (as in the proxy)
+                left = max(left, start + nbytes * 8 / mathis_rate_bps(self.rtt_s, d.loss))
         elif self.trace is not None:
             left = start
         else:

@@ -328,3 +328,17 @@ def test_a_loss_that_bursts_of_that_length_cannot_give_is_refused_by_name(loss, 
         Direction(loss=loss, loss_burst=burst)
     Direction(loss=0.5, loss_burst=1.0)
     Direction(loss=0.8, loss_burst=4.0)
+
+
+def test_a_lossy_trace_is_capped_at_tcps_loss_ceiling_as_in_the_proxy(tmp_path):
+    """The clock applied the Mathis ceiling to rated links only: a lossy trace-driven link
+    delivered at the trace's rate, faster than TCP can through that loss (the proxy caps it)."""
+    f = tmp_path / "fast.trace"
+    f.write_text("".join(f"{ms}\n" for ms in range(1, 11) for _ in range(10)))  # 120 Mbit/s
+    p = _profile(Direction(delay_s=0.05, loss=0.01, trace=f))
+    clock = SimClock([ClientLink(p)], seed=0)
+    rtt = 0.1
+    ceiling = mathis_rate_bps(rtt, 0.01)
+    arrival = clock.send_up(0, 1_000_000, at=0.0)
+    assert ceiling == pytest.approx(1448 * 8 / rtt * 1.22 / 0.1)
+    assert 8e6 / ceiling + 0.05 <= arrival < 8e6 / ceiling + 0.05 + 3.0  # the ceiling, plus the stalls
