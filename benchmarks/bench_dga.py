@@ -81,7 +81,7 @@ def _run(out: Path, name: str, over: dict, clients: int) -> dict:
 
 
 def _to_target(acc: list[float], sim: list[float], target: float) -> float | None:
-    return next((s for a, s in zip(acc, sim) if a >= target), None)
+    return next((s for a, s in zip(acc, sim) if a is not None and a >= target), None)  # (None: not evaluated)
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| D | final acc, with correction | without | best acc, with | without |")
         print("|---:|---:|---:|---:|---:|")
         for d in args.ablation_delays:
-            w, n = ablation[(d, True)]["acc"], ablation[(d, False)]["acc"]
+            w, n = ([a for a in ablation[(d, c)]["acc"] if a is not None] for c in (True, False))
             print(f"| {d} | {w[-1]:.4f} | {n[-1]:.4f} | {max(w):.4f} | {max(n):.4f} |")
 
     if args.plot:

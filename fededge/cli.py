@@ -14,6 +14,10 @@
 - ``fededge plot RUN_DIR [RUN_DIR ...] [-o out.png]``: compare runs (accuracy against
   round, simulated time and cumulative uplink bytes); ``fededge plot --sweep DIR``: a
   sweep's cells, mean ± sd over seeds.
+- ``fededge replay RUN_DIR [--netem SPEC] [--netem-file F] [--compute-speed S] [--seed N]
+  [--target ACC]``: a finished run re-timed under another network, without training again
+  (:func:`fededge.analysis.replay.replay_sim_s`): each round's accuracy with its ``sim_s``
+  as run and as replayed, and the time to ``--target``.
 - ``fededge sweep --grid "strategy=fedavg,dga dga-delay=1,2" (or --cell "k=v ..." --cell ...) --seeds 0 1 2 [--run-config ...]
   [--out DIR] [--jobs N] [--baseline CELL]``: every combination times every seed, N runs
   at a time, and a table of mean ± sd and paired differences (``fededge.sweep``); the
@@ -270,6 +274,34 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from fededge.analysis.replay import load_rounds, replay_sim_s
+
+    try:
+        again = replay_sim_s(args.run_dir, netem=args.netem, netem_file=args.netem_file,
+                             compute_speed=args.compute_speed, seed=args.seed)
+        _, lines = load_rounds(args.run_dir)
+    except (OSError, ValueError) as err:  # (ProfileError is a ValueError)
+        print(f"fededge replay: {err}", file=sys.stderr)
+        return 2
+    under = " ".join(f"{k}={v}" for k, v in (("netem", args.netem), ("netem-file", args.netem_file),
+                                                ("compute-speed", args.compute_speed), ("seed", args.seed))
+                     if v is not None) or "the run's own network"
+    print(f"{args.run_dir}: re-timed under {under}")
+    print(f"{'round':>5} {'accuracy':>8} {'sim_s as run':>12} {'replayed':>10}")
+    for r, s in zip(lines, again):
+        acc = "—" if r.get("accuracy") is None else f"{r['accuracy']:.4f}"
+        print(f"{r['round']:>5} {acc:>8} {r['sim_s']:>12.2f} {s:>10.2f}")
+    if args.target is not None:
+        def reached(times: list[float]) -> str:
+            hit = next((t for r, t in zip(lines, times) if r.get("accuracy") is not None
+                        and r["accuracy"] >= args.target), None)
+            return "not reached" if hit is None else f"{hit:.2f} s"
+        print(f"time to accuracy {args.target:g}: {reached([r['sim_s'] for r in lines])} as run, "
+              f"{reached(again)} replayed")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from fededge.analysis.plot import plot_runs, plot_sweep
 
@@ -285,7 +317,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     if not args.run_dirs:
-        print("fededge plot: give one or more run directories (or --sweep DIR)", file=sys.stderr)
+        hint = (" (--labels took every word after it: put the run directories before --labels)"
+                if args.labels else "")
+        print(f"fededge plot: give one or more run directories (or --sweep DIR){hint}", file=sys.stderr)
         return 2
 
     out = Path(args.output) if args.output else Path(args.run_dirs[0]) / "comparison.png"
@@ -387,6 +421,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help='the cell the paired differences are taken from, as the table names it '
                             '("strategy=fedavg"; default: the first)')
     sweep.set_defaults(func=_cmd_sweep)
+
+    rp = sub.add_parser("replay", help="re-time a finished run under another network, without training again")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--netem", help="link profile or mix (default: the run's own)")
+    rp.add_argument("--netem-file", help="TOML file of profiles (with --netem file: its [assign] table)")
+    rp.add_argument("--compute-speed", help="devices' compute speed (default: the run's own)")
+    rp.add_argument("--seed", type=int, help="the clock's seed (default: the run's own)")
+    rp.add_argument("--target", type=float, help="also print the time to this accuracy, as run and replayed")
+    rp.set_defaults(func=_cmd_replay)
 
     plot = sub.add_parser("plot", help="compare runs in one PNG")
     plot.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")

@@ -185,3 +185,20 @@ def test_testbed_down_run_status_with_nothing_up(tmp_path, capsys):
     assert main(["testbed", "run", "--state-dir", state]) == 2
     assert "no testbed is up" in capsys.readouterr().err
     assert main(["testbed", "status", "--state-dir", state]) == 1
+
+
+def test_fededge_replay_retimes_a_run_and_names_a_directory_that_is_not_one(tmp_path, capsys):
+    """docs/architecture.md listed replay under the CLI, which had none."""
+    from fededge.cli import main
+    from fededge.server.inprocess import run_inprocess
+
+    run_dir = run_inprocess({"num-rounds": 2, "local-steps": 2, "progress": "off", "netem": "4g",
+                             "results-dir": str(tmp_path)}, num_clients=2)
+    capsys.readouterr()
+    assert main(["replay", str(run_dir), "--netem", "3g", "--target", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "re-timed under netem=3g" in out and "time to accuracy 0.05: 0.00 s as run, 0.00 s replayed" in out
+    rows = [line.split() for line in out.splitlines()[2:5]]
+    assert [r[0] for r in rows] == ["0", "1", "2"] and float(rows[2][3]) > float(rows[2][2])  # 3g is slower
+    assert main(["replay", str(tmp_path)]) == 2
+    assert f"is not a run directory (no config.json); the runs in it: {run_dir.name}" in capsys.readouterr().err

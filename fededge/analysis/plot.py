@@ -24,6 +24,7 @@ Examples
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 __all__ = ["RunData", "load_run", "plot_runs", "plot_sweep", "CONFIG_FILE", "METRICS_FILE"]
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -138,40 +141,48 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     prev_round: tuple[int, int] | None = None  # (round, line)
     with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}, line {lineno}: malformed JSON ({exc.msg} at column "
-                    f"{exc.colno}); each line must be one JSON object"
-                ) from exc
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}, line {lineno}: expected a JSON object, got "
-                    f"{type(row).__name__}"
-                )
-            missing = [k for k in _REQUIRED if k not in row]
-            if missing:
-                raise ValueError(
-                    f"{path}, line {lineno}: missing key(s) {', '.join(map(repr, missing))}; "
-                    f"every line needs {', '.join(_REQUIRED)}"
-                )
-            unevaluated = row["accuracy"] is None and row["loss"] is None  # evaluate-every: NaN
-            for key, kind in _REQUIRED.items():
-                if not (unevaluated and key in ("accuracy", "loss")):
-                    _check_value(path, lineno, key, kind, row[key])
-            rnd = int(row["round"])
-            if prev_round is not None and rnd <= prev_round[0]:
-                raise ValueError(
-                    f"{path}, line {lineno}: round {rnd} does not follow round "
-                    f"{prev_round[0]} (line {prev_round[1]}); rounds must increase, so a "
-                    "resumed run should not append repeated rounds"
-                )
-            prev_round = (rnd, lineno)
-            rows.append(row)
+        text = fh.read()
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lineno == len(lines) and not text.endswith("\n"):
+                # The last line cut short by a kill (a resume drops it too): the rounds before
+                # it are drawn.
+                log.warning("%s, line %d: an unfinished last line (the run was killed while writing "
+                            "it?): left out", path, lineno)
+                break
+            raise ValueError(
+                f"{path}, line {lineno}: malformed JSON ({exc.msg} at column "
+                f"{exc.colno}); each line must be one JSON object"
+            ) from exc
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path}, line {lineno}: expected a JSON object, got "
+                f"{type(row).__name__}"
+            )
+        missing = [k for k in _REQUIRED if k not in row]
+        if missing:
+            raise ValueError(
+                f"{path}, line {lineno}: missing key(s) {', '.join(map(repr, missing))}; "
+                f"every line needs {', '.join(_REQUIRED)}"
+            )
+        unevaluated = row["accuracy"] is None and row["loss"] is None  # evaluate-every: NaN
+        for key, kind in _REQUIRED.items():
+            if not (unevaluated and key in ("accuracy", "loss")):
+                _check_value(path, lineno, key, kind, row[key])
+        rnd = int(row["round"])
+        if prev_round is not None and rnd <= prev_round[0]:
+            raise ValueError(
+                f"{path}, line {lineno}: round {rnd} does not follow round "
+                f"{prev_round[0]} (line {prev_round[1]}); rounds must increase, so a "
+                "resumed run should not append repeated rounds"
+            )
+        prev_round = (rnd, lineno)
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path} is empty: the run logged no rounds to plot")
     return rows

@@ -32,6 +32,10 @@ __all__ = ["load_rounds", "replay_sim_s"]
 def load_rounds(run_dir: str | Path) -> tuple[dict, list[dict]]:
     """The run's ``config.json`` and its ``metrics.jsonl`` lines."""
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        inside = sorted(p.name for p in run_dir.iterdir() if (p / "config.json").is_file()) if run_dir.is_dir() else []
+        raise ValueError(f"{run_dir} is not a run directory (no config.json)"
+                         + (f"; the runs in it: {', '.join(inside[:5])}" if inside else ""))
     config = json.loads((run_dir / "config.json").read_text())
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return config, lines
@@ -90,6 +94,12 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
     config, lines = load_rounds(run_dir)
     cfg = config.get("config", config)
     kind = _kind(config, cfg)
+    if kind is None and any(r.get("self_timed") for r in lines):
+        # A strategy that times its own rounds (a DGA subclass, a user's own) re-timed as
+        # synchronous rounds gave other numbers without a word.
+        raise ValueError(f"{run_dir}: its strategy ({config.get('strategy_class', cfg.get('strategy'))}) times its "
+                         "own rounds, which replay does not know how to do again (it knows synchronous rounds "
+                         f"and DGA's); run it again with the other netem")
     if kind in ("fedasync", "fedbuff", "ssp", "async", "backup"):
         raise ValueError(f"{run_dir}: {kind} runs cannot be replayed under another network: "
                          "which update arrives first, and so what is aggregated, depends on the "
@@ -129,7 +139,10 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
                 work = [ClientRound(c["partition"], c["bytes_down"], _compute_s(c, steps, step_s), c["bytes_up"])
                         for c in r.get("clients", [])]
                 before = timeline.ready[r["round"] - 1]
-                total += timeline.run_round(r["round"], work) - before
+                # As the run sent it (compute-ahead previews), where the line recorded it
+                preview = r.get("dga_from_preview")
+                total += timeline.run_round(r["round"], work, ahead=r.get("dga_ahead"),
+                                            from_preview=None if preview is None else set(preview)) - before
             else:
                 # As the run's clock: the training, the second exchange (norm-stats=global's
                 # queries), the clients' evaluation, one after the other; a node that never
@@ -142,7 +155,8 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
                             for c in r.get(key, [])]
                     if work:
                         duration += synchronous_round(clock, work).duration
-                total += max(duration, timeout) if r.get("dropped") else duration
+                # (the timeout the round ran with: a resumed run may have changed it)
+                total += max(duration, float(r.get("round_timeout", timeout))) if r.get("dropped") else duration
         out.append(total)
     return out
 

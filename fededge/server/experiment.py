@@ -291,7 +291,9 @@ class Experiment:
         """The clock's settings for config.json (read back by ``fededge.analysis.replay``),
         and the round timeout a dropout costs there."""
         c = self.clock_config
-        return {"netem": c.netem, "netem-file": c.netem_file, "compute-speed": c.compute_speed, "seed": self.seed,
+        # (netem-file absolute: replay reads it from wherever it runs)
+        netem_file = str(Path(c.netem_file).resolve()) if c.netem_file else c.netem_file
+        return {"netem": c.netem, "netem-file": netem_file, "compute-speed": c.compute_speed, "seed": self.seed,
                 "sim-step-s": c.sim_step_s, "compute-s": c.compute_s, "message-overhead-s": c.message_overhead_s,
                 "nodes-pull": c.nodes_pull, "timeout": timeout}
 
@@ -627,6 +629,10 @@ class _RoundCloser:
             self.metered.partition_of.get(n, n) for n in traffic.dropped]
         if dropped and "dropped" not in extra:
             extra["dropped"] = sorted(dropped)
+        if dropped and report.sim_s is None:  # what the round waited (a resumed run may change it)
+            extra["round_timeout"] = self.timeout
+        if report.sim_s is not None:  # the strategy timed the round itself (replay must know how)
+            extra["self_timed"] = True
         # What each client did, so that the run can be re-timed under another network
         # (fededge.analysis.replay) without training again.
         for exchange, key in zip(EXCHANGES, EXCHANGE_RECORDS):
@@ -634,7 +640,7 @@ class _RoundCloser:
             if placed or exchange == "nodes":
                 extra[key] = [
                     {"partition": pid,
-                     "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None, n.wall_s), 6),
+                     "compute_s": round(self.clock.measured_s(n.compute_s if n.reported_compute else None, n.wall_s), 9),
                      "bytes_down": n.bytes_down, "bytes_up": n.bytes_up, "steps": n.steps}
                     for pid, n in placed]
         rec = self.recorder.record_round(
@@ -688,8 +694,8 @@ class _RoundCloser:
         if self.clock.clock is None and placed:
             reported = max((n.num_partitions for _, n in placed if n.num_partitions is not None), default=None)
             self.clock.build(max(self.clock.num_clients(reported), 1 + max(pid for pid, _ in placed)))
-        if self.clock.clock is None:
-            return 0.0
+        if self.clock.clock is None:  # (no client placed yet: every one dropped out, say)
+            return self.timeout if traffic.dropped else 0.0
         # The training, then (norm-stats queries) a second exchange that starts when it ends,
         # then the clients' evaluation (Flower's loop sends it after the training).
         duration = 0.0

@@ -159,6 +159,7 @@ class DGA(OwnLoop):
         # round -> (pid, n, work, node id)
         self._work: dict[int, list[tuple[int, int | None, ClientRound, int]]] = {}
         self._wait_s: float | None = None
+        self._sent_as_recorded: dict[str, Any] = {}  # the last timed round's sending, for its metrics line
         self._local_steps: int | None = None
         self.update = update
 
@@ -191,7 +192,9 @@ class DGA(OwnLoop):
             report.metrics = {
                 "dga_delay": info.delay, "dga_global_round": info.global_round,
                 "staleness": info.staleness_mean, "staleness_max": info.staleness_max, "staleness_steps": steps,
-                "wait_s": None if self._wait_s is None else round(self._wait_s, 6), "pipelined": info.pipelined}
+                "wait_s": None if self._wait_s is None else round(self._wait_s, 6), "pipelined": info.pipelined,
+                **self._sent_as_recorded}
+        self._sent_as_recorded = {}
         return report
 
     def _round_sim_s(self, t: int) -> float | None:
@@ -214,6 +217,8 @@ class DGA(OwnLoop):
         before = self._timeline.ready[t - 1]
         from_preview = {pid for pid, _, _, node in work if node in referred}  # the clock's clients are partitions
         end = self._timeline.run_round(t, rounds, ahead=ahead, from_preview=from_preview)
+        # (what fededge.analysis.replay needs to time the round again as it was sent)
+        self._sent_as_recorded = {"dga_ahead": bool(ahead), "dga_from_preview": sorted(from_preview)}
         waits = [self._timeline.blocked[(t, c.client)] for c in rounds]
         self._wait_s = sum(waits) / len(waits) if waits else None
         return end - before
@@ -399,8 +404,10 @@ class DGA(OwnLoop):
             replies = list(grid.send_and_receive(self._messages(t, train_config, preview=preview), timeout=timeout))
             self._finish_round(t, replies)
             if self.fraction_evaluate > 0:
-                ev = grid.send_and_receive(
-                    self.configure_evaluate(t, self._result.arrays, evaluate_config, grid), timeout=timeout)
+                ev_messages = list(self.configure_evaluate(t, self._result.arrays, evaluate_config, grid))
+                for m in ev_messages:  # metered with round t (Flower's leave the group empty: never taken)
+                    m.metadata.group_id = str(t)
+                ev = grid.send_and_receive(ev_messages, timeout=timeout)
                 agg = self.aggregate_evaluate(t, ev)
                 if agg is not None:
                     self._result.evaluate_metrics_clientapp[t] = agg

@@ -231,6 +231,16 @@ def test_bad_line_error_names_file_and_line_number(
     assert needle in message
 
 
+def test_a_last_line_cut_short_by_a_kill_is_left_out_with_a_warning(tmp_path: Path, caplog) -> None:
+    """fededge resume drops such a line, fededge plot refused the whole run."""
+    good = [json.dumps(r) for r in FEDAVG_ROWS[:3]]
+    run_dir = _run_with_lines(tmp_path, good)
+    with (run_dir / "metrics.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(FEDAVG_ROWS[3])[:20])  # no newline: the write was cut
+    run = load_run(run_dir)
+    assert len(run.rounds) == 3 and "an unfinished last line" in caplog.text
+
+
 def test_blank_lines_extra_keys_and_nan_accuracy_are_accepted(tmp_path: Path) -> None:
     lines = [
         json.dumps(_row(1, 0.5, 10, 0, 1.0, note="x")),

@@ -31,7 +31,11 @@ def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
     {"norm-stats": "global", "model": "cnn-bn", "netem": "3g", "compressor": "signsgd"},  # the second exchange
     {"fraction-evaluate": 1.0, "netem": "3g"},                            # the clients' evaluation
     {"fraction-evaluate": 1.0, "netem": "wifi:0.34,3g:0.66", "sim-step-s": 0.01},  # on its own link, no real time
-], ids=["nodes-pull", "dropout", "norm-stats-global", "client-evaluation", "client-evaluation-steps"])
+    # compute-ahead: replay re-timed the rounds without the previews the run sent (+28 %)
+    {"strategy": "dga", "dga-delay": 2, "dga-compute-ahead": True, "nodes-pull": True, "message-overhead-s": 0.5,
+     "sim-step-s": 0.3, "netem": "4g", "num-rounds": 5},
+], ids=["nodes-pull", "dropout", "norm-stats-global", "client-evaluation", "client-evaluation-steps",
+        "dga-compute-ahead"])
 def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over):
     """Under its own setting a run replays to its own sim_s: replay left out nodes-pull's
     polls (3x too short), a dropout's timeout, norm-stats=global's second exchange; and
@@ -40,6 +44,8 @@ def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over)
                              **over}, num_clients=3)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert replay_sim_s(run_dir) == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
+    if "dga-compute-ahead" in over:
+        assert any(r.get("dga_from_preview") for r in lines[1:])  # previews were sent, and replayed as sent
     if "dropout" in over:  # a dropped-out client never answers: no bytes up (its stand-in reply was counted)
         assert all(r["dropped"] and r["bytes_up"] == sum(c["bytes_up"] for c in r["clients"]) for r in lines[1:])
     if "sim-step-s" in over and "fraction-evaluate" in over:
@@ -100,3 +106,59 @@ def test_replay_refuses_a_users_async_or_gossip_run_by_its_strategy_class(tmp_pa
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match=match):
         replay_sim_s(tmp_path)
+
+
+def test_a_run_whose_clients_all_dropped_before_the_clock_knew_them_waits_the_timeout(tmp_path):
+    """The synchronous clock returned 0 s for a dropout round before any client had been
+    placed (every client dropped out): the run recorded 0 s where its server waited."""
+    run_dir = run_inprocess({"num-rounds": 3, "local-steps": 2, "progress": "off", "dropout": 0.9,
+                             "round-timeout": 5.0, "results-dir": str(tmp_path)}, num_clients=3)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round_sim_s"] for r in lines[1:]] == [5.0, 5.0, 5.0]
+    assert all(r["round_timeout"] == 5.0 for r in lines[1:])
+    assert replay_sim_s(run_dir) == pytest.approx([r["sim_s"] for r in lines], abs=1e-9)
+
+
+def test_replay_uses_each_rounds_own_timeout_and_refuses_a_self_timed_strategy_it_does_not_know(tmp_path):
+    run_dir = run_inprocess({"num-rounds": 3, "local-steps": 2, "progress": "off", "dropout": 0.34,
+                             "round-timeout": 30.0, "sim-step-s": 0.01, "results-dir": str(tmp_path / "a")},
+                            num_clients=3)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # as a resumed run with another round-timeout records it: each round its own
+    lines[3]["round_timeout"] = 10.0
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    again = replay_sim_s(run_dir)
+    assert again[3] - again[2] == pytest.approx(10.0)
+    dga = run_inprocess({"num-rounds": 2, "local-steps": 2, "progress": "off", "strategy": "dga", "dga-delay": 1,
+                         "results-dir": str(tmp_path / "b")}, num_clients=3)
+    config = json.loads((dga / "config.json").read_text())
+    config["strategy_class"] = "mypkg.strategies.MyDGA"  # a subclass, a user's own: self-timed, unknown
+    (dga / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="times its own rounds, which replay does not know"):
+        replay_sim_s(dga)
+
+
+def test_a_relative_netem_file_is_recorded_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.toml").write_text('[mine]\nsource = "t"\nup = { rate-kbit = 1000, delay-ms = 10 }\n'
+                                     'down = { rate-kbit = 1000, delay-ms = 10 }\n[assign]\ndefault = "mine"\n')
+    run_dir = run_inprocess({"num-rounds": 1, "local-steps": 2, "progress": "off", "netem": "file",
+                             "netem-file": "p.toml", "results-dir": str(tmp_path / "r")}, num_clients=2)
+    assert json.loads((run_dir / "config.json").read_text())["clock"]["netem-file"] == str(tmp_path / "p.toml")
+    monkeypatch.chdir("/")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert replay_sim_s(run_dir) == pytest.approx([r["sim_s"] for r in lines], abs=1e-6)
+
+
+def test_dga_lockstep_meters_the_clients_evaluation_with_its_round(tmp_path):
+    """Flower's evaluate messages have no group: DGA takes its rounds' traffic by group, so
+    the clients' evaluation was never metered (half the downlink missing per round)."""
+    over = {"num-rounds": 3, "local-steps": 2, "progress": "off", "fraction-evaluate": 1.0, "netem": "3g"}
+    dga = run_inprocess({**over, "strategy": "dga", "dga-delay": 1, "dga-pipeline": "off",
+                         "results-dir": str(tmp_path / "dga")}, num_clients=3)
+    lines = [json.loads(x) for x in (dga / "metrics.jsonl").read_text().splitlines()]
+    for r in lines[1:]:
+        assert len(r["clients_evaluate"]) == 3
+        evaluation = sum(c["bytes_down"] for c in r["clients_evaluate"])
+        assert evaluation > 3 * 300_000  # the model, to each client
+        assert r["bytes_down"] == sum(c["bytes_down"] for c in r["clients"]) + evaluation
