@@ -375,7 +375,9 @@ class Experiment:
                 # Those replies are rejected and left out instead (MeteredGrid.screen).
                 keyed = first_with(strategy, "weighted_by_key")
                 rounds.metered.screen = (str(getattr(keyed, "arrayrecord_key", keys.ARRAYS)),
-                                         str(getattr(keyed, "weighted_by_key", "num-examples")))
+                                         str(getattr(keyed, "weighted_by_key", "num-examples")),
+                                         # (a compressed reply is decoded by a Compressed in the chain only)
+                                         first_with(strategy, "take_stats") is not None)
             if not own_loop and type(strategy).start is not Strategy.start:
                 # Its own round loop, and no way to stop it at a round boundary: a checkpoint
                 # written from outside would not hold its state. Say so, write none.

@@ -156,9 +156,10 @@ class MeteredGrid(Grid):
         self._traffic: dict[str, RoundTraffic] = {}
         self._pushed_at: dict[str, float] = {}  # message id -> when it was pushed (monotonic)
         self.partition_of: dict[int, int] = {}  # node id -> partition id, from its replies
-        #: ``(arrays_key, weight_key)`` of a strategy on Flower's round loop: its train and
-        #: evaluate replies are screened (module docstring); None: none are.
-        self.screen: tuple[str, str] | None = None
+        #: ``(arrays_key, weight_key, decodes)`` of a strategy on Flower's round loop (decodes:
+        #: a Compressed in its chain decodes compressed replies): its train and evaluate
+        #: replies are screened (module docstring); None: none are.
+        self.screen: tuple[str, str, bool] | None = None
         self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # group -> the model's shapes sent
 
     # -- accounting ----------------------------------------------------------------
@@ -290,7 +291,7 @@ class MeteredGrid(Grid):
         """``replies`` with those :func:`~fededge.strategies._replies.screen_replies` refuses
         turned into error replies, counted and logged (see :attr:`screen`)."""
         assert self.screen is not None
-        arrays_key, weight_key = self.screen
+        arrays_key, weight_key, decodes = self.screen
         out = list(replies)
         for kind in ("train", "evaluate"):
             at = [i for i, r in enumerate(out) if r.metadata.message_type.startswith(kind)]
@@ -300,7 +301,7 @@ class MeteredGrid(Grid):
             with self._lock:
                 shapes = self._shapes.get(batch[0].metadata.group_id) if kind == "train" else None
             why = screen_replies(batch, weight_key=weight_key, arrays_key=arrays_key if kind == "train" else None,
-                                 shapes=shapes)
+                                 shapes=shapes, compressed_decoded=decodes)
             for i, r, problem in zip(at, batch, why):
                 if problem is None:
                     continue

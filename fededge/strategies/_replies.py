@@ -148,15 +148,17 @@ def metrics_problem(reply: Message, weight_key: str) -> str | None:
 
 
 def screen_replies(replies: list[Message], *, weight_key: str, arrays_key: str | None = None,
-                   shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[str | None]:
+                   shapes: Mapping[str, tuple[int, ...]] | None = None,
+                   compressed_decoded: bool = True) -> list[str | None]:
     """Why each of one round's replies cannot be aggregated by Flower's strategies (None:
     it can; an error reply is left to the strategy).
 
     Each reply alone: its metrics (:func:`metrics_problem`) and, where ``arrays_key`` is
     given (train replies), its ``arrays_key`` record: present unless the reply is
-    compressed (:class:`~fededge.strategies.compressed.Compressed` decodes and checks
-    those), with the model's names and ``shapes`` (where given) and finite numbers
-    (:func:`array_problem`). Then together: Flower refuses a whole round whose replies'
+    compressed and ``compressed_decoded`` (a :class:`~fededge.strategies.compressed.Compressed`
+    decodes and checks those; without one, Flower's strategy averaged the payload's bytes
+    into the model), with the model's names and ``shapes`` (where given) and finite
+    numbers (:func:`array_problem`). Then together: Flower refuses a whole round whose replies'
     metric names differ, so the replies whose names differ from most replies' are
     refused (on a tie, from the first usable reply's).
     """
@@ -178,6 +180,9 @@ def screen_replies(replies: list[Message], *, weight_key: str, arrays_key: str |
                         problem = array_problem(name, arr, None if shapes is None else shapes.get(name))
             elif keys.COMPRESSED not in c:
                 problem = f"reply has no '{arrays_key}' ArrayRecord (has {sorted(c.keys())})"
+            elif not compressed_decoded:
+                problem = ("reply is compressed (the client's CompressionMod) but the strategy does not decode it: "
+                           "wrap the strategy in Compressed(strategy, update=<the clients' UpdateConfig>)")
         why.append(problem)
     names = {i: _metric_kinds(next(iter(r.content.metric_records.values())))
              for i, r in enumerate(replies) if not r.has_error() and why[i] is None}

@@ -116,3 +116,15 @@ def test_screen_replies_takes_the_metrics_most_replies_have(monkeypatch):
     assert lists[0] is None and lists[2] is None and "loss (a list of 1)" in lists[1]
     for bad, why in ((0, "is 0,"), (float("nan"), "is nan,"), (-2.0, "is -2.0,")):
         assert why in screen_replies([reply(**{"num-examples": bad})], weight_key="num-examples")[0]
+
+
+def test_compressed_replies_to_a_strategy_that_does_not_decode_them_are_refused_by_name(tmp_path):
+    """CompressionMod on the clients and no Compressed on the server: Flower's FedAvg
+    averaged the payloads' bytes into the model (a 'bundle' array), the run "completed"."""
+    from fededge.clients.mods import CompressionMod
+    from fededge.compress.update import UpdateConfig
+
+    app = ClientApp(mods=[CompressionMod(UpdateConfig(compressor="topk", topk_ratio=0.1))])
+    app.train(mods=[fapp.run_config_mods])(fapp.train)
+    with pytest.raises(RoundFailedError, match=r"round 1: .*wrap the strategy in Compressed\(strategy, update="):
+        run_inprocess({**BASE, "results-dir": str(tmp_path)}, num_clients=3, client_app=app)
