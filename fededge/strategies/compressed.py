@@ -38,6 +38,7 @@ from fededge.compress.plan import PlanMismatchError, UpdatePlan
 from fededge.compress.roles import SERVER, is_counter, is_statistic, server_keeps
 from fededge.compress.update import DOWNLINK, DownlinkConfig, UpdateConfig, decode_update
 from fededge.compress.wire import peek_codec
+from fededge.errors import ConfigError
 from fededge.protocol import bundle_payloads, cast_downlink, decode_downlink
 from fededge.strategies.delegate import DelegatesEvaluation
 from fededge.strategies.report import RoundReport, report_of
@@ -151,6 +152,12 @@ class Compressed(DelegatesEvaluation):
     # -- Strategy ------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        if self.update is not None and self.update.norm_stats == "global" and not self.server_sets_statistics:
+            # The clients send no statistics: without the server's own, the model's stayed
+            # as they were in round 0, without a word.
+            raise ConfigError("Compressed(..., update=UpdateConfig(norm_stats='global')): the clients send no "
+                              "normalisation statistics, and nothing here computes the server's: wrap it in "
+                              "NormCalibrated(Compressed(...)), or give both sides norm_stats='decoded'")
         self._integers.update(integer_dtypes(arrays))
         arrays = with_integers(arrays, self._integers)
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))

@@ -367,3 +367,19 @@ def test_a_server_that_recalibrates_keeps_its_statistics_where_no_update_config_
     with pytest.raises(MalformedPayloadError, match="'other.weight' of the model is missing"):
         decode_compressed(RecordDict({COMPRESSED: bundle_record(payloads)}), sent, CompressionStats(),
                           keep_statistics=True)
+
+
+def test_global_norm_stats_without_normcalibrated_is_refused_before_round_1():
+    """The clients send no statistics under norm_stats='global': without NormCalibrated the
+    model's BatchNorm statistics stayed at round 0's, silently."""
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge.errors import ConfigError
+    from fededge.strategies.compressed import Compressed
+    from fededge.strategies.normstats import NormCalibrated
+
+    update = UpdateConfig(compressor="signsgd", error_feedback=True, norm_stats="global")
+    with pytest.raises(ConfigError, match=r"wrap it in NormCalibrated\(Compressed\(...\)\)"):
+        Compressed(FedAvg(), update=update).configure_train(1, ArrayRecord(), ConfigRecord(), None)
+    NormCalibrated(Compressed(FedAvg(), update=update))  # wrapped: the server's own statistics
