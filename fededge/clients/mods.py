@@ -522,6 +522,11 @@ class GossipMod:
         """
         i, t = int(conf[keys.GOSSIP_INDEX]), int(conf[keys.SERVER_ROUND])
         algorithm = str(conf[keys.GOSSIP_ALGORITHM])
+        if algorithm == "dpsgd" and self.update is not None and self.update.compressor != "none":
+            # D-PSGD sends whole models: the codec was ignored and every message went dense.
+            raise ConfigError(f"GossipMod(UpdateConfig(compressor={self.update.compressor!r})) but the relay runs "
+                              "D-PSGD, which sends whole models: compressed gossip is CHOCO-SGD, "
+                              "Gossip(algorithm='choco', ...) on the server (or drop the GossipMod's update)")
         row = {int(j): float(w) for j, w in zip(conf.get(keys.GOSSIP_ROW_NODES, []),
                                                  conf.get(keys.GOSSIP_ROW_WEIGHTS, []))}
         state = (record_to_torch(context.state[keys.STATE_GOSSIP])

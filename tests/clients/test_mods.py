@@ -79,6 +79,15 @@ def test_gossip_mod_runs_a_choco_round_without_the_run_config():
     assert keys.STATE_GOSSIP in context.state
 
 
+def test_a_compressing_gossip_mod_under_dpsgd_is_a_config_error_naming_choco():
+    """D-PSGD sends whole models: the GossipMod's codec was ignored, every message dense."""
+    with pytest.raises(ConfigError, match=r"compressed gossip is CHOCO-SGD, Gossip\(algorithm='choco'"):
+        _call([GossipMod(UpdateConfig(compressor="signsgd"))],
+              {keys.ARRAYS: initial_arrays(), keys.CONFIG: _config({**CHOCO_CONFIG, keys.GOSSIP_ALGORITHM: "dpsgd"})})
+    _call([GossipMod()], {keys.ARRAYS: initial_arrays(),  # no codec: D-PSGD as it is
+                          keys.CONFIG: _config({**CHOCO_CONFIG, keys.GOSSIP_ALGORITHM: "dpsgd"})})
+
+
 def test_config_error_mod_names_a_users_config_error_without_the_run_config():
     def bad(msg, context):  # noqa: ANN001, ANN202
         raise ConfigError("run-config key 'my-lr' must be > 0")
