@@ -219,8 +219,11 @@ def generate_certs(
         Directory to write into; made (with parents) when missing.
     hosts : str or sequence of str
         Every name and address SuperNodes and ``flwr`` dial the SuperLink by
-        (``"superlink,127.0.0.1"``): TLS checks the dialled name against these SANs.
-        IP addresses become IP SANs, everything else DNS SANs.
+        (``"superlink,192.168.1.20"``): TLS checks the dialled name against these SANs.
+        IP addresses become IP SANs, everything else DNS SANs. ``127.0.0.1`` and
+        ``localhost`` are always added: Flower's SuperLink starts its own SuperExec,
+        which dials it at 127.0.0.1 over TLS (without them every run stops there, while
+        the SuperLink and the nodes look healthy).
     supernodes : int
         Number of SuperNode authentication key pairs (0 for TLS without node auth).
     days : int
@@ -237,6 +240,9 @@ def generate_certs(
     if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= MAX_DAYS:
         raise CertError(f"days must be an integer from 1 to {MAX_DAYS}, got {days!r}")
     parsed = parse_hosts(hosts)
+    for own in (ipaddress.ip_address("127.0.0.1"), "localhost"):  # (the SuperLink's own SuperExec)
+        if own not in parsed:
+            parsed.append(own)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CertError(f"--out {str(out)!r} exists and is not a directory")
@@ -261,7 +267,10 @@ def generate_certs(
     server_key = ec.generate_private_key(ec.SECP256R1())
     server = _build_server(server_key, parsed, ca, ca_key, start, end)
 
-    out.mkdir(parents=True, exist_ok=True)
+    existed = out.exists()
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)  # (private keys in it; not the umask's)
+    if not existed:
+        out.chmod(0o700)
     _write(bundle.ca_key, _pem_key(ca_key), PRIVATE_MODE, force)
     _write(bundle.ca_cert, ca.public_bytes(serialization.Encoding.PEM), PUBLIC_MODE, force)
     _write(bundle.server_key, _pem_key(server_key), PRIVATE_MODE, force)

@@ -151,7 +151,10 @@ def test_force_replaces_everything_and_narrows_an_old_wide_key(tmp_path, capsys)
     assert first.supernode_keys[0][1].read_bytes() != old_pub
     assert _mode(first.server_key) == 0o600
     san = _load(first.server_cert).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.1.2.3")]
+    # 127.0.0.1 and localhost always: the SuperLink's own SuperExec dials it there over TLS
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.1.2.3"),
+                                                        ipaddress.ip_address("127.0.0.1")]
+    assert san.get_values_for_type(x509.DNSName) == ["superlink", "localhost"]
     _load(first.server_cert).verify_directly_issued_by(_load(first.ca_cert))
 
 
@@ -270,3 +273,12 @@ def test_certs_module_does_not_import_flower():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_new_certs_directory_is_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        bundle = generate_certs(tmp_path / "new", hosts="superlink")
+    finally:
+        os.umask(old)
+    assert _mode(bundle.out_dir) == 0o700

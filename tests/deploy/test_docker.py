@@ -110,10 +110,19 @@ def test_compose_has_a_superlink_and_three_supernodes_each_with_its_key_and_part
 
 
 def test_compose_mounts_the_certificates_read_only_and_declares_its_volumes(compose):
+    """Each container gets its own files of the certs directory, read-only: the whole
+    directory put ca.key and every node's key into every container (a submitted
+    ClientApp could read them)."""
     declared = set(compose.get("volumes") or {})
+    own = {"superlink": {"ca.crt", "server.pem", "server.key"}}
     for name in ["superlink", *_supernodes(compose)]:
         mounts = compose["services"][name]["volumes"]
-        assert any(m.split(":")[1:] == ["/certs", "ro"] for m in mounts), (name, mounts)
+        certs = {m.split(":")[1]: m for m in mounts if m.split(":")[1].startswith("/certs")}
+        key = _env(compose["services"][name]).get("FEDEDGE_NODE_KEY")
+        want = own.get(name, {"ca.crt", key})
+        assert {t.rsplit("/", 1)[1] for t in certs} == want, (name, mounts)
+        assert all(m.endswith(":ro") and m.split(":")[0].endswith(t.rsplit("/", 1)[1]) for t, m in certs.items())
+        assert not any("ca.key" in m for m in mounts)
         for m in mounts:
             source = m.split(":")[0]
             if not source.startswith((".", "/", "~")):
