@@ -53,7 +53,8 @@ MIX = "wifi:0.5,4g:0.5"
 def config(tmp_path: Path, **kw) -> TestbedConfig:
     kw.setdefault("clients", 2)
     kw.setdefault("profiles", MIX)
-    return TestbedConfig(state_dir=tmp_path / "state", **kw)
+    kw.setdefault("state_dir", tmp_path / "state")
+    return TestbedConfig(**kw)
 
 
 def node_config(node: tb.NodePlan) -> dict:
@@ -629,3 +630,60 @@ def test_config_dataclass_is_frozen(tmp_path):
     cfg = config(tmp_path)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.clients = 3  # type: ignore[misc]
+
+
+def test_up_deletes_no_logs_or_flwr_home_it_did_not_make(tmp_path, monkeypatch):
+    """`up` wiped STATE/logs and STATE/flwr-home whatever they were: --state-dir ~/project
+    deleted that project's logs/."""
+    for name in ("check_machine", "check_subnet"):
+        monkeypatch.setattr(tb_host, name, lambda *a, **k: None)
+    monkeypatch.setattr(tb_host, "list_netns", lambda: [])
+    monkeypatch.setattr(tb_host, "list_links", lambda: [])
+    applied = []
+    monkeypatch.setattr(tb_lifecycle, "_apply", lambda plan, state, **kw: applied.append(plan))
+    cfg = config(tmp_path)
+    (cfg.state_dir / "logs").mkdir(parents=True)
+    (cfg.state_dir / "logs" / "keep.txt").write_text("the project's")
+    with pytest.raises(tb.PreflightError, match="logs exists and was not made by `fededge testbed`"):
+        tb.up(cfg)
+    assert (cfg.state_dir / "logs" / "keep.txt").read_text() == "the project's" and not applied
+    (cfg.state_dir / "logs" / "keep.txt").unlink()
+    tb.up(cfg)  # an empty directory, then the testbed's own: made, and made again
+    assert applied and (cfg.state_dir / "logs" / tb_lifecycle.OWN_MARKER).exists()
+    (cfg.state_dir / tb.STATE_FILE).unlink()
+    (cfg.state_dir / "logs" / "old.log").write_text("x")
+    tb.up(cfg)
+    assert not (cfg.state_dir / "logs" / "old.log").exists()
+
+
+def test_a_state_dir_that_is_another_users_symlink_is_refused(tmp_path):
+    """A link another user planted at the default /tmp/fededge-testbed redirected root's
+    deletes and writes (resolve() follows it before the owner check)."""
+    target = tmp_path / "victim"
+    target.mkdir()
+    link = tmp_path / "planted"
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ValueError, match="is a symbolic link of another user"):
+        config(tmp_path, state_dir=link)
+
+
+def test_sigterm_during_up_tears_down_as_ctrl_c_does(tmp_path, monkeypatch):
+    """Only Ctrl-C tore down a half-built testbed: a SIGTERM (or SIGHUP) left every
+    process and namespace up, status 'starting'."""
+    import signal
+
+    for name in ("check_machine", "check_subnet"):
+        monkeypatch.setattr(tb_host, name, lambda *a, **k: None)
+    monkeypatch.setattr(tb_host, "list_netns", lambda: [])
+    monkeypatch.setattr(tb_host, "list_links", lambda: [])
+    downs = []
+    real_down = tb_lifecycle.down
+    monkeypatch.setattr(tb_lifecycle, "down", lambda d, **kw: downs.append(d) or real_down(d, **kw))
+    monkeypatch.setattr(tb_lifecycle, "_apply", lambda plan, state, **kw: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = config(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        tb.up(cfg)
+    assert downs == [cfg.state_dir] and not (cfg.state_dir / tb.STATE_FILE).exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # put back

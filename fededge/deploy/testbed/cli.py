@@ -76,8 +76,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"fededge testbed up: {err}", file=sys.stderr)
         return 2
     except TestbedError as err:
-        print(f"fededge testbed up: {err}\n(everything it had made was removed)", file=sys.stderr)
+        left = "AND the teardown after it failed" in str(err)
+        print(f"fededge testbed up: {err}\n" + (f"(some of it may be left: run `fededge testbed down --state-dir "
+                                               f"{config.state_dir}`)" if left else
+                                               "(everything it had made was removed)"), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # up tore down what it had made (its own handler), then re-raised
+        print("fededge testbed up: interrupted; what it had made was removed", file=sys.stderr)
+        return 130
     print(describe_state(status(state["state_dir"]) or state))
     return 0
 

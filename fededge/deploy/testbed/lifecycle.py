@@ -9,12 +9,15 @@ and reads the run's real status (:func:`fededge.deploy.procs.submit_run`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,10 +28,14 @@ from fededge.deploy.procs import (
 )
 from fededge.deploy.testbed import host
 from fededge.deploy.testbed.plan import (
-    PREFIX, AlreadyUp, IpOp, ProcessSpec, TestbedConfig, TestbedError, TestbedPlan, default_state_dir,
-    needs_netem, plan_teardown, plan_testbed, testbed_tag,
+    PREFIX, AlreadyUp, IpOp, PreflightError, ProcessSpec, TestbedConfig, TestbedError, TestbedPlan,
+    default_state_dir, needs_netem, plan_teardown, plan_testbed, testbed_tag,
 )
 from fededge.deploy.testbed.state import prepare_state_dir, read_state, state_path, write_state
+
+#: A file in each directory ``up`` makes under the state directory (``flwr-home``,
+#: ``logs``): only such a directory is deleted by the next ``up``.
+OWN_MARKER = ".fededge-testbed"
 from fededge.netem import kernel
 
 __all__ = ["DownReport", "dead_processes", "down", "online_nodes", "run", "status", "up"]
@@ -102,10 +109,16 @@ def up(config: TestbedConfig, *, wait_s: float = 90.0, echo: TextIO | None = Non
     except FileExistsError:
         raise AlreadyUp(f"another `fededge testbed up` claimed {plan.state_dir} meanwhile") from None
     try:
-        for d in (plan.home, plan.log_dir):  # a fresh SuperLink database and fresh logs
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
-        _apply(plan, state, wait_s=wait_s, echo=echo)
+        with _interrupted_by_term():
+            for d in (plan.home, plan.log_dir):  # a fresh SuperLink database and fresh logs
+                if d.exists() and not (d / OWN_MARKER).exists() and (not d.is_dir() or any(d.iterdir())):
+                    # (--state-dir ~/project deleted that project's logs/)
+                    raise PreflightError(f"{d} exists and was not made by `fededge testbed`: it is not deleted; "
+                                         "give a --state-dir of the testbed's own (an empty or new directory)")
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
+                (d / OWN_MARKER).touch()
+            _apply(plan, state, wait_s=wait_s, echo=echo)
     except BaseException as err:
         try:
             down(plan.state_dir)
@@ -114,6 +127,25 @@ def up(config: TestbedConfig, *, wait_s: float = 90.0, echo: TextIO | None = Non
                 raise TestbedError(f"{err}\nAND the teardown after it failed: {cleanup}") from err
         raise
     return state
+
+
+@contextlib.contextmanager
+def _interrupted_by_term() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt meanwhile (in the main thread), so that
+    ``up`` tears down what it made, as on Ctrl-C (a SIGTERM left a half-built testbed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _say(echo: TextIO | None, text: str) -> None:

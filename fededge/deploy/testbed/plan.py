@@ -167,7 +167,12 @@ class TestbedConfig:
         reserved = _RESERVED_NODE_KEYS & set(self.node_config)
         if reserved:
             raise ValueError(f"node_config must not set {', '.join(sorted(reserved))}: the testbed sets them")
-        object.__setattr__(self, "state_dir", Path(self.state_dir).resolve())
+        given = Path(self.state_dir).expanduser()
+        if given.is_symlink() and given.lstat().st_uid != os.geteuid():
+            # (a link another user planted at /tmp/fededge-testbed redirected root's deletes)
+            raise ValueError(f"state_dir {str(given)!r} is a symbolic link of another user (uid "
+                             f"{given.lstat().st_uid}): give a directory of your own (--state-dir)")
+        object.__setattr__(self, "state_dir", given.resolve())
         if self.app_dir is not None:
             app = Path(self.app_dir).resolve()
             if not (app / "pyproject.toml").is_file():
