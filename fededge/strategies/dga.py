@@ -47,6 +47,7 @@ from fededge._flwr_internals import average_arrayrecords, counted_wire_size, run
 from fededge.algorithms.dga import PIPELINE_MODES, DGAConfig, DGAServer, DGATimeline, last_arrived, norm_statistics
 from fededge.arrays import record_from_torch, record_to_torch
 from fededge.compress import MalformedPayloadError
+from fededge.errors import ConfigError
 from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.protocol import cast_downlink
 from fededge.settings import whole_or_keywords
@@ -477,6 +478,20 @@ class DGA(OwnLoop):
             # from take_round_info().reasons; with no such caller, rejections are warned here.
             log.log(logging.WARNING if not self._reported and not r.has_error() else logging.DEBUG,
                     "DGA round %d: node %d left out: %s", t, node, why)
+        # DGAMod marks its replies (their staleness): a plain ClientApp's full model passed in
+        # round 1, and from round 2 its own train function failed on DGA's messages, naming
+        # nothing of DGA. Left out by name; the run stops where no client runs it.
+        plain = [r for r in valid if not any(keys.DGA_STALENESS in m for m in r.content.metric_records.values())]
+        if plain:
+            fix = ("its ClientApp runs no DGAMod: add DGAMod() to the ClientApp's mods "
+                   "(fededge.api; with compute_ahead=True, PreviewMod() before it)")
+            if len(plain) == len(valid):
+                raise ConfigError(f"DGA round {t}: no client reply carries DGA's '{keys.DGA_STALENESS}' metric: {fix}")
+            for r in plain:
+                valid.remove(r)
+                self._resync.add(r.metadata.src_node_id)
+                info.rejected += 1
+                info.reasons.append(f"node {r.metadata.src_node_id}: {fix}")
         if info.mismatched and not valid:  # every later round would be refused the same way
             first = next(r for r in info.reasons if CodecMismatchError.__name__ in r)
             raise CodecMismatchError(

@@ -49,6 +49,15 @@ def test_dga_mod_with_dga_learns():
     assert all("fededge.dga" in ctx.state for ctx in grid.contexts.values())
 
 
+def test_dga_with_a_client_app_that_runs_no_dga_mod_is_told_to_add_it():
+    """Round 1 passed (a full model), then the user's own train function failed on DGA's
+    messages with "Missing key(s) in state_dict", naming nothing of DGA."""
+    from fededge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"DGA round 1: no client reply .* add DGAMod\(\) to the ClientApp's mods"):
+        run(lambda c: DGA(delay=1, fraction_evaluate=0.0, min_available_nodes=N), client_app([]))
+
+
 def test_compressed_dga_learns_with_the_mods_in_the_documented_order():
     history, _ = run(lambda c: DGA(delay=1, fraction_evaluate=0.0, min_available_nodes=N),
                      client_app([CompressionMod(TOPK), DGAMod()]))
