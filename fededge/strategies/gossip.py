@@ -373,7 +373,8 @@ class Gossip(OwnLoop):
     def _usable(self, reply: Message) -> str | None:
         c = reply.content
         if keys.GOSSIP_MESSAGE not in c.array_records:
-            return f"reply has no '{keys.GOSSIP_MESSAGE}' ArrayRecord (has {list(c.keys())})"
+            return (f"reply has no '{keys.GOSSIP_MESSAGE}' ArrayRecord (has {list(c.keys())}): its ClientApp "
+                    "runs no GossipMod; add GossipMod(...) to its mods (fededge.api)")
         if self.algorithm == "choco" and keys.GOSSIP_EVAL_ARRAYS not in c.array_records:
             return f"CHOCO reply has no '{keys.GOSSIP_EVAL_ARRAYS}' ArrayRecord"
         if keys.METRICS not in c.metric_records:
