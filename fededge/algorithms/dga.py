@@ -431,7 +431,7 @@ class DGATimeline:
         self.blocked: dict[tuple[int, int], float] = {}  # time spent waiting for the message
 
     def run_round(self, t: int, work: Sequence[ClientRound], *, ahead: bool | None = None,
-                  from_preview: Container[int] | None = None) -> float:
+                  from_preview: Container[int] | None = None, wait_s: float | None = None) -> float:
         """Schedule round ``t`` (measured compute and bytes per client); return when its
         average is ready at the server (the round's end on the clock).
 
@@ -439,7 +439,10 @@ class DGATimeline:
         :meth:`DGAConfig.previews` allows it); ``from_preview``: the clients whose round t
         content came with round t-1's message (default: all that ran round t-1, if round
         t-1's messages carried previews). The strategy passes what it really sent (it sends
-        no preview past a checkpoint, and the full content to a node it resynchronises)."""
+        no preview past a checkpoint, and the full content to a node it resynchronises).
+        ``wait_s``: a participant never answered, and the server waited that long (its
+        round timeout) before averaging without it, counted as its loop counts it: from
+        when round t-1 was done (or round t's messages left, if later)."""
         if ahead is None:
             ahead = self.config.previews(t)
         if from_preview is None:
@@ -472,7 +475,7 @@ class DGATimeline:
             arrivals.append(self._replied[j])
         # G(t) is G(t-1) plus round t's average: never ready before G(t-1), even where
         # round t-1's slowest client had no work in round t (a dropout, an error reply)
-        self.ready[t] = max([self.ready[t - 1], *arrivals])
+        self.ready[t] = max([self.ready[t - 1], *arrivals, *(() if wait_s is None else (max(sent, self.ready[t - 1]) + wait_s,))])
         self.clock.now = max(self.clock.now, self.ready[t])
         return self.ready[t]
 

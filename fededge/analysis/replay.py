@@ -142,7 +142,8 @@ def replay_sim_s(run_dir: str | Path, *, netem: str | None = None, compute_speed
                 # As the run sent it (compute-ahead previews), where the line recorded it
                 preview = r.get("dga_from_preview")
                 total += timeline.run_round(r["round"], work, ahead=r.get("dga_ahead"),
-                                            from_preview=None if preview is None else set(preview)) - before
+                                            from_preview=None if preview is None else set(preview),
+                                            wait_s=r.get("dga_waited_s")) - before
             else:
                 # As the run's clock: the training, the second exchange (norm-stats=global's
                 # queries), the clients' evaluation, one after the other; a node that never

@@ -52,7 +52,7 @@ from fededge.compress.update import DownlinkConfig, UpdateConfig
 from fededge.protocol import cast_downlink
 from fededge.settings import whole_or_keywords
 from fededge.netem.clock import ClientRound
-from fededge.strategies._replies import fixed_participants, reply_metrics, reported_partition, usable_reply
+from fededge.strategies._replies import fixed_participants, is_dropout, reply_metrics, reported_partition, usable_reply
 from fededge.strategies.report import RoundReport
 from fededge.strategies.ownloop import OwnLoop
 from fededge.strategies.resume import ResumeError, arrays_from_state, arrays_to_state, check_nodes, to_plain
@@ -161,6 +161,8 @@ class DGA(OwnLoop):
         self._work: dict[int, list[tuple[int, int | None, ClientRound, int]]] = {}
         self._wait_s: float | None = None
         self._sent_as_recorded: dict[str, Any] = {}  # the last timed round's sending, for its metrics line
+        self._waited: dict[int, float] = {}  # round -> the timeout it waited for a participant that never answered
+        self._timeout: float | None = None
         self._local_steps: int | None = None
         self.update = update
 
@@ -217,9 +219,11 @@ class DGA(OwnLoop):
         rounds = [w for _, _, w, _ in work]
         before = self._timeline.ready[t - 1]
         from_preview = {pid for pid, _, _, node in work if node in referred}  # the clock's clients are partitions
-        end = self._timeline.run_round(t, rounds, ahead=ahead, from_preview=from_preview)
+        waited = self._waited.pop(t, None)
+        end = self._timeline.run_round(t, rounds, ahead=ahead, from_preview=from_preview, wait_s=waited)
         # (what fededge.analysis.replay needs to time the round again as it was sent)
-        self._sent_as_recorded = {"dga_ahead": bool(ahead), "dga_from_preview": sorted(from_preview)}
+        self._sent_as_recorded = {"dga_ahead": bool(ahead), "dga_from_preview": sorted(from_preview),
+                                  **({} if waited is None else {"dga_waited_s": waited})}
         waits = [self._timeline.blocked[(t, c.client)] for c in rounds]
         self._wait_s = sum(waits) / len(waits) if waits else None
         return end - before
@@ -336,6 +340,7 @@ class DGA(OwnLoop):
                                                min_available=self.min_available_nodes)
 
     def _rounds(self, grid: Grid, done: int, num_rounds: int, timeout: float) -> None:
+        self._timeout = timeout
         if self.pipelined:
             self._run_pipelined(grid, num_rounds, timeout, self._train_config, done)
         else:
@@ -462,6 +467,11 @@ class DGA(OwnLoop):
         # the round's global model or preview: its next message carries them in full.
         answered = {r.metadata.src_node_id for r in replies}
         self._resync.update(n for n in self.participants if n not in answered)
+        if self._timeout is not None and (any(is_dropout(r) for r in replies)
+                                          or any(n not in answered for n in self.participants)):
+            # A participant never answered: the server waited its round timeout (as the
+            # synchronous clock charges it) before averaging without it.
+            self._waited[t] = self._timeout
         valid = []
         for r in replies:
             node = r.metadata.src_node_id

@@ -34,8 +34,10 @@ def test_replay_reproduces_the_run_and_retimes_it(tmp_path):
     # compute-ahead: replay re-timed the rounds without the previews the run sent (+28 %)
     {"strategy": "dga", "dga-delay": 2, "dga-compute-ahead": True, "nodes-pull": True, "message-overhead-s": 0.5,
      "sim-step-s": 0.3, "netem": "4g", "num-rounds": 5},
+    # DGA waits its round timeout for a client that never answers, as FedAvg's clock charges it
+    {"strategy": "dga", "dga-delay": 1, "dropout": 0.34, "round-timeout": 30.0, "sim-step-s": 0.01},
 ], ids=["nodes-pull", "dropout", "norm-stats-global", "client-evaluation", "client-evaluation-steps",
-        "dga-compute-ahead"])
+        "dga-compute-ahead", "dga-dropout"])
 def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over):
     """Under its own setting a run replays to its own sim_s: replay left out nodes-pull's
     polls (3x too short), a dropout's timeout, norm-stats=global's second exchange; and
@@ -44,6 +46,8 @@ def test_replay_reproduces_every_exchange_and_wait_the_run_timed(tmp_path, over)
                              **over}, num_clients=3)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert replay_sim_s(run_dir) == pytest.approx([r["sim_s"] for r in lines], abs=1e-5)
+    if over.get("strategy") == "dga" and "dropout" in over:
+        assert all(r["round_sim_s"] >= 30.0 and r["dga_waited_s"] == 30.0 for r in lines[1:])
     if "dga-compute-ahead" in over:
         assert any(r.get("dga_from_preview") for r in lines[1:])  # previews were sent, and replayed as sent
     if "dropout" in over:  # a dropped-out client never answers: no bytes up (its stand-in reply was counted)
