@@ -46,7 +46,7 @@ if [ -n "${GPU_CODECS:-}" ]; then
   done
 fi
 # SIGINT at the timeout: pytest still prints which tests failed and where one hung
-timeout -s INT "${GPU_TEST_TIMEOUT:-150}" python3 -m pytest -q -rfE -p no:cacheprovider -k cuda \
+timeout -s INT -k 20 "${GPU_TEST_TIMEOUT:-150}" python3 -m pytest -q -rfE -p no:cacheprovider -k cuda \
   tests/clients/test_device.py tests/clients/test_cohort.py tests/server/test_cohort_inprocess.py \
   tests/server/test_runtime_auto.py tests/server/test_direct.py > "$out/tests.txt" 2>&1
 step tests $?

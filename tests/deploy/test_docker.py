@@ -117,13 +117,18 @@ def test_compose_mounts_the_certificates_read_only_and_declares_its_volumes(comp
     own = {"superlink": {"ca.crt", "server.pem", "server.key"}}
     for name in ["superlink", *_supernodes(compose)]:
         mounts = compose["services"][name]["volumes"]
-        certs = {m.split(":")[1]: m for m in mounts if m.split(":")[1].startswith("/certs")}
+        binds = [m for m in mounts if isinstance(m, dict)]
+        # long syntax, no host path made: a missing certificate is an error, not an
+        # empty directory created as root where `fededge certs` then cannot write
+        assert all(m["type"] == "bind" and m["read_only"] is True and m["bind"]["create_host_path"] is False
+                   for m in binds), (name, binds)
+        certs = {m["target"]: m["source"] for m in binds if m["target"].startswith("/certs")}
         key = _env(compose["services"][name]).get("FEDEDGE_NODE_KEY")
         want = own.get(name, {"ca.crt", key})
         assert {t.rsplit("/", 1)[1] for t in certs} == want, (name, mounts)
-        assert all(m.endswith(":ro") and m.split(":")[0].endswith(t.rsplit("/", 1)[1]) for t, m in certs.items())
-        assert not any("ca.key" in m for m in mounts)
-        for m in mounts:
+        assert all(src.endswith(t.rsplit("/", 1)[1]) for t, src in certs.items())
+        assert not any("ca.key" in str(m) for m in mounts)
+        for m in (m for m in mounts if isinstance(m, str)):
             source = m.split(":")[0]
             if not source.startswith((".", "/", "~")):
                 assert source in declared, f"{name} mounts undeclared volume {source}"

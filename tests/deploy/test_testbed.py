@@ -634,7 +634,8 @@ def test_config_dataclass_is_frozen(tmp_path):
 
 def test_up_deletes_no_logs_or_flwr_home_it_did_not_make(tmp_path, monkeypatch):
     """`up` wiped STATE/logs and STATE/flwr-home whatever they were: --state-dir ~/project
-    deleted that project's logs/."""
+    deleted that project's logs/. What it did not make (an older version's testbed, a
+    project's own) is moved aside, not deleted; its own is remade."""
     for name in ("check_machine", "check_subnet"):
         monkeypatch.setattr(tb_host, name, lambda *a, **k: None)
     monkeypatch.setattr(tb_host, "list_netns", lambda: [])
@@ -644,16 +645,18 @@ def test_up_deletes_no_logs_or_flwr_home_it_did_not_make(tmp_path, monkeypatch):
     cfg = config(tmp_path)
     (cfg.state_dir / "logs").mkdir(parents=True)
     (cfg.state_dir / "logs" / "keep.txt").write_text("the project's")
-    with pytest.raises(tb.PreflightError, match="logs exists and was not made by `fededge testbed`"):
-        tb.up(cfg)
-    assert (cfg.state_dir / "logs" / "keep.txt").read_text() == "the project's" and not applied
-    (cfg.state_dir / "logs" / "keep.txt").unlink()
-    tb.up(cfg)  # an empty directory, then the testbed's own: made, and made again
+    (cfg.state_dir / "flwr-home").mkdir()
+    (cfg.state_dir / "flwr-home" / "state.db").write_text("an older testbed's")
+    tb.up(cfg)
+    kept = sorted(p.name for p in cfg.state_dir.iterdir() if ".before-" in p.name)
+    assert [k.split(".before-")[0] for k in kept] == ["flwr-home", "logs"]
+    assert (cfg.state_dir / kept[1] / "keep.txt").read_text() == "the project's"
     assert applied and (cfg.state_dir / "logs" / tb_lifecycle.OWN_MARKER).exists()
     (cfg.state_dir / tb.STATE_FILE).unlink()
-    (cfg.state_dir / "logs" / "old.log").write_text("x")
+    (cfg.state_dir / "logs" / "old.log").write_text("x")  # the testbed's own: remade, not moved
     tb.up(cfg)
     assert not (cfg.state_dir / "logs" / "old.log").exists()
+    assert len([p for p in cfg.state_dir.iterdir() if ".before-" in p.name]) == 2
 
 
 def test_a_state_dir_that_is_another_users_symlink_is_refused(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fededge.deploy.testbed.lifecycle import down, run, status, up
+from fededge.deploy.testbed.state import read_state
 from fededge.deploy.testbed.plan import (
     DEFAULT_SUBNET, PREFIX, SHAPINGS, STATE_FILE, PreflightError, TestbedConfig, TestbedError, default_state_dir,
     plan_testbed,
@@ -82,7 +83,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
                                                "(everything it had made was removed)"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # up tore down what it had made (its own handler), then re-raised
-        print("fededge testbed up: interrupted; what it had made was removed", file=sys.stderr)
+        left = read_state(config.state_dir) is not None  # (its teardown failed, or was interrupted too)
+        print("fededge testbed up: interrupted; " + (f"some of it may be left: run `fededge testbed down "
+                                                     f"--state-dir {config.state_dir}`" if left else
+                                                     "what it had made was removed"), file=sys.stderr)
         return 130
     print(describe_state(status(state["state_dir"]) or state))
     return 0

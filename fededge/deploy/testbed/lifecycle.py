@@ -28,7 +28,7 @@ from fededge.deploy.procs import (
 )
 from fededge.deploy.testbed import host
 from fededge.deploy.testbed.plan import (
-    PREFIX, AlreadyUp, IpOp, PreflightError, ProcessSpec, TestbedConfig, TestbedError, TestbedPlan,
+    PREFIX, AlreadyUp, IpOp, ProcessSpec, TestbedConfig, TestbedError, TestbedPlan,
     default_state_dir, needs_netem, plan_teardown, plan_testbed, testbed_tag,
 )
 from fededge.deploy.testbed.state import prepare_state_dir, read_state, state_path, write_state
@@ -103,6 +103,14 @@ def up(config: TestbedConfig, *, wait_s: float = 90.0, echo: TextIO | None = Non
     plan = plan_testbed(config, superlink_port=ports[0], proxy_ports=ports[1:], netem_available=netem)
 
     prepare_state_dir(plan.state_dir)
+    for d in (plan.home, plan.log_dir):
+        if d.exists() and not (d / OWN_MARKER).exists() and (not d.is_dir() or any(d.iterdir())):
+            # Not made by this version's `up` (an older testbed's, or --state-dir ~/project's
+            # own logs/, which `up` used to delete): kept, under another name.
+            aside = d.with_name(f"{d.name}.before-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+            d.rename(aside)
+            _say(echo, f"{d} was not made by `fededge testbed` (an older version's, or not a testbed's): "
+                       f"moved to {aside}, not deleted")
     state = plan.to_state()
     try:
         write_state(state, create=True)
@@ -110,11 +118,7 @@ def up(config: TestbedConfig, *, wait_s: float = 90.0, echo: TextIO | None = Non
         raise AlreadyUp(f"another `fededge testbed up` claimed {plan.state_dir} meanwhile") from None
     try:
         with _interrupted_by_term():
-            for d in (plan.home, plan.log_dir):  # a fresh SuperLink database and fresh logs
-                if d.exists() and not (d / OWN_MARKER).exists() and (not d.is_dir() or any(d.iterdir())):
-                    # (--state-dir ~/project deleted that project's logs/)
-                    raise PreflightError(f"{d} exists and was not made by `fededge testbed`: it is not deleted; "
-                                         "give a --state-dir of the testbed's own (an empty or new directory)")
+            for d in (plan.home, plan.log_dir):  # a fresh SuperLink database and fresh logs (ours only, above)
                 shutil.rmtree(d, ignore_errors=True)
                 d.mkdir(parents=True)
                 (d / OWN_MARKER).touch()
@@ -140,7 +144,9 @@ def _interrupted_by_term() -> Iterator[None]:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # (a signal ignored, as under nohup, stays ignored; a handler set outside Python is left alone)
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
+           if signal.getsignal(s) not in (signal.SIG_IGN, None)}
     try:
         yield
     finally:
