@@ -484,7 +484,10 @@ def _cohort_size_cap(job: CohortJob) -> int:
     budget = COHORT_MAX_BYTES
     if job.x.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(job.x.device)
-        budget = free // 2
+        # (memory torch holds in its cache for the next cohort counts as free: without it
+        # the cap shrank after the first cohort)
+        cached = torch.cuda.memory_reserved(job.x.device) - torch.cuda.memory_allocated(job.x.device)
+        budget = (free + cached) // 2
     return max(2, int(budget // max(1, per_client)))
 
 
@@ -569,8 +572,7 @@ def _train_cohorts(waiting: list[CohortJob], threads_before: int) -> None:
             alone = _alone_s[key]
             torch.set_num_threads(threads_before)  # a client may have set its own (client-threads)
             cap = _cohort_size_cap(jobs[0])
-            for start in range(0, len(jobs), cap):
-                chunk = jobs[start:start + cap]
+            for chunk in _chunks(jobs, cap):
                 if len(chunk) == 1 or _faster.get(key) is False:
                     for j in chunk:
                         j.per_client = True
@@ -578,6 +580,27 @@ def _train_cohorts(waiting: list[CohortJob], threads_before: int) -> None:
                 _train_one_cohort(chunk, key, alone)
     finally:
         torch.set_num_threads(threads_now)
+
+
+def _chunks(jobs: list[CohortJob], cap: int) -> list[list[CohortJob]]:
+    """``jobs`` in cohorts of at most about ``cap``, as even as can be, none of one client
+    (trained per client, it was charged its own seconds, not the group's): a single left
+    over joins the last cohort.
+
+    >>> [len(c) for c in _chunks(list(range(7)), 3)], [len(c) for c in _chunks(list(range(5)), 2)]
+    ([3, 2, 2], [2, 3])
+    """
+    n = len(jobs)
+    count = -(-n // max(1, cap))
+    sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
+    if len(sizes) > 1 and sizes[-1] == 1:
+        single = sizes.pop()
+        sizes[-1] += single
+    out, start = [], 0
+    for s in sizes:
+        out.append(jobs[start:start + s])
+        start += s
+    return out
 
 
 def _train_one_cohort(jobs: list[CohortJob], key: tuple, alone: float) -> None:

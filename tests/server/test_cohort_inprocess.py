@@ -43,12 +43,9 @@ CASES = [(i, s, c) for i, (s, c) in enumerate(
 def _fresh_timings():
     """Each run meets its groups for the first time: the per-process timings (a group's
     client alone, the verdict on its second cohort) would otherwise carry over."""
-    tables = (cohort._alone_s, cohort._faster, cohort._seen, cohort._encode_alone_s)
-    for table in tables:
-        table.clear()
+    cohort.reset_measurements()
     yield
-    for table in tables:
-        table.clear()
+    cohort.reset_measurements()
 
 
 def _run(tmp_path, overrides, name):

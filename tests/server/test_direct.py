@@ -126,8 +126,7 @@ def test_a_direct_run_is_the_serialised_run(tmp_path, overrides):
     bit."""
     runs = []
     for direct in (False, True):
-        for table in (cohort._alone_s, cohort._faster, cohort._seen):  # each run meets its cohorts afresh
-            table.clear()
+        cohort.reset_measurements()  # each run meets its cohorts afresh
         run_dir = run_inprocess({"num-rounds": 2, "model": "mlp", "progress": "off", "checkpoint-every": 0,
                                  "results-dir": str(tmp_path / str(direct))} | overrides, num_clients=5, direct=direct)
         runs.append(_lines(run_dir))
@@ -430,8 +429,7 @@ def test_a_run_with_replies_kept_on_the_device_is_the_serialised_run(tmp_path, m
     monkeypatch.setattr(fi, "_array_of_average", lambda v: made.append(real(v)) or made[-1])
     runs = []
     for resident in (False, True):
-        for table in (cohort._alone_s, cohort._faster, cohort._seen):
-            table.clear()
+        cohort.reset_measurements()
         with arrays.replies_on_device(everywhere=True) if resident else contextlib.nullcontext():
             run_dir = run_inprocess({"num-rounds": 3, "model": "mlp", "progress": "off", "checkpoint-every": 0,
                                      "results-dir": str(tmp_path / str(resident))} | overrides, num_clients=5,
