@@ -7,7 +7,9 @@ strategy, in one place:
   sampling arguments (``kw``, :func:`fededge.strategies.registry.sampling_kwargs`);
 - ``compression``: how a compressed uplink goes with it: ``"wrapped"`` (any Flower
   strategy: :class:`~fededge.strategies.compressed.Compressed` decodes the updates
-  before it aggregates them), ``"own"`` (it decodes them itself: DGA, gossip's CHOCO) or
+  before it aggregates them), ``"own"`` (it decodes them itself: DGA, gossip's CHOCO; a
+  strategy of one's own on Flower's round loop that does sets ``decodes_compressed = True``,
+  or fededge's reply screen refuses its compressed replies) or
   ``"none"`` (``compressor`` and ``downlink-compressor`` are refused by name before
   round 1: the asynchronous family);
 - ``client_side``: the client mods fededge's ClientApp adds for it (``""``: none,

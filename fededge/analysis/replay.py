@@ -37,8 +37,14 @@ def load_rounds(run_dir: str | Path) -> tuple[dict, list[dict]]:
         raise ValueError(f"{run_dir} is not a run directory (no config.json)"
                          + (f"; the runs in it: {', '.join(inside[:5])}" if inside else ""))
     config = json.loads((run_dir / "config.json").read_text())
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return config, lines
+    text = (run_dir / "metrics.jsonl").read_text()
+    raw = [x for x in text.splitlines() if x.strip()]
+    if raw and not text.endswith("\n"):
+        try:
+            json.loads(raw[-1])
+        except json.JSONDecodeError:  # the last line cut short by a kill: as resume and plot, left out
+            raw = raw[:-1]
+    return config, [json.loads(x) for x in raw]
 
 
 #: Strategies (by ``config.json``'s ``strategy_class``) whose rounds are not synchronous.

@@ -63,7 +63,7 @@ from fededge.strategies.report import RoundReport, attach_clock, report_of
 from fededge.settings import whole_or_keywords
 from fededge.tracking import MetricSink, Sinks, check_installed, make_sinks, parse_log_to
 from fededge.tracking.base import check_sinks
-from fededge.wrapping import first_with, innermost
+from fededge.wrapping import innermost
 from fededge.strategies.resume import (
     FromRound, ResumeError, arrays_from_state, arrays_to_state, attach_checkpoint, load_strategy_state,
     strategy_state,
@@ -373,11 +373,7 @@ class Experiment:
                 # Flower's round loop aggregates whatever comes: a NaN or misshapen update
                 # went into the model, a reply with other metric names stopped the run.
                 # Those replies are rejected and left out instead (MeteredGrid.screen).
-                keyed = first_with(strategy, "weighted_by_key")
-                rounds.metered.screen = (str(getattr(keyed, "arrayrecord_key", keys.ARRAYS)),
-                                         str(getattr(keyed, "weighted_by_key", "num-examples")),
-                                         # (a compressed reply is decoded by a Compressed in the chain only)
-                                         first_with(strategy, "take_stats") is not None)
+                rounds.metered.screen = screen_for(strategy)
             if not own_loop and type(strategy).start is not Strategy.start:
                 # Its own round loop, and no way to stop it at a round boundary: a checkpoint
                 # written from outside would not hold its state. Say so, write none.
@@ -618,7 +614,9 @@ class _RoundCloser:
         # Every reply failed (errors, rejected updates; dropouts are not errors): the round
         # is recorded, then the run stops, naming the clients' own error. Nothing looks at
         # this round's model (evaluate_fn included): a strategy may hand over none.
-        failed = rnd >= 1 and num_clients == 0 and not ((traffic.dropped or report.dropped) and not traffic.errors)
+        # (replies rejected, as errors, are failures too: a dropout beside them hid that)
+        failed = rnd >= 1 and num_clients == 0 and not ((traffic.dropped or report.dropped) and not traffic.errors
+                                                         and not report.rejected)
         if not failed:
             self.final = arrays
         evaluated = self.evaluates(rnd) and not failed
@@ -630,7 +628,7 @@ class _RoundCloser:
         dropped = report.dropped if report.dropped is not None else [
             self.metered.partition_of.get(n, n) for n in traffic.dropped]
         if dropped and "dropped" not in extra:
-            extra["dropped"] = sorted(dropped)
+            extra["dropped"] = sorted(set(dropped))  # (a node dropped from training and evaluation: once)
         if dropped and report.sim_s is None:  # what the round waited (a resumed run may change it)
             extra["round_timeout"] = self.timeout
         if report.sim_s is not None:  # the strategy timed the round itself (replay must know how)
@@ -731,3 +729,30 @@ class _RoundCloser:
             "node_accuracy_max": max(accs, default=None),
             "node_loss_mean": sum(losses) / len(losses) if losses else None,
         }
+
+
+def screen_for(strategy: Strategy) -> tuple[str, bool, bool] | None:
+    """:attr:`MeteredGrid.screen <fededge.server.metering.MeteredGrid.screen>` for a
+    strategy on Flower's round loop: ``(weight_key, decodes, metric_kinds)`` of the Flower
+    FedAvg-family strategy it is or wraps (through ``inner``, and ``strategy`` as Flower's
+    DP wrappers keep it), or None (nothing is screened) where it wraps none, or one that
+    does not average arrays by name (FedXgb*). ``decodes``: a wrapper on the way decodes
+    compressed replies (``Compressed``, or one declaring ``decodes_compressed``);
+    ``metric_kinds``: the strategy averages the metrics with Flower's own function, which
+    needs lists of one length."""
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    seen: set[int] = set()
+    s: Any = strategy
+    decodes = False
+    while s is not None and id(s) not in seen:
+        seen.add(id(s))
+        decodes = decodes or hasattr(type(s), "take_stats") or bool(getattr(s, "decodes_compressed", False))
+        if isinstance(s, FedAvg):
+            if type(s).__name__.startswith("FedXgb"):
+                return None
+            return (str(s.weighted_by_key), decodes, s.train_metrics_aggr_fn is aggregate_metricrecords)
+        inner = vars(s).get("inner")
+        s = inner if inner is not None else vars(s).get("strategy")
+    return None

@@ -156,11 +156,12 @@ class MeteredGrid(Grid):
         self._traffic: dict[str, RoundTraffic] = {}
         self._pushed_at: dict[str, float] = {}  # message id -> when it was pushed (monotonic)
         self.partition_of: dict[int, int] = {}  # node id -> partition id, from its replies
-        #: ``(arrays_key, weight_key, decodes)`` of a strategy on Flower's round loop (decodes:
-        #: a Compressed in its chain decodes compressed replies): its train and evaluate
-        #: replies are screened (module docstring); None: none are.
-        self.screen: tuple[str, str, bool] | None = None
-        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # group -> the model's shapes sent
+        #: ``(weight_key, decodes, metric_kinds)`` of a strategy on Flower's round loop
+        #: (:func:`fededge.server.experiment.screen_for`): its train and evaluate replies
+        #: are screened (module docstring); None: none are.
+        self.screen: tuple[str, bool, bool] | None = None
+        # (group, node) -> the shapes of the arrays its last train message carried
+        self._shapes: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}
 
     # -- accounting ----------------------------------------------------------------
     def take(self, group_id: str | None = None) -> RoundTraffic:
@@ -201,13 +202,14 @@ class MeteredGrid(Grid):
         sizes = _sizes(messages)
         with self._lock:
             if self.screen is not None:
-                key = self.screen[0]
-                for m in messages:  # a round's model, once (every train message carries the same)
-                    g = m.metadata.group_id
-                    if m.metadata.message_type.startswith("train") and g not in self._shapes and key in m.content:
-                        self._shapes[g] = {k: tuple(int(d) for d in a.shape) for k, a in m.content[key].items()}
-                        while len(self._shapes) > 8:  # the rounds in flight, at most
-                            del self._shapes[next(iter(self._shapes))]
+                for m in messages:  # what each node was sent: its reply is checked against it
+                    records = m.content.array_records
+                    # (a compressed downlink carries payloads, not the model's arrays: unchecked)
+                    if (m.metadata.message_type.startswith("train") and len(records) == 1
+                            and keys.COMPRESSED_DOWN not in records):
+                        rec = next(iter(records.values()))
+                        self._shapes[(m.metadata.group_id, m.metadata.dst_node_id)] = {
+                            k: tuple(int(d) for d in a.shape) for k, a in rec.items()}
             for m, n in zip(messages, sizes):
                 t = self._group(m)
                 t.bytes_down += n
@@ -291,7 +293,7 @@ class MeteredGrid(Grid):
         """``replies`` with those :func:`~fededge.strategies._replies.screen_replies` refuses
         turned into error replies, counted and logged (see :attr:`screen`)."""
         assert self.screen is not None
-        arrays_key, weight_key, decodes = self.screen
+        weight_key, decodes, metric_kinds = self.screen
         out = list(replies)
         for kind in ("train", "evaluate"):
             at = [i for i, r in enumerate(out) if r.metadata.message_type.startswith(kind)]
@@ -299,9 +301,11 @@ class MeteredGrid(Grid):
                 continue
             batch = [out[i] for i in at]
             with self._lock:
-                shapes = self._shapes.get(batch[0].metadata.group_id) if kind == "train" else None
-            why = screen_replies(batch, weight_key=weight_key, arrays_key=arrays_key if kind == "train" else None,
-                                 shapes=shapes, compressed_decoded=decodes)
+                sent = {(r.metadata.group_id, r.metadata.src_node_id): self._shapes.pop(
+                    (r.metadata.group_id, r.metadata.src_node_id), None) for r in batch} if kind == "train" else {}
+            why = screen_replies(batch, weight_key=weight_key, train=kind == "train",
+                                 shapes=lambda r: sent.get((r.metadata.group_id, r.metadata.src_node_id)),
+                                 compressed_decoded=decodes, metric_kinds=metric_kinds)
             for i, r, problem in zip(at, batch, why):
                 if problem is None:
                     continue

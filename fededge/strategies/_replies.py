@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from fededge._flwr_internals import sample_nodes
 
 __all__ = ["DROPOUT_REASON", "array_problem", "dropout_partition", "dropout_reason", "fixed_participants",
            "is_dropout", "metrics_problem", "reply_metrics", "reported_partition", "screen_replies",
-           "usable_reply"]
+           "usable_reply", "weight_problem"]
 
 #: Start of the error reason of a reply the client marked as a simulated dropout
 #: (``dropout`` in the run config); :class:`fededge.server.metering.MeteredGrid` turns
@@ -84,9 +84,10 @@ def reported_partition(reply: Message) -> int | None:
 
 def usable_reply(reply: Message, *, arrays_key: str, model_keys: set[str], weight_key: str,
                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> str | None:
-    """Why a (non-error) train reply cannot be aggregated, or None: no ``arrays_key``
-    record, arrays other than the model's (names; ``shapes`` where given), an array not
-    numeric or holding NaN/Inf, or no finite weight > 0 (:func:`metrics_problem`)."""
+    """Why a (non-error) train reply cannot be aggregated by a loop of fededge's own, or
+    None: no ``arrays_key`` record, arrays other than the model's (names; ``shapes`` where
+    given), an array not numeric or holding NaN/Inf, or no finite weight > 0 in its
+    (first) metric record."""
     c = reply.content
     if arrays_key not in c.array_records:
         return f"reply has no '{arrays_key}' ArrayRecord (has {list(c.keys())})"
@@ -96,7 +97,7 @@ def usable_reply(reply: Message, *, arrays_key: str, model_keys: set[str], weigh
         why = array_problem(name, arr, None if shapes is None else shapes.get(name))
         if why is not None:
             return why
-    return metrics_problem(reply, weight_key)
+    return weight_problem(reply_metrics(reply), weight_key, zero_ok=False)
 
 
 def array_problem(name: str, arr: Array, shape: tuple[int, ...] | None = None) -> str | None:
@@ -111,9 +112,9 @@ def array_problem(name: str, arr: Array, shape: tuple[int, ...] | None = None) -
         kind = np.dtype(dtype).kind
     except TypeError:  # (a torch dtype numpy lacks: bfloat16)
         kind = "f" if "float" in dtype else "?"
-    if kind not in "fiub":
+    if kind not in "fiubc":
         return f"array '{name}' has dtype {dtype}, not a number"
-    if kind == "f" and not _finite(arr):
+    if kind in "fc" and not _finite(arr):
         return f"array '{name}' holds NaN or Inf"
     return None
 
@@ -127,40 +128,52 @@ def _finite(arr: Array) -> bool:
     if tensor is not None:  # a reply kept on its device: checked there
         import torch
 
-        return bool(torch.isfinite(tensor.sum(dtype=torch.float64))) or bool(torch.isfinite(tensor).all())
+        total = tensor.sum() if tensor.is_complex() else tensor.sum(dtype=torch.float64)
+        return bool(torch.isfinite(total)) or bool(torch.isfinite(tensor).all())
     nd = to_numpy(arr, copy=False)
-    return math.isfinite(float(nd.sum(dtype=np.float64))) or bool(np.isfinite(nd).all())
+    total = nd.sum() if nd.dtype.kind == "c" else nd.sum(dtype=np.float64)
+    return bool(np.isfinite(total)) or bool(np.isfinite(nd).all())
 
 
-def metrics_problem(reply: Message, weight_key: str) -> str | None:
-    """Why a reply's metrics cannot be aggregated, or None: not one MetricRecord (Flower
-    refuses the whole round then), or its ``weight_key`` missing or not a finite number > 0."""
-    records = reply.content.metric_records
-    if len(records) != 1:
-        return f"reply has {len(records)} MetricRecords ({sorted(records)}), not one"
-    metrics = next(iter(records.values()))
+def weight_problem(metrics: Any, weight_key: str, *, zero_ok: bool) -> str | None:
+    """Why ``metrics[weight_key]`` cannot weight a reply, or None: missing, or not a
+    finite number > 0 (>= 0 where ``zero_ok``: Flower's average weighs a 0 as nothing)."""
     if weight_key not in metrics:
         return f"reply has no '{weight_key}' metric to weight it by"
     w = metrics[weight_key]
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not w > 0:
-        return f"reply's '{weight_key}' is {w!r}, not a finite number > 0"
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not (
+            w >= 0 if zero_ok else w > 0):
+        return f"reply's '{weight_key}' is {w!r}, not a finite number {'>= 0' if zero_ok else '> 0'}"
     return None
 
 
-def screen_replies(replies: list[Message], *, weight_key: str, arrays_key: str | None = None,
-                   shapes: Mapping[str, tuple[int, ...]] | None = None,
-                   compressed_decoded: bool = True) -> list[str | None]:
-    """Why each of one round's replies cannot be aggregated by Flower's strategies (None:
-    it can; an error reply is left to the strategy).
+def metrics_problem(reply: Message, weight_key: str) -> str | None:
+    """Why a reply's metrics cannot be aggregated by Flower's FedAvg family, or None: not
+    one MetricRecord (Flower refuses the whole round then), or its ``weight_key`` missing
+    or not a finite number >= 0 (:func:`weight_problem`)."""
+    records = reply.content.metric_records
+    if len(records) != 1:
+        return f"reply has {len(records)} MetricRecords ({sorted(records)}), not one"
+    return weight_problem(next(iter(records.values())), weight_key, zero_ok=True)
 
-    Each reply alone: its metrics (:func:`metrics_problem`) and, where ``arrays_key`` is
-    given (train replies), its ``arrays_key`` record: present unless the reply is
-    compressed and ``compressed_decoded`` (a :class:`~fededge.strategies.compressed.Compressed`
-    decodes and checks those; without one, Flower's strategy averaged the payload's bytes
-    into the model), with the model's names and ``shapes`` (where given) and finite
-    numbers (:func:`array_problem`). Then together: Flower refuses a whole round whose replies'
-    metric names differ, so the replies whose names differ from most replies' are
-    refused (on a tie, from the first usable reply's).
+
+def screen_replies(replies: list[Message], *, weight_key: str, train: bool = False,
+                   shapes: Callable[[Message], Mapping[str, tuple[int, ...]] | None] | None = None,
+                   compressed_decoded: bool = True, metric_kinds: bool = True) -> list[str | None]:
+    """Why each of one round's replies cannot be aggregated by Flower's FedAvg family
+    (None: it can; an error reply is left to the strategy).
+
+    Each reply alone: its metrics (:func:`metrics_problem`) and, for ``train`` replies,
+    its one ArrayRecord (Flower averages one, whatever its name): a compressed reply is
+    left to a :class:`~fededge.strategies.compressed.Compressed` (which decodes and checks
+    it) where ``compressed_decoded``, and refused where not (Flower's strategy averaged the
+    payload's bytes into the model); otherwise the names and shapes of what was sent to
+    its node (``shapes(reply)``, where known) and finite numbers (:func:`array_problem`).
+    Then together: Flower refuses a whole round whose replies' metric names differ (and,
+    with its own metric aggregation, ``metric_kinds``, whose lists differ in length), so
+    the replies that differ from most replies' are refused (on a tie, from the first
+    usable reply's); and where every usable reply weighs 0, so are they (Flower's average
+    divided by zero).
     """
     why: list[str | None] = []
     for r in replies:
@@ -168,39 +181,46 @@ def screen_replies(replies: list[Message], *, weight_key: str, arrays_key: str |
             why.append(None)
             continue
         problem = metrics_problem(r, weight_key)
-        if problem is None and arrays_key is not None:
-            c = r.content
-            if arrays_key in c.array_records:
-                rec = c[arrays_key]
-                if shapes is not None and set(rec.keys()) != set(shapes):
-                    problem = (f"reply's arrays {sorted(rec.keys())[:8]} are not the model's "
-                               f"{sorted(shapes)[:8]}")
+        c = r.content
+        if problem is None and train:
+            if keys.COMPRESSED in c:
+                if not compressed_decoded:
+                    problem = ("reply is compressed (the client's CompressionMod) but the strategy does not decode "
+                               "it: wrap the strategy in Compressed(strategy, update=<the clients' UpdateConfig>)")
+            elif len(c.array_records) != 1:
+                problem = f"reply has {len(c.array_records)} ArrayRecords ({sorted(c.array_records)}), not one"
+            else:
+                rec = next(iter(c.array_records.values()))
+                sent = None if shapes is None else shapes(r)
+                if sent is not None and set(rec.keys()) != set(sent):
+                    problem = f"reply's arrays {sorted(rec.keys())[:8]} are not the model's {sorted(sent)[:8]}"
                 for name, arr in rec.items():
                     if problem is None:
-                        problem = array_problem(name, arr, None if shapes is None else shapes.get(name))
-            elif keys.COMPRESSED not in c:
-                problem = f"reply has no '{arrays_key}' ArrayRecord (has {sorted(c.keys())})"
-            elif not compressed_decoded:
-                problem = ("reply is compressed (the client's CompressionMod) but the strategy does not decode it: "
-                           "wrap the strategy in Compressed(strategy, update=<the clients' UpdateConfig>)")
+                        problem = array_problem(name, arr, None if sent is None else sent.get(name))
         why.append(problem)
-    names = {i: _metric_kinds(next(iter(r.content.metric_records.values())))
-             for i, r in enumerate(replies) if not r.has_error() and why[i] is None}
-    if len(set(names.values())) > 1:
-        counts = Counter(names.values())
+    usable = [i for i, r in enumerate(replies) if not r.has_error() and why[i] is None]
+    kinds = {i: _metric_kinds(next(iter(replies[i].content.metric_records.values())), lengths=metric_kinds)
+             for i in usable}
+    if len(set(kinds.values())) > 1:
+        counts = Counter(kinds.values())
         top = max(counts.values())
-        common = next(n for n in names.values() if counts[n] == top)  # (dicts keep the replies' order)
-        for i, n in names.items():
+        common = next(n for n in kinds.values() if counts[n] == top)  # (dicts keep the replies' order)
+        for i, n in kinds.items():
             if n != common:
                 why[i] = (f"reply's metrics {_kinds_text(n)} are not the round's other replies' "
                           f"{_kinds_text(common)} (Flower averages replies whose metrics have the same "
-                          "names, each a number or a list of one length)")
+                          "names" + (", each a number or a list of one length)" if metric_kinds else ")"))
+    usable = [i for i in usable if why[i] is None]
+    if usable and all(next(iter(replies[i].content.metric_records.values()))[weight_key] == 0 for i in usable):
+        for i in usable:
+            why[i] = f"every usable reply of the round has '{weight_key}' 0: there is nothing to average"
     return why
 
 
-def _metric_kinds(metrics: Any) -> tuple[tuple[str, int], ...]:
-    """Each metric's name and kind (-1: a number; n: a list of n numbers), sorted."""
-    return tuple(sorted((k, len(v) if isinstance(v, list) else -1) for k, v in metrics.items()))
+def _metric_kinds(metrics: Any, *, lengths: bool = True) -> tuple[tuple[str, int], ...]:
+    """Each metric's name and kind (-1: a number; n: a list of n numbers; without
+    ``lengths``, -1 for all), sorted."""
+    return tuple(sorted((k, len(v) if lengths and isinstance(v, list) else -1) for k, v in metrics.items()))
 
 
 def _kinds_text(kinds: tuple[tuple[str, int], ...]) -> str:

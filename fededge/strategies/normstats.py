@@ -41,6 +41,7 @@ from fededge.protocol import read_norm_stats
 from fededge.strategies.compressed import Compressed
 from fededge.strategies.delegate import DelegatesEvaluation
 from fededge.strategies.report import RoundReport, report_of
+from fededge.wrapping import chain
 
 __all__ = ["NormCalibrated", "NormStatsQueryError"]
 
@@ -80,10 +81,11 @@ class NormCalibrated(DelegatesEvaluation):
         if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
             raise ValueError(f"batches must be an integer >= 1, got {batches!r}")
         self.inner = inner
-        if isinstance(inner, Compressed):
+        decoder = next((s for s in chain(inner) if isinstance(s, Compressed)), None)
+        if decoder is not None:  # (directly inside, or under another wrapper: PlainBuffers)
             # Its clients may leave the statistics out (norm-stats=global): the server's
             # own, recalibrated here, stand in for them also where no UpdateConfig says so.
-            inner.server_sets_statistics = True
+            decoder.server_sets_statistics = True
         self.batches = batches
         self.timeout = timeout
         self._grid: Grid | None = None

@@ -85,7 +85,7 @@ class PlainBuffers(DelegatesEvaluation):
                     nd = nd != 0
                 elif want.kind in "iu":
                     nd = np.rint(nd)
-                arrays[k] = from_numpy(nd.astype(want))  # (a new C-ordered array, 0-d kept 0-d)
+                arrays[k] = from_numpy(np.asarray(nd.astype(want)))  # (np.rint of a 0-d array is a scalar)
         return arrays, metrics
 
     def _average_buffers(self, arrays: ArrayRecord, replies: list[Message]) -> None:

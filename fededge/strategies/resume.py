@@ -174,11 +174,13 @@ def to_plain(value: Any) -> Any:
         except TypeError:  # items of types that do not compare: named in a warning, as before
             raise _Unsaved(f"set of {', '.join(sorted({type(v).__name__ for v in value}))}") from None
         return {"__set__": [to_plain(v) for v in items]}
-    if isinstance(value, np.generic):
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc" and value.dtype != np.longdouble:
         # A numpy scalar (first: np.float64 is a float, and pickled as numpy's own it made the
         # checkpoint unreadable with weights_only): kept as a 0-d array, its dtype exact
         # (FedAdam's moments of a 0-d BatchNorm counter are np.float64 scalars).
         return {"__npscalar__": torch.from_numpy(np.asarray(value).copy())}
+    if isinstance(value, np.generic):  # another numpy scalar (a string, a date): its Python value
+        return value.item()
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.Tensor)):
         return value
     if isinstance(value, np.ndarray):

@@ -269,6 +269,11 @@ def test_a_set_is_saved_sorted_and_a_set_of_mixed_types_is_named_not_raised(capl
     from fededge.strategies.resume import from_plain, load_strategy_state, strategy_state, to_plain
 
     assert to_plain({3, 1, 2}) == {"__set__": [1, 2, 3]} and from_plain(to_plain({3, 1})) == {1, 3}
+    # numeric numpy scalars keep their dtype; others (a string) are their Python value, as before
+    import numpy as np
+
+    assert to_plain(np.str_("best")) == "best" and type(to_plain(np.str_("best"))) is str
+    assert type(from_plain(to_plain(np.uint16(7)))) is np.uint16
     s = FedAvg()
     s.seen = {3, 1}
     s.odd = {1, "a"}

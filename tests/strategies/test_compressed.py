@@ -383,3 +383,51 @@ def test_global_norm_stats_without_normcalibrated_is_refused_before_round_1():
     with pytest.raises(ConfigError, match=r"wrap it in NormCalibrated\(Compressed\(...\)\)"):
         Compressed(FedAvg(), update=update).configure_train(1, ArrayRecord(), ConfigRecord(), None)
     NormCalibrated(Compressed(FedAvg(), update=update))  # wrapped: the server's own statistics
+
+
+def test_normcalibrated_tells_a_compressed_under_another_wrapper_that_it_sets_the_statistics():
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge.strategies.compressed import Compressed
+    from fededge.strategies.normstats import NormCalibrated
+    from fededge.strategies.plainbuffers import PlainBuffers
+
+    inner = Compressed(FedAvg(), update=UpdateConfig(compressor="signsgd", norm_stats="global"))
+    NormCalibrated(PlainBuffers(inner))
+    assert inner.server_sets_statistics  # (only a Compressed directly inside was told)
+
+
+def test_plainbuffers_casts_a_0d_integer_buffer_back_whatever_the_header_cache(monkeypatch):
+    """np.rint of a 0-d array is a numpy scalar, which Flower's Array refuses: a user's
+    Linear+BatchNorm app under PlainBuffers(FedAvgM) crashed in round 1 (fededge's own
+    survived on a warm header cache)."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvgM
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fededge import arrays as fa
+    from fededge.strategies.plainbuffers import PlainBuffers
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    monkeypatch.setattr(fa, "_written", {})  # a cold cache: Flower's own conversion
+
+    class Grid:
+        def get_node_ids(self):  # noqa: ANN202
+            return [1, 2]
+
+        def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001, ANN202
+            return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
+
+    model = ArrayRecord({"w": Array(np.ones(2, np.float32)), "bn.num_batches_tracked": Array(np.array(8, np.int32))})
+    pb = PlainBuffers(FedAvgM(min_available_nodes=1, min_train_nodes=1, fraction_evaluate=0.0))
+    sent = list(pb.configure_train(1, model, ConfigRecord(), Grid()))
+    replies = [Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.full(2, 1.5, np.float32)),
+                                                          "bn.num_batches_tracked": Array(np.array(n, np.int32))}),
+                                   "metrics": MetricRecord({"num-examples": w})}), reply_to=m)
+               for m, n, w in zip(sent, (9, 12), (3, 1))]
+    arrays, _ = pb.aggregate_train(1, replies)
+    counter = arrays["bn.num_batches_tracked"].numpy()
+    assert counter.dtype == np.int32 and counter.shape == () and int(counter) == 10  # (9*3 + 12) / 4 = 9.75
+    assert arrays["w"].numpy().dtype == np.float32
