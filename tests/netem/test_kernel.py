@@ -338,7 +338,10 @@ def test_ctrl_c_halfway_rolls_back_and_propagates():
     fake = Interrupted()
     with pytest.raises(KeyboardInterrupt):
         k.apply(plan, _ipr=fake)
-    assert fake.calls[3:] == [("link", "del", 2), ("tc", "del", None, 1, ROOT_HANDLE, TC_H_ROOT)]
+    # the operation in flight undone too (the kernel may have applied it before the
+    # interrupt): the IFB's tbf, then the IFB, then eth0's tbf
+    assert fake.calls[3:] == [("tc", "del", None, 2, ROOT_HANDLE, TC_H_ROOT), ("link", "del", 2),
+                              ("tc", "del", None, 1, ROOT_HANDLE, TC_H_ROOT)]
 
 
 def test_a_conflict_names_the_interface_and_namespace_to_clear():

@@ -401,8 +401,10 @@ def apply(plan: Sequence[Op], *, netns: str | None = None, _ipr: Any = None) -> 
             try:
                 _execute(ipr, op, netns)
             except BaseException as err:  # noqa: BLE001 - translated and re-raised below
-                if not isinstance(err, Exception):  # Ctrl-C, SIGTERM: nothing left half-shaped either
-                    _rollback(ipr, applied, netns)
+                if not isinstance(err, Exception):  # Ctrl-C: nothing left half-shaped either
+                    # (the operation in flight too: the kernel may have applied it before the
+                    # interrupt came, waiting for its ack; undoing one it did not apply fails, ignored)
+                    _rollback(ipr, [*applied, op], netns)
                     raise
                 failure = _translate(op, err, netns)
                 rollback_errors = _rollback(ipr, applied, netns)
@@ -417,8 +419,8 @@ def apply(plan: Sequence[Op], *, netns: str | None = None, _ipr: Any = None) -> 
                     failure.args = (f"{failure.args[0]} (rolled back the {len(applied)} operation(s) "
                                     "already applied: nothing is left shaped)",)
                 raise failure from err
+            applied.append(op)  # (before anything else can be interrupted)
             log.info("applied: %s%s", f"ip netns exec {netns} " if netns else "", op.describe())
-            applied.append(op)
     finally:
         if _ipr is None:
             ipr.close()
