@@ -64,6 +64,7 @@ __all__ = [
     "Mod",
     "FlowerInternalsChanged",
     "aggregate_arrayrecords",
+    "aggregate_metricrecords",
     "average_arrayrecords",
     "check",
     "fast_average",
@@ -118,7 +119,7 @@ try:
     from flwr.clientapp.typing import ClientAppCallable, Mod
     from flwr.serverapp.strategy import fedavg as _fedavg_module
     from flwr.serverapp.strategy.fedavg import aggregate_arrayrecords as _flower_fedavg_average
-    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, sample_nodes
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords, sample_nodes
     from flwr.app.message import array as _array_module
     from flwr.app.message.arraychunk import ArrayChunk
     from flwr.app.message.message import make_message

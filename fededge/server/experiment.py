@@ -373,7 +373,7 @@ class Experiment:
                 # Flower's round loop aggregates whatever comes: a NaN or misshapen update
                 # went into the model, a reply with other metric names stopped the run.
                 # Those replies are rejected and left out instead (MeteredGrid.screen).
-                rounds.metered.screen = screen_for(strategy)
+                rounds.metered.screen_for(strategy)
             if not own_loop and type(strategy).start is not Strategy.start:
                 # Its own round loop, and no way to stop it at a round boundary: a checkpoint
                 # written from outside would not hold its state. Say so, write none.
@@ -730,29 +730,3 @@ class _RoundCloser:
             "node_loss_mean": sum(losses) / len(losses) if losses else None,
         }
 
-
-def screen_for(strategy: Strategy) -> tuple[str, bool, bool] | None:
-    """:attr:`MeteredGrid.screen <fededge.server.metering.MeteredGrid.screen>` for a
-    strategy on Flower's round loop: ``(weight_key, decodes, metric_kinds)`` of the Flower
-    FedAvg-family strategy it is or wraps (through ``inner``, and ``strategy`` as Flower's
-    DP wrappers keep it), or None (nothing is screened) where it wraps none, or one that
-    does not average arrays by name (FedXgb*). ``decodes``: a wrapper on the way decodes
-    compressed replies (``Compressed``, or one declaring ``decodes_compressed``);
-    ``metric_kinds``: the strategy averages the metrics with Flower's own function, which
-    needs lists of one length."""
-    from flwr.serverapp.strategy import FedAvg
-    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
-
-    seen: set[int] = set()
-    s: Any = strategy
-    decodes = False
-    while s is not None and id(s) not in seen:
-        seen.add(id(s))
-        decodes = decodes or hasattr(type(s), "take_stats") or bool(getattr(s, "decodes_compressed", False))
-        if isinstance(s, FedAvg):
-            if type(s).__name__.startswith("FedXgb"):
-                return None
-            return (str(s.weighted_by_key), decodes, s.train_metrics_aggr_fn is aggregate_metricrecords)
-        inner = vars(s).get("inner")
-        s = inner if inner is not None else vars(s).get("strategy")
-    return None

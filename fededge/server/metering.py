@@ -45,7 +45,7 @@ from fededge import keys
 from fededge._flwr_internals import remember_counted_size, take_noted_wire_size, wire_size, wire_sizes
 from fededge.errors import ConfigError
 from fededge.protocol import config_error_detail
-from fededge.strategies._replies import dropout_reason, screen_replies
+from fededge.strategies._replies import dropout_reason, screen_for, screen_replies
 
 __all__ = ["MeteredGrid", "NodeTraffic", "RoundTraffic", "wire_size"]
 
@@ -157,7 +157,7 @@ class MeteredGrid(Grid):
         self._pushed_at: dict[str, float] = {}  # message id -> when it was pushed (monotonic)
         self.partition_of: dict[int, int] = {}  # node id -> partition id, from its replies
         #: ``(weight_key, decodes, metric_kinds)`` of a strategy on Flower's round loop
-        #: (:func:`fededge.server.experiment.screen_for`): its train and evaluate replies
+        #: (:func:`fededge.strategies._replies.screen_for`): its train and evaluate replies
         #: are screened (module docstring); None: none are.
         self.screen: tuple[str, bool, bool] | None = None
         # (group, node) -> the shapes of the arrays its last train message carried
@@ -288,6 +288,11 @@ class MeteredGrid(Grid):
             raise ConfigError(config_errors[0] + (f" ({more} more of the {len(replies)} replies "
                                                   "reported a configuration error)" if more else ""))
         return out
+
+    def screen_for(self, strategy: Any) -> None:
+        """Screen the replies of ``strategy`` (on Flower's round loop) where it aggregates
+        by Flower's FedAvg rules (:func:`fededge.strategies._replies.screen_for`)."""
+        self.screen = screen_for(strategy)
 
     def _screened(self, replies: list[Message]) -> list[Message]:
         """``replies`` with those :func:`~fededge.strategies._replies.screen_replies` refuses

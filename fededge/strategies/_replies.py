@@ -19,7 +19,7 @@ from fededge._flwr_internals import sample_nodes
 
 __all__ = ["DROPOUT_REASON", "array_problem", "dropout_partition", "dropout_reason", "fixed_participants",
            "is_dropout", "metrics_problem", "reply_metrics", "reported_partition", "screen_replies",
-           "usable_reply", "weight_problem"]
+           "screen_for", "usable_reply", "weight_problem"]
 
 #: Start of the error reason of a reply the client marked as a simulated dropout
 #: (``dropout`` in the run config); :class:`fededge.server.metering.MeteredGrid` turns
@@ -225,3 +225,31 @@ def _metric_kinds(metrics: Any, *, lengths: bool = True) -> tuple[tuple[str, int
 
 def _kinds_text(kinds: tuple[tuple[str, int], ...]) -> str:
     return "[" + ", ".join(k if n < 0 else f"{k} (a list of {n})" for k, n in kinds) + "]"
+
+
+def screen_for(strategy: Any) -> tuple[str, bool, bool] | None:
+    """:attr:`MeteredGrid.screen <fededge.server.metering.MeteredGrid.screen>` for a
+    strategy on Flower's round loop: ``(weight_key, decodes, metric_kinds)`` of the Flower
+    FedAvg-family strategy it is or wraps (through ``inner``, and ``strategy`` as Flower's
+    DP wrappers keep it), or None (nothing is screened) where it wraps none, or one that
+    does not average arrays by name (FedXgb*). ``decodes``: a wrapper on the way decodes
+    compressed replies (``Compressed``, or one declaring ``decodes_compressed``);
+    ``metric_kinds``: the strategy averages the metrics with Flower's own function, which
+    needs lists of one length."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fededge._flwr_internals import aggregate_metricrecords
+
+    seen: set[int] = set()
+    s: Any = strategy
+    decodes = False
+    while s is not None and id(s) not in seen:
+        seen.add(id(s))
+        decodes = decodes or hasattr(type(s), "take_stats") or bool(getattr(s, "decodes_compressed", False))
+        if isinstance(s, FedAvg):
+            if type(s).__name__.startswith("FedXgb"):
+                return None
+            return (str(s.weighted_by_key), decodes, s.train_metrics_aggr_fn is aggregate_metricrecords)
+        inner = vars(s).get("inner")
+        s = inner if inner is not None else vars(s).get("strategy")
+    return None

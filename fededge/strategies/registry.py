@@ -161,3 +161,4 @@ def build_ssp(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
 
 def build_backup(cfg: RunConfig, kw: dict[str, Any]) -> Strategy:
     return BackupWorkers(**kw, backup=cfg.backup_workers, order=cfg.async_order, step_s=cfg.async_step_s)
+

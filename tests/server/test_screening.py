@@ -143,7 +143,7 @@ def test_what_the_screen_follows_and_what_it_leaves_alone():
     from flwr.serverapp.strategy import (
         DifferentialPrivacyServerSideFixedClipping, FedAvg, FedXgbBagging, Strategy)
 
-    from fededge.server.experiment import screen_for
+    from fededge.strategies._replies import screen_for
     from fededge.strategies.compressed import Compressed
     from fededge.strategies.plainbuffers import PlainBuffers
 
