@@ -729,4 +729,3 @@ class _RoundCloser:
             "node_accuracy_max": max(accs, default=None),
             "node_loss_mean": sum(losses) / len(losses) if losses else None,
         }
-

@@ -35,8 +35,8 @@ import math
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from flwr.app import Error, Message
 from flwr.serverapp import Grid
