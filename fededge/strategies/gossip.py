@@ -73,6 +73,7 @@ from fededge.algorithms.gossip import (
     mix_row,
     mixing_row,
 )
+from fededge.errors import ConfigError
 from fededge.protocol import decode_update_record
 from fededge.strategies._replies import reported_partition
 from fededge.strategies.report import RoundReport
@@ -444,6 +445,10 @@ class Gossip(OwnLoop):
                 bytes_up=reply_bytes,
                 bytes_down=down.get(i, 0), train_loss=float(metrics.get(keys.TRAIN_LOSS, float("nan"))),
                 steps=int(metrics[keys.LOCAL_STEPS_DONE]) if keys.LOCAL_STEPS_DONE in metrics else None))
+        no_mod = [x for x in info.reasons if "runs no GossipMod" in x]
+        if not sent and no_mod and len(no_mod) == len(info.reasons):
+            # No node runs GossipMod: every later round would be refused the same way.
+            raise ConfigError(f"gossip round {t}: no reply is a gossip message: {no_mod[0]}")
         missing = sorted(set(range(len(self.nodes))) - set(sent) - set(info.failed))
         info.failed.extend(missing)  # no reply within the timeout
         for i in info.failed:
