@@ -690,3 +690,19 @@ def test_sigterm_during_up_tears_down_as_ctrl_c_does(tmp_path, monkeypatch):
         tb.up(cfg)
     assert downs == [cfg.state_dir] and not (cfg.state_dir / tb.STATE_FILE).exists()
     assert signal.getsignal(signal.SIGTERM) is before  # put back
+
+
+def test_down_without_a_state_file_names_what_its_testbed_left(tmp_path, monkeypatch):
+    """With the state file lost (another $XDG_RUNTIME_DIR under sudo), down said "nothing
+    to do" and exited 0 while the namespaces, links and processes stayed."""
+    from fededge.deploy.testbed.plan import PREFIX, testbed_tag
+
+    state_dir = (tmp_path / "state").resolve()
+    tag = PREFIX + testbed_tag(state_dir)
+    monkeypatch.setattr(tb_host, "list_netns", lambda: [f"{tag}-n0", "someone-else", f"{tag}-probe"])
+    monkeypatch.setattr(tb_host, "list_links", lambda: [f"{tag}-br", "eth0"])
+    with pytest.raises(tb.TestbedError, match=rf"no state file in .*but {tag}-n0, {tag}-br of its testbed exist"):
+        tb.down(state_dir)
+    monkeypatch.setattr(tb_host, "list_netns", lambda: ["someone-else"])
+    monkeypatch.setattr(tb_host, "list_links", lambda: ["eth0"])
+    assert tb.down(state_dir).nothing

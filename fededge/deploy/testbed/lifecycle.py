@@ -241,6 +241,20 @@ def down(state_dir: str | os.PathLike[str] | None = None, *, grace_s: float = 5.
     state_dir = Path(state_dir or default_state_dir()).resolve()
     state = read_state(state_dir)
     if state is None:
+        # No state file: nothing to do, unless this state directory's testbed left names
+        # behind (its state file lost: another $XDG_RUNTIME_DIR under sudo, a wiped /run/user).
+        # Named, not removed: without the file, nothing says which processes are its own.
+        tag = PREFIX + testbed_tag(state_dir)
+        try:
+            left = [x for x in host.list_netns() if x.startswith(tag) and not x.endswith("-probe")] + \
+                [x for x in host.list_links() if x.startswith(tag)]
+        except (TestbedError, OSError):  # no `ip` tool: nothing of a testbed can be there either
+            left = []
+        if left:
+            raise TestbedError(
+                f"no state file in {state_dir}, but {', '.join(left)} of its testbed exist (the state file was "
+                f"lost?): stop what runs in each namespace and delete them (`ip netns pids NS | xargs -r kill; "
+                f"ip netns del NS`, then `ip link del LINK`)")
         return DownReport(nothing=True)
     plan_teardown(state, existing_netns=[], existing_links=[])  # refuses foreign names before anything
     host.check_ip()
