@@ -24,6 +24,7 @@ Imports nothing of Flower: ``fededge testbed`` starts without it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -547,8 +548,16 @@ def submit_run(
     if cfg:
         cmd += ["--run-config", format_run_config(cfg)]
     t0 = time.perf_counter()
-    rc, out = stream(cmd, env=env, cwd=cwd, log_path=Path(log_path), timeout_s=timeout_s, echo=echo,
-                     dead=dead, on_start=on_start)
+    try:
+        rc, out = stream(cmd, env=env, cwd=cwd, log_path=Path(log_path), timeout_s=timeout_s, echo=echo,
+                         dead=dead, on_start=on_start)
+    except KeyboardInterrupt:
+        # Ctrl-C stopped `flwr run`, not the run: it went on on the SuperLink, beside the next one
+        m = _RUN_ID.search(Path(log_path).read_text(errors="replace")) if Path(log_path).is_file() else None
+        if m is not None:
+            with contextlib.suppress(Exception):  # (the interrupt is what the caller must see)
+                flwr_cli(["stop", m.group(1), connection], env=env, cwd=cwd)
+        raise
     wall = time.perf_counter() - t0
     m = _RUN_ID.search(out)
     run_id = int(m.group(1)) if m else None

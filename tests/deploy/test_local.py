@@ -315,3 +315,22 @@ def test_a_killed_superlink_and_serverapp_resume_and_the_clients_resync(tmp_path
         # The state of the checkpoint's round, kept from the killed attempt and taken up;
         # rounds 3 and 4 written by the resumed one (a killed attempt's round 3 is dropped).
         assert rounds == [2, 3, 4] and attempts[0] != attempts[1] == attempts[2], files
+
+
+def test_ctrl_c_during_a_submitted_run_stops_it_on_the_superlink(tmp_path, monkeypatch):
+    """Only the `flwr run` client was killed: the run went on on the SuperLink, beside
+    (and interleaved with) the next one."""
+    from fededge.deploy import procs
+
+    log = tmp_path / "flwr-run.log"
+
+    def interrupted(cmd, *, log_path, **kw):  # noqa: ANN001, ANN003, ANN202
+        log_path.write_text("Loading project ...\nSuccessfully started run 4242\n")
+        raise KeyboardInterrupt
+
+    stops = []
+    monkeypatch.setattr(procs, "stream", interrupted)
+    monkeypatch.setattr(procs, "flwr_cli", lambda args, **kw: stops.append(list(args)))
+    with pytest.raises(KeyboardInterrupt):
+        procs.submit_run(tmp_path, "local", env={}, cwd=tmp_path, log_path=log)
+    assert stops == [["stop", "4242", "local"]]
