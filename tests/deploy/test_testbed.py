@@ -706,3 +706,23 @@ def test_down_without_a_state_file_names_what_its_testbed_left(tmp_path, monkeyp
     monkeypatch.setattr(tb_host, "list_netns", lambda: ["someone-else"])
     monkeypatch.setattr(tb_host, "list_links", lambda: ["eth0"])
     assert tb.down(state_dir).nothing
+
+
+def test_a_child_forked_during_up_dies_of_sigterm_instead_of_tearing_the_testbed_down():
+    """pyroute2 forks a child to work in a namespace and stops it with SIGTERM: the child
+    inherited up's SIGTERM-to-KeyboardInterrupt handler, unwound its copy of `up` and
+    tore the testbed down under the parent (a CI run: "interrupted", then the namespaces
+    gone mid-shaping)."""
+    import signal
+
+    with tb_lifecycle._interrupted_by_term():
+        pid = os.fork()
+        if pid == 0:  # the child: a SIGTERM must kill it, not raise in it
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                os._exit(0)
+            except KeyboardInterrupt:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status

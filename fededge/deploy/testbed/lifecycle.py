@@ -140,8 +140,16 @@ def _interrupted_by_term() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    owner = os.getpid()
 
     def interrupt(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            # A child forked meanwhile (pyroute2 forks one to work in a namespace, and stops
+            # it with SIGTERM): it dies of the signal, as it would have. Raised there, the
+            # interrupt unwound the child's copy of `up` and tore the testbed down.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise KeyboardInterrupt(f"signal {signum}")
 
     # (a signal ignored, as under nohup, stays ignored; a handler set outside Python is left alone)
